@@ -1,0 +1,109 @@
+"""Activations that can follow the normalisation, and the pieces the in-place layer needs.
+
+An in-place layer stores only its output ``z = phi(y)``; backward recovers ``y`` by inverting
+``phi``. So the in-place layer accepts only invertible activations. ``relu`` is not invertible
+(every negative ``y`` maps to 0) and is available only in the non-in-place :class:`iabn.ABN`.
+
+All functions here run PyTorch's own vectorised kernels (``leaky_relu``, ``elu`` and their
+``*_backward`` ops evaluated from the output), never per-element Python.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LEAKY_RELU = "leaky_relu"
+ELU = "elu"
+IDENTITY = "identity"
+RELU = "relu"
+
+#: Activations the in-place layer can invert.
+INVERTIBLE_ACTIVATIONS = (LEAKY_RELU, ELU, IDENTITY)
+#: Activations of the non-in-place :class:`iabn.ABN`.
+ALL_ACTIVATIONS = (LEAKY_RELU, ELU, IDENTITY, RELU)
+
+
+def check_activation(activation: str, activation_param: float, *, in_place: bool) -> None:
+    """Raise a ``ValueError`` naming the fix when ``activation`` cannot be used.
+
+    ``activation_param`` is the negative slope of ``leaky_relu`` and ``alpha`` of ``elu``; both
+    must be positive so that the function is invertible. It is ignored by ``identity`` and
+    ``relu``.
+    """
+    allowed = INVERTIBLE_ACTIVATIONS if in_place else ALL_ACTIVATIONS
+    if activation == RELU and in_place:
+        raise ValueError(
+            "activation='relu' is not invertible, so the in-place layer cannot recover its "
+            "input in backward: use activation='leaky_relu' (e.g. activation_param=0.01) "
+            "or the non-in-place ABN for relu"
+        )
+    if activation not in allowed:
+        raise ValueError(
+            f"unknown activation={activation!r}: use one of {', '.join(map(repr, allowed))}"
+        )
+    if activation in (LEAKY_RELU, ELU):
+        name = "negative slope" if activation == LEAKY_RELU else "alpha"
+        param = float(activation_param)
+        if not param > 0 or param == float("inf"):
+            raise ValueError(
+                f"activation_param={activation_param!r} is the {name} of {activation} and must "
+                f"be a finite number > 0 (e.g. 0.01 for leaky_relu, 1.0 for elu)"
+                + (
+                    "; a zero slope is relu, which only the non-in-place ABN accepts"
+                    if activation == LEAKY_RELU and param == 0
+                    else ""
+                )
+            )
+
+
+def apply_(x: Tensor, activation: str, activation_param: float) -> Tensor:
+    """Apply the activation to ``x`` in place and return ``x``."""
+    if activation == LEAKY_RELU:
+        return F.leaky_relu_(x, activation_param)
+    if activation == ELU:
+        return F.elu_(x, activation_param)
+    if activation == RELU:
+        return F.relu_(x)
+    return x
+
+
+def apply(x: Tensor, activation: str, activation_param: float) -> Tensor:
+    """Apply the activation out of place (used by :class:`iabn.ABN`, differentiable)."""
+    if activation == LEAKY_RELU:
+        return F.leaky_relu(x, activation_param)
+    if activation == ELU:
+        return F.elu(x, activation_param)
+    if activation == RELU:
+        return F.relu(x)
+    return x
+
+
+def invert(z: Tensor, activation: str, activation_param: float) -> Tensor:
+    """Return ``y = phi^-1(z)``; ``z`` is left untouched (never write through the result).
+
+    ``z`` may still be needed by another backward (``retain_graph=True``), so it is never
+    overwritten here. For ``identity`` the result *is* ``z``.
+    """
+    if activation == LEAKY_RELU:
+        # The inverse of a leaky ReLU with slope a is a leaky ReLU with slope 1/a.
+        return F.leaky_relu(z, 1.0 / activation_param)
+    if activation == ELU:
+        # y = log1p(z / alpha) for z <= 0. Where exp(y) underflowed in forward, z == -alpha
+        # and log1p(-1) = -inf; clamping keeps y finite. Its gradient there is
+        # dz * (z + alpha) = 0, so the clamp does not change any gradient.
+        alpha = activation_param
+        tiny = torch.finfo(z.dtype).eps
+        negative = torch.log1p((z.clamp(max=0) / alpha).clamp(min=-1 + tiny))
+        return negative.add_(z.clamp(min=0))
+    return z
+
+
+def grad_from_output(dz: Tensor, z: Tensor, activation: str, activation_param: float) -> Tensor:
+    """Return ``dy = phi'(y) * dz`` from the output ``z`` (for ``identity`` it is ``dz``)."""
+    if activation == LEAKY_RELU:
+        return torch.ops.aten.leaky_relu_backward(dz, z, activation_param, True)
+    if activation == ELU:
+        return torch.ops.aten.elu_backward(dz, activation_param, 1, 1, True, z)
+    return dz

@@ -1,0 +1,141 @@
+"""Input validation shared by the functional forms and the modules.
+
+Every check runs before anything is written, so a rejected call leaves the input and the
+running statistics exactly as they were. Messages name the argument and the fix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .activation import check_activation
+from .scale import check_gamma_mode
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+_SHAPES = "(N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W)"
+
+
+def check_options(
+    activation: str, activation_param: float, gamma_mode: str, *, in_place: bool,
+    variant: int = 2,
+) -> None:
+    """Validate the layer's configuration (called at construction and by the functionals)."""
+    check_activation(activation, activation_param, in_place=in_place)
+    check_gamma_mode(gamma_mode)
+    if variant not in (1, 2):
+        raise ValueError(
+            f"variant={variant!r}: use 2 (default, gradients from y) or 1 (the paper's "
+            f"reference variant, which recovers xhat first)"
+        )
+
+
+def check_inputs(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    training: bool,
+    *,
+    in_place: bool,
+    num_features: int | None = None,
+) -> None:
+    """Validate a call; ``training`` means "normalise with batch statistics"."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"input has dtype {input.dtype}; batch normalisation needs float16, bfloat16, "
+            f"float32 or float64: convert it first, e.g. input.float()"
+        )
+    if not 2 <= input.dim() <= 5:
+        raise ValueError(
+            f"input must have shape {_SHAPES}; got a {input.dim()}-D tensor of shape "
+            f"{tuple(input.shape)}"
+        )
+    channels = input.shape[1]
+    if num_features is not None and channels != num_features:
+        raise ValueError(
+            f"input has {channels} channels (dim 1) but the layer was built with "
+            f"num_features={num_features}: check the preceding layer's output channels"
+        )
+    for name, t in (
+        ("weight", weight), ("bias", bias),
+        ("running_mean", running_mean), ("running_var", running_var),
+    ):
+        _check_channel_tensor(name, t, input, channels)
+    _check_param_dtypes(input, weight, bias, running_mean, running_var)
+    if not training and (running_mean is None or running_var is None):
+        raise ValueError(
+            "running_mean and running_var are required when training=False (normalising with "
+            "running statistics); pass both, or training=True to use the batch statistics"
+        )
+    if training:
+        values_per_channel = input.numel() // max(channels, 1)
+        if values_per_channel == 1:
+            raise ValueError(
+                f"expected more than 1 value per channel when training, got input of shape "
+                f"{tuple(input.shape)}: use a batch of at least 2 samples (or spatial size > 1), "
+                f"or eval mode"
+            )
+    if in_place:
+        _check_writable(input)
+
+
+def _check_channel_tensor(name: str, t: Tensor | None, input: Tensor, channels: int) -> None:
+    if t is None:
+        return
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+    if t.device != input.device:
+        raise ValueError(
+            f"{name} is on {t.device} but input is on {input.device}: move the layer with "
+            f".to({str(input.device)!r}) (or the input to {t.device})"
+        )
+    if tuple(t.shape) != (channels,):
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)} but input has {channels} channels: "
+            f"{name} must have shape ({channels},)"
+        )
+
+
+def _check_param_dtypes(input: Tensor, *params: Tensor | None) -> None:
+    given = [p for p in params if p is not None]
+    dtypes = {p.dtype for p in given}
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"weight, bias and running statistics must share one dtype, got "
+            f"{sorted(map(str, dtypes))}: convert them together, e.g. layer.float()"
+        )
+    if not dtypes:
+        return
+    (dtype,) = dtypes
+    allowed = (input.dtype, torch.float32) if input.dtype in _LOW_PRECISION else (input.dtype,)
+    if dtype not in allowed:
+        hint = (
+            "keep parameters in float32 (or the input's dtype) for half-precision inputs"
+            if input.dtype in _LOW_PRECISION
+            else f"convert the layer with .to({input.dtype}) or the input with .to({dtype})"
+        )
+        raise TypeError(f"parameters have dtype {dtype} but input has {input.dtype}: {hint}")
+
+
+def _check_writable(input: Tensor) -> None:
+    """The in-place layer overwrites ``input``: reject tensors autograd or memory forbid."""
+    if torch.is_grad_enabled():
+        leaf = input if input._base is None else input._base
+        if leaf.is_leaf and leaf.requires_grad:
+            what = "a leaf tensor" if leaf is input else "a view of a leaf tensor"
+            raise RuntimeError(
+                f"input is {what} that requires grad; an in-place layer overwrites its input, "
+                f"and autograd cannot differentiate with respect to an overwritten leaf. Use "
+                f"the non-in-place iabn.ABN (iabn.functional.abn), or pass a computed tensor "
+                f"(e.g. the output of a convolution, or input.clone())"
+            )
+    if torch._debug_has_internal_overlap(input) == 1:
+        raise ValueError(
+            "input has elements that share memory (e.g. a tensor made by expand()), so it "
+            "cannot be overwritten in place: pass input.contiguous()"
+        )

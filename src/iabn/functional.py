@@ -1,0 +1,125 @@
+"""Functional forms: the arguments of ``torch.nn.functional.batch_norm`` plus the activation.
+
+``inplace_abn`` overwrites ``input`` with its result and returns it; ``abn`` is the standard,
+non-in-place composition (batch norm, then activation) with the same parametrisation.
+
+Argument order follows ``F.batch_norm`` — ``(input, running_mean, running_var, weight, bias,
+training, momentum, eps)`` — not the original ``inplace_abn`` package, whose functional put
+``weight, bias`` before the running statistics. Pass them by keyword when porting.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import activation as act
+from .checks import check_inputs, check_options
+from .ops import InPlaceABNFunction, inplace_abn_forward_
+from .scale import straight_through_scale
+
+
+def inplace_abn(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    activation: str = "leaky_relu",
+    activation_param: float = 0.01,
+    *,
+    variant: int = 2,
+    gamma_mode: str = "signed",
+) -> Tensor:
+    """In-place activated batch norm: ``input <- phi(scale(weight) * xhat + bias)``.
+
+    Args:
+        input: ``(N, C, *spatial)`` with 0–3 spatial dims, float16/bfloat16/float32/float64,
+            any memory format. Overwritten with the result, which is returned. It must not be a
+            leaf that requires grad (use :func:`abn`).
+        running_mean, running_var: ``(C,)`` buffers, updated in place when ``training=True``
+            (unbiased variance, like ``nn.BatchNorm``); used for normalisation when
+            ``training=False``. May be ``None`` when ``training=True``.
+        weight, bias: ``(C,)`` gamma and beta, or ``None`` for 1 and 0.
+        training: normalise with batch statistics (``True``) or running statistics.
+        momentum: running-statistics update factor.
+        eps: added to the variance; also the smallest ``|scale(weight)|``.
+        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (must be invertible).
+        activation_param: leaky_relu's negative slope or elu's alpha (> 0).
+        variant: backward variant of the paper, 2 (default) or 1.
+        gamma_mode: ``"signed"`` (default, portable to ``nn.BatchNorm``) or ``"abs"``
+            (``|gamma| + eps``, the original package); see :mod:`iabn.scale`.
+    """
+    check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant)
+    check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True)
+    return _inplace_abn_unchecked(
+        input, running_mean, running_var, weight, bias, training, momentum, eps,
+        activation, activation_param, variant, gamma_mode,
+    )
+
+
+def abn(
+    input: Tensor,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+    activation: str = "leaky_relu",
+    activation_param: float = 0.01,
+    *,
+    gamma_mode: str = "signed",
+) -> Tensor:
+    """Activated batch norm without the in-place trick (stores ``input`` and the output).
+
+    Same arguments as :func:`inplace_abn`; ``activation`` may also be ``"relu"``. ``input``
+    is not modified.
+    """
+    check_options(activation, activation_param, gamma_mode, in_place=False)
+    check_inputs(input, running_mean, running_var, weight, bias, training, in_place=False)
+    return _abn_unchecked(
+        input, running_mean, running_var, weight, bias, training, momentum, eps,
+        activation, activation_param, gamma_mode,
+    )
+
+
+def _inplace_abn_unchecked(
+    input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+    weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
+    activation: str, activation_param: float, variant: int, gamma_mode: str,
+) -> Tensor:
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (input, weight, bias)
+    )
+    if not needs_grad:
+        inplace_abn_forward_(
+            input, weight, bias, running_mean, running_var, training, momentum, eps,
+            activation, activation_param, gamma_mode,
+        )
+        return input
+    return InPlaceABNFunction.apply(
+        input, weight, bias, running_mean, running_var, training, momentum, eps,
+        activation, activation_param, gamma_mode, variant,
+    )
+
+
+def _abn_unchecked(
+    input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+    weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
+    activation: str, activation_param: float, gamma_mode: str,
+) -> Tensor:
+    if weight is not None:
+        weight = straight_through_scale(weight, eps, gamma_mode)
+    y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    # The batch-norm output is a fresh tensor that batch norm's backward does not need, so the
+    # activation may overwrite it.
+    return act.apply_(y, activation, activation_param)
+
+
+__all__ = ["abn", "inplace_abn"]

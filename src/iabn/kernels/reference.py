@@ -1,0 +1,180 @@
+"""Reference In-Place ABN on PyTorch's native vectorised batch-norm kernels.
+
+No autograd here: these functions are the bodies of the ``torch.library`` operators in
+:mod:`iabn.ops`. Shapes: ``x``/``z``/``dz`` are ``(N, C, *spatial)`` with 0 to 3 spatial dims;
+every per-channel tensor is ``(C,)``.
+
+Forward runs ``aten::native_batch_norm.out`` with ``out=x`` (normalise, scale and shift in
+place) and then the activation in place. Backward uses the identity of DESIGN §2: given
+``input = y``, ``save_mean = beta``, ``save_invstd = 1/g`` and ``weight = g^2 * invstd``, ATen's
+batch-norm backward computes exactly the gradients of variant II from ``y``, so no chain of
+elementwise ops is needed. Variant I first materialises ``xhat = (y - beta) / g`` and runs the
+standard backward on it (one more pass: it exists as the paper's reference).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import activation as act
+from ..scale import effective_scale, gamma_grad
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+# Memory formats in which the native kernel writes its output in place correctly. For any
+# other strides the ``out=`` write does not match the input's layout, so we go through a
+# dense copy (measured: wrong values without it).
+_DENSE_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def stat_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
+    """Dtype of the per-channel statistics: the parameters', else float32 for half inputs."""
+    for t in (weight, running_mean):
+        if t is not None:
+            return t.dtype
+    return torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Backward works in float32 for half inputs: inverting ``z`` in half precision would add
+    a rounding error of ``z``'s size to every recovered ``y``."""
+    return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+
+def _is_dense(x: Tensor) -> bool:
+    if x.dim() == 4:
+        formats = _DENSE_FORMATS[:2]
+    elif x.dim() == 5:
+        formats = _DENSE_FORMATS[::2]
+    else:
+        formats = _DENSE_FORMATS[:1]
+    return any(x.is_contiguous(memory_format=f) for f in formats)
+
+
+def channel_view(v: Tensor, ndim: int) -> Tensor:
+    """``(C,)`` -> ``(C, 1, ..., 1)`` so that it broadcasts against ``(N, C, *spatial)``."""
+    return v.reshape(v.shape + (1,) * (ndim - 2))
+
+
+def _scale_and_shift(
+    weight: Tensor | None, bias: Tensor | None, eps: float, gamma_mode: str, channels: int,
+    dtype: torch.dtype, device: torch.device,
+) -> tuple[Tensor, Tensor]:
+    g = (
+        effective_scale(weight.to(dtype), eps, gamma_mode)
+        if weight is not None
+        else torch.ones(channels, dtype=dtype, device=device)
+    )
+    beta = bias.to(dtype) if bias is not None else torch.zeros(channels, dtype=dtype, device=device)
+    return g, beta
+
+
+def forward_(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    activation: str,
+    activation_param: float,
+    gamma_mode: str,
+) -> Tensor:
+    """Overwrite ``x`` with ``phi(g * (x - mu) * invstd + beta)``; return ``invstd`` ``(C,)``.
+
+    ``training=True`` normalises with the batch statistics and, when the running buffers are
+    given, updates them in place as ``nn.BatchNorm`` does (unbiased variance, ``momentum``).
+    ``training=False`` normalises with the running statistics.
+    """
+    channels = x.shape[1]
+    sdtype = stat_dtype(x, weight, running_mean)
+    g, beta = _scale_and_shift(weight, bias, eps, gamma_mode, channels, sdtype, x.device)
+    work = x if _is_dense(x) else x.contiguous()
+    if training:
+        save_mean = torch.empty(channels, dtype=sdtype, device=x.device)
+        invstd = torch.empty(channels, dtype=sdtype, device=x.device)
+        torch.ops.aten.native_batch_norm.out(
+            work, g, beta, running_mean, running_var, True, momentum, eps,
+            out=work, save_mean=save_mean, save_invstd=invstd,
+        )
+    else:
+        unused = torch.empty(0, dtype=sdtype, device=x.device)
+        torch.ops.aten.native_batch_norm.out(
+            work, g, beta, running_mean, running_var, False, 0.0, eps,
+            out=work, save_mean=unused, save_invstd=unused.clone(),
+        )
+        invstd = (running_var.to(sdtype) + eps).rsqrt()
+    act.apply_(work, activation, activation_param)
+    if work is not x:
+        x.copy_(work)
+    return invstd
+
+
+def backward(
+    z: Tensor,
+    dz: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    invstd: Tensor,
+    training: bool,
+    eps: float,
+    activation: str,
+    activation_param: float,
+    gamma_mode: str,
+    variant: int,
+    output_mask: list[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients ``(dx, dgamma, dbeta)`` from the stored output ``z`` and its gradient ``dz``.
+
+    ``training`` says whether forward used batch statistics (their gradient flows into ``dx``)
+    or running statistics (``dx = dy * g * invstd``). ``output_mask`` selects which of the three
+    are computed; the others are returned as ``None``. ``z`` and ``dz`` are only read.
+    """
+    want_dx, want_dgamma, want_dbeta = output_mask
+    ndim, channels = z.dim(), z.shape[1]
+    cdtype = compute_dtype(z.dtype)
+    zc, dzc = z.to(cdtype), dz.to(cdtype)
+    g, beta = _scale_and_shift(weight, bias, eps, gamma_mode, channels, cdtype, z.device)
+    invstd = invstd.to(cdtype)
+
+    y = act.invert(zc, activation, activation_param)
+    dy = act.grad_from_output(dzc, zc, activation, activation_param)
+    if variant == 1:
+        # Variant I: recover xhat = (y - beta) / g explicitly, then standard BN backward.
+        inv_g = g.reciprocal()
+        bn_input = torch.addcmul(channel_view(-beta * inv_g, ndim), y, channel_view(inv_g, ndim))
+        center, inv_scale = torch.zeros_like(g), torch.ones_like(g)
+        dx_weight = g * invstd
+    else:
+        # Variant II: feed y itself; center and scale of the identity in the module docstring.
+        bn_input, center, inv_scale = y, beta, g.reciprocal()
+        dx_weight = g * g * invstd
+
+    dx = None
+    if training:
+        dx, dg, dbeta = torch.ops.aten.native_batch_norm_backward(
+            dy, bn_input, dx_weight, None, None, center, inv_scale, True, eps,
+            [want_dx, want_dgamma, want_dbeta],
+        )
+    else:
+        # Running statistics are constants: dx is a per-channel scaling of dy, and the
+        # parameter gradients are the same two reductions as in training.
+        _, dg, dbeta = torch.ops.aten.native_batch_norm_backward(
+            dy, bn_input, dx_weight, None, None, center, inv_scale, True, eps,
+            [False, want_dgamma, want_dbeta],
+        )
+        if want_dx:
+            dx = dy * channel_view(g * invstd, ndim)
+
+    if dx is not None:
+        dx = dx.to(z.dtype)
+    dgamma = None
+    if want_dgamma and weight is not None:
+        dgamma = gamma_grad(dg, weight.to(cdtype), gamma_mode).to(weight.dtype)
+    if not want_dbeta or bias is None:
+        dbeta = None
+    elif dbeta is not None:
+        dbeta = dbeta.to(bias.dtype)
+    return dx, dgamma, dbeta

@@ -1,0 +1,163 @@
+"""Modules mirroring ``torch.nn.BatchNorm*`` and the original ``inplace_abn`` package.
+
+They subclass PyTorch's ``_NormBase``, so parameters, buffers, ``state_dict`` keys
+(``weight``, ``bias``, ``running_mean``, ``running_var``, ``num_batches_tracked``),
+``reset_parameters()``, ``reset_running_stats()`` and the loading of old checkpoints without
+``num_batches_tracked`` are exactly those of ``nn.BatchNorm2d``. They are deliberately *not*
+``_BatchNorm`` subclasses: ``nn.SyncBatchNorm.convert_sync_batchnorm`` would otherwise replace
+them with a plain ``SyncBatchNorm`` and silently drop the activation.
+
+Any input rank from ``(N, C)`` to ``(N, C, D, H, W)`` is accepted, like the original package.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+from torch.nn.modules.batchnorm import _NormBase
+
+from .checks import check_inputs, check_options
+from .functional import _abn_unchecked, _inplace_abn_unchecked
+from .scale import SIGNED
+
+
+class ABN(_NormBase):
+    """Batch norm followed by an activation, without the in-place trick.
+
+    Stores its input and output for backward, like ``nn.BatchNorm2d`` + an in-place
+    activation; accepts ``relu`` too. Use it where the input must survive the layer
+    (e.g. it is a residual branch's input) or is a leaf that requires grad.
+
+    Args:
+        num_features: C of an ``(N, C, *spatial)`` input.
+        eps, momentum, affine, track_running_stats, device, dtype: as ``nn.BatchNorm2d``
+            (``momentum=None`` is a cumulative average).
+        activation: ``"leaky_relu"`` (default), ``"elu"``, ``"identity"`` or ``"relu"``.
+        activation_param: leaky_relu's negative slope (default 0.01) or elu's alpha.
+        gamma_mode: ``"signed"`` (default; ``nn.BatchNorm`` weights load unchanged) or
+            ``"abs"`` (``|weight| + eps``, for checkpoints of the original package).
+    """
+
+    _in_place = False
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+        device=None,
+        dtype=None,
+        *,
+        gamma_mode: str = SIGNED,
+    ) -> None:
+        check_options(activation, activation_param, gamma_mode, in_place=self._in_place)
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.activation = activation
+        self.activation_param = float(activation_param)
+        self.gamma_mode = gamma_mode
+
+    def _normalisation(self) -> tuple[bool, Tensor | None, Tensor | None]:
+        """(use batch statistics?, running_mean, running_var) exactly as ``nn.BatchNorm``."""
+        use_batch_stats = self.training or self.running_mean is None
+        if self.training and not self.track_running_stats:
+            return use_batch_stats, None, None
+        return use_batch_stats, self.running_mean, self.running_var
+
+    def _momentum(self) -> float:
+        """Count this batch and return the running-statistics factor (call after checks)."""
+        if not (self.training and self.track_running_stats):
+            return 0.0
+        self.num_batches_tracked.add_(1)
+        if self.momentum is None:
+            return 1.0 / float(self.num_batches_tracked)
+        return self.momentum
+
+    def _check(self, input: Tensor, use_batch_stats: bool, running_mean, running_var) -> None:
+        check_inputs(
+            input, running_mean, running_var, self.weight, self.bias, use_batch_stats,
+            in_place=self._in_place, num_features=self.num_features,
+        )
+
+    def forward(self, input: Tensor) -> Tensor:
+        use_batch_stats, running_mean, running_var = self._normalisation()
+        self._check(input, use_batch_stats, running_mean, running_var)
+        return _abn_unchecked(
+            input, running_mean, running_var, self.weight, self.bias, use_batch_stats,
+            self._momentum(), self.eps, self.activation, self.activation_param, self.gamma_mode,
+        )
+
+    def extra_repr(self) -> str:
+        text = (
+            f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+            f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
+            f"activation={self.activation}"
+        )
+        if self.activation in ("leaky_relu", "elu"):
+            text += f", activation_param={self.activation_param}"
+        if self.gamma_mode != SIGNED:
+            text += f", gamma_mode={self.gamma_mode}"
+        return text
+
+
+class InPlaceABN(ABN):
+    """In-Place Activated BatchNorm: overwrites its input and stores only its output.
+
+    Same arguments as :class:`ABN` plus ``variant`` (2, the default, or 1: the paper's two
+    backward passes). ``activation`` must be invertible: ``"leaky_relu"``, ``"elu"`` or
+    ``"identity"``. The returned tensor *is* the input tensor, so the input must not be needed
+    elsewhere afterwards (e.g. a residual shortcut); see the README's in-place contract.
+    """
+
+    _in_place = True
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+        device=None,
+        dtype=None,
+        *,
+        gamma_mode: str = SIGNED,
+        variant: int = 2,
+    ) -> None:
+        check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, activation,
+            activation_param, device, dtype, gamma_mode=gamma_mode,
+        )
+        self.variant = variant
+
+    def forward(self, input: Tensor) -> Tensor:
+        use_batch_stats, running_mean, running_var = self._normalisation()
+        self._check(input, use_batch_stats, running_mean, running_var)
+        return _inplace_abn_unchecked(
+            input, running_mean, running_var, self.weight, self.bias, use_batch_stats,
+            self._momentum(), self.eps, self.activation, self.activation_param, self.variant,
+            self.gamma_mode,
+        )
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        return text + (f", variant={self.variant}" if self.variant != 2 else "")
+
+
+class InPlaceABNSync(InPlaceABN):
+    """Reserved: :class:`InPlaceABN` with statistics synchronised over ``torch.distributed``.
+
+    Not implemented yet (tracked as its own piece of work); constructing it raises so that no
+    model silently trains with per-device statistics.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        raise NotImplementedError(
+            "InPlaceABNSync is not implemented yet in this version of iabn; use InPlaceABN "
+            "(per-device statistics) meanwhile"
+        )

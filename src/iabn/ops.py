@@ -1,0 +1,142 @@
+"""The In-Place ABN operators: ``torch.library`` registration and the autograd wrapper.
+
+Two operators, so that ``torch.compile`` sees them as opaque nodes with known effects:
+
+``iabn::inplace_abn_forward_``
+    overwrites ``x`` (and, in training, the running statistics) and returns ``invstd``;
+    declared with ``mutates_args`` so the compiler orders it correctly.
+``iabn::inplace_abn_backward``
+    pure: ``(z, dz, ...) -> (dx, dgamma, dbeta)``.
+
+:class:`InPlaceABNFunction` ties them together for autograd: it marks ``x`` dirty (the output
+*is* the input's storage) and saves only ``z`` and per-channel tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from .kernels import reference
+
+_EMPTY_SHAPE = (0,)
+
+
+@torch.library.custom_op(
+    "iabn::inplace_abn_forward_", mutates_args=("x", "running_mean", "running_var")
+)
+def inplace_abn_forward_(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    activation: str,
+    activation_param: float,
+    gamma_mode: str,
+) -> Tensor:
+    return reference.forward_(
+        x, weight, bias, running_mean, running_var, training, momentum, eps,
+        activation, activation_param, gamma_mode,
+    )
+
+
+@inplace_abn_forward_.register_fake
+def _(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
+      activation_param, gamma_mode):
+    dtype = reference.stat_dtype(x, weight, running_mean)
+    return x.new_empty((x.shape[1],), dtype=dtype)
+
+
+@torch.library.custom_op("iabn::inplace_abn_backward", mutates_args=())
+def inplace_abn_backward(
+    z: Tensor,
+    dz: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    invstd: Tensor,
+    training: bool,
+    eps: float,
+    activation: str,
+    activation_param: float,
+    gamma_mode: str,
+    variant: int,
+    output_mask: list[bool],
+) -> tuple[Tensor, Tensor, Tensor]:
+    dx, dgamma, dbeta = reference.backward(
+        z, dz, weight, bias, invstd, training, eps, activation, activation_param, gamma_mode,
+        variant, output_mask,
+    )
+    # An operator returns tensors, never None: gradients not asked for come back empty.
+    empty = z.new_empty(_EMPTY_SHAPE)
+    return (
+        dx if dx is not None else empty,
+        dgamma if dgamma is not None else empty.clone(),
+        dbeta if dbeta is not None else empty.clone(),
+    )
+
+
+@inplace_abn_backward.register_fake
+def _(z, dz, weight, bias, invstd, training, eps, activation, activation_param, gamma_mode,
+      variant, output_mask):
+    want_dx, want_dgamma, want_dbeta = output_mask
+    empty = z.new_empty(_EMPTY_SHAPE)
+    return (
+        torch.empty_like(z) if want_dx else empty,
+        torch.empty_like(weight) if want_dgamma and weight is not None else empty.clone(),
+        torch.empty_like(bias) if want_dbeta and bias is not None else empty.clone(),
+    )
+
+
+class InPlaceABNFunction(torch.autograd.Function):
+    """Autograd for the in-place layer: the output is ``x`` itself, saved as ``z``."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor | None,
+        bias: Tensor | None,
+        running_mean: Tensor | None,
+        running_var: Tensor | None,
+        training: bool,
+        momentum: float,
+        eps: float,
+        activation: str,
+        activation_param: float,
+        gamma_mode: str,
+        variant: int,
+    ) -> Tensor:
+        invstd = inplace_abn_forward_(
+            x, weight, bias, running_mean, running_var, training, momentum, eps,
+            activation, activation_param, gamma_mode,
+        )
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, weight, bias, invstd)
+        ctx.config = (training, eps, activation, activation_param, gamma_mode, variant)
+        return x
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
+        z, weight, bias, invstd = ctx.saved_tensors
+        training, eps, activation, activation_param, gamma_mode, variant = ctx.config
+        mask = [
+            ctx.needs_input_grad[0],
+            weight is not None and ctx.needs_input_grad[1],
+            bias is not None and ctx.needs_input_grad[2],
+        ]
+        dx, dgamma, dbeta = inplace_abn_backward(
+            z, dz, weight, bias, invstd, training, eps, activation, activation_param,
+            gamma_mode, variant, mask,
+        )
+        grads = tuple(
+            grad if wanted else None for grad, wanted in zip((dx, dgamma, dbeta), mask, strict=True)
+        )
+        return grads + (None,) * 9

@@ -1,0 +1,52 @@
+"""The effective BatchNorm scale ``g = scale(gamma)`` of the in-place layers (DESIGN §2).
+
+The in-place layer divides by ``g`` in backward, so ``g`` must stay away from zero. Two ways:
+
+``"signed"`` (default)
+    ``g = sign(gamma) * max(|gamma|, eps)`` with ``sign(0) = +1``. Wherever ``|gamma| >= eps``,
+    ``g == gamma``: a ``state_dict`` trained with ``nn.BatchNorm`` loads and gives the same
+    outputs. The gradient passes straight through (``dgamma = dg``), so a gamma inside the
+    clamp can still move out of it.
+``"abs"``
+    ``g = |gamma| + eps``, the parametrisation of the original ``inplace_abn`` package; use it to
+    load that package's checkpoints. ``dgamma = sign(gamma) * dg``, the derivative of ``|gamma|``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SIGNED = "signed"
+ABS = "abs"
+GAMMA_MODES = (SIGNED, ABS)
+
+
+def check_gamma_mode(gamma_mode: str) -> None:
+    if gamma_mode not in GAMMA_MODES:
+        raise ValueError(
+            f"unknown gamma_mode={gamma_mode!r}: use 'signed' (weights portable to and from "
+            f"nn.BatchNorm) or 'abs' (|gamma| + eps, as the original inplace_abn package)"
+        )
+
+
+def effective_scale(gamma: Tensor, eps: float, gamma_mode: str) -> Tensor:
+    """Return ``g = scale(gamma)`` as a new tensor (no autograd through it)."""
+    if gamma_mode == ABS:
+        return gamma.abs() + eps
+    magnitude = gamma.abs().clamp(min=eps)
+    return torch.where(gamma < 0, -magnitude, magnitude)
+
+
+def gamma_grad(dg: Tensor, gamma: Tensor, gamma_mode: str) -> Tensor:
+    """Chain ``dL/dg`` back to ``dL/dgamma``."""
+    if gamma_mode == ABS:
+        return dg * torch.sign(gamma)
+    return dg
+
+
+def straight_through_scale(gamma: Tensor, eps: float, gamma_mode: str) -> Tensor:
+    """``scale(gamma)`` with the gradients of :func:`gamma_grad`, for autograd (``ABN``)."""
+    if gamma_mode == ABS:
+        return gamma.abs() + eps
+    return gamma + (effective_scale(gamma.detach(), eps, gamma_mode) - gamma.detach())
