@@ -1,0 +1,44 @@
+"""Shared pieces of the tests: the independent references built from ``torch.nn``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+ACTIVATION_PARAMS = {"leaky_relu": 0.1, "elu": 0.7, "identity": 0.0}
+
+
+def torch_activation(name: str, param: float) -> nn.Module:
+    """The ``torch.nn`` module matching an iabn activation (the reference)."""
+    return {
+        "leaky_relu": lambda: nn.LeakyReLU(param),
+        "elu": lambda: nn.ELU(param),
+        "identity": nn.Identity,
+        "relu": nn.ReLU,
+    }[name]()
+
+
+def torch_batchnorm(ndim: int, channels: int, **kw) -> nn.Module:
+    """``nn.BatchNorm1d/2d/3d`` for an input of ``ndim`` dims."""
+    cls = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}[ndim]
+    return cls(channels, **kw)
+
+
+def randomise_(bn: nn.Module) -> nn.Module:
+    """Non-trivial parameters and statistics, gamma of both signs and away from zero."""
+    with torch.no_grad():
+        if bn.weight is not None:
+            magnitude = torch.rand_like(bn.weight) + 0.5
+            sign = torch.where(torch.rand_like(bn.weight) < 0.3, -1.0, 1.0).to(bn.weight.dtype)
+            bn.weight.copy_(magnitude * sign)
+            bn.bias.normal_()
+        if bn.running_mean is not None:
+            bn.running_mean.normal_(0, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+    return bn
+
+
+def memory_format_for(ndim: int, channels_last: bool) -> torch.memory_format:
+    if not channels_last:
+        return torch.contiguous_format
+    return {4: torch.channels_last, 5: torch.channels_last_3d}[ndim]

@@ -1,0 +1,87 @@
+"""float64 ``torch.autograd.gradcheck`` of the in-place layer's hand-written backward."""
+
+import pytest
+import torch
+
+from iabn.functional import abn, inplace_abn
+
+from helpers import ACTIVATION_PARAMS, memory_format_for
+
+CASES = [  # (shape, channels_last)
+    ((5, 3), False),
+    ((3, 2, 5), False),
+    ((2, 3, 3, 4), False),
+    ((2, 3, 3, 4), True),
+    ((2, 2, 2, 3, 3), False),
+    ((2, 2, 2, 3, 3), True),
+]
+
+
+def _inputs(shape, channels_last):
+    fmt = memory_format_for(len(shape), channels_last)
+    x = (torch.randn(shape, dtype=torch.float64) * 1.5 + 0.3).contiguous(memory_format=fmt)
+    channels = shape[1]
+    sign = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)[:channels]
+    sign = sign.repeat(channels)[:channels]
+    weight = (torch.rand(channels, dtype=torch.float64) + 0.5) * sign
+    bias = torch.randn(channels, dtype=torch.float64)
+    return [t.requires_grad_() for t in (x, weight, bias)]
+
+
+@pytest.mark.parametrize("shape,channels_last", CASES, ids=str)
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_gradcheck(shape, channels_last, activation, variant, training):
+    x, weight, bias = _inputs(shape, channels_last)
+    channels = shape[1]
+    running_mean = torch.randn(channels, dtype=torch.float64)
+    running_var = torch.rand(channels, dtype=torch.float64) + 0.5
+    param = ACTIVATION_PARAMS[activation] or 0.01
+
+    def fn(x, weight, bias):
+        # clone: the layer overwrites its input, gradcheck's leaf must stay intact
+        return inplace_abn(
+            x.clone(), running_mean.clone(), running_var.clone(), weight, bias, training,
+            0.1, 1e-5, activation, param, variant=variant,
+        )
+
+    assert torch.autograd.gradcheck(fn, (x, weight, bias), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gamma_mode", ["signed", "abs"])
+@pytest.mark.parametrize("layer", ["inplace_abn", "abn"])
+def test_gradcheck_gamma_modes(gamma_mode, layer):
+    x, weight, bias = _inputs((3, 3, 4, 3), channels_last=False)
+
+    def fn(x, weight, bias):
+        if layer == "abn":
+            return abn(x, None, None, weight, bias, True, gamma_mode=gamma_mode)
+        return inplace_abn(x.clone(), None, None, weight, bias, True, gamma_mode=gamma_mode)
+
+    assert torch.autograd.gradcheck(fn, (x, weight, bias), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_gradcheck_without_affine():
+    x, _, _ = _inputs((4, 3, 3), channels_last=False)
+
+    def fn(x):
+        return inplace_abn(x.clone(), None, None, None, None, True, activation="elu",
+                           activation_param=1.0)
+
+    assert torch.autograd.gradcheck(fn, (x,), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_backward_variants_agree_with_each_other_and_only_need_requested_grads():
+    x, weight, bias = _inputs((3, 4, 5, 5), channels_last=False)
+    grads = []
+    for variant in (1, 2):
+        out = inplace_abn(x.clone(), None, None, weight, bias, True, variant=variant)
+        grads.append(torch.autograd.grad(out.square().sum(), (x, weight, bias)))
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+    # only the weight's gradient: dx is not computed, and nothing fails
+    frozen = x.detach().clone()
+    out = inplace_abn(frozen, None, None, weight, bias, True)
+    (gw,) = torch.autograd.grad(out.sum(), (weight,))
+    assert gw.shape == weight.shape
