@@ -1,0 +1,101 @@
+"""Benchmark helpers shared by ``iabn bench`` and the scripts in ``benchmarks/``.
+
+Timings are wall-clock milliseconds per call. Providers are timed *interleaved*: each repeat
+runs every provider once, so slow drifts of a shared machine (other jobs, frequency changes)
+hit all providers alike instead of whichever happened to run last; the reported figure is the
+median over repeats, which ignores the odd repeat disturbed by a burst of load.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+Step = Callable[[], object]
+RepeatCallback = Callable[[int, dict[str, float]], None]
+
+
+def machine_info() -> dict[str, Any]:
+    """What a reader needs to reproduce a timing: versions, CPU, threads and the date (UTC)."""
+    from .. import __version__
+
+    return {
+        "iabn_version": __version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def set_threads(threads: int | None) -> int:
+    """Set torch's intra-op thread count when given; return the count in effect."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def _time_call(step: Step, iters: int) -> float:
+    """Mean milliseconds of ``iters`` calls of ``step``."""
+    # Collect garbage before, not during, the timed loop: a collection triggered inside it
+    # would be charged to whichever provider happened to be running.
+    gc.collect()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    return (time.perf_counter() - start) * 1e3 / iters
+
+
+def time_interleaved(
+    steps: Mapping[str, Step],
+    repeats: int,
+    iters: int = 1,
+    warmup: int = 1,
+    on_repeat: RepeatCallback | None = None,
+) -> dict[str, list[float]]:
+    """Time each step round-robin; return ``{name: [ms per call, one value per repeat]}``.
+
+    Every step first runs ``warmup`` times untimed (allocator caches, lazy initialisation).
+    Each repeat then times ``iters`` consecutive calls of every step. The starting step rotates
+    from one repeat to the next so that no provider always runs first (or right after the
+    same neighbour). ``on_repeat(index, {name: ms})`` is called after each repeat (progress).
+    """
+    names = list(steps)
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(repeats):
+        shift = index % len(names)
+        this_repeat = {}
+        for name in names[shift:] + names[:shift]:
+            this_repeat[name] = _time_call(steps[name], iters)
+            samples[name].append(this_repeat[name])
+        if on_repeat is not None:
+            on_repeat(index, {name: this_repeat[name] for name in names})
+    return samples
+
+
+def progress_printer(prefix: str, repeats: int) -> RepeatCallback:
+    """A ``time_interleaved`` callback printing one line per repeat to stderr."""
+
+    def report(index: int, times_ms: dict[str, float]) -> None:
+        timings = "  ".join(f"{name} {ms:.2f}" for name, ms in times_ms.items())
+        print(f"{prefix}repeat {index + 1}/{repeats} (ms): {timings}", file=sys.stderr, flush=True)
+
+    return report
+
+
+__all__ = ["machine_info", "progress_printer", "set_threads", "time_interleaved"]

@@ -1,0 +1,130 @@
+"""Bad input: a clear error naming the argument and the fix, and nothing modified."""
+
+import math
+
+import pytest
+import torch
+
+import iabn
+from iabn.functional import abn, inplace_abn
+
+
+def _snapshot(module):
+    return {k: v.clone() for k, v in module.state_dict().items()}
+
+
+def _assert_unchanged(module, before):
+    after = module.state_dict()
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def _trained_layer(cls=iabn.InPlaceABN, **kw):
+    layer = cls(4, **kw)
+    layer(torch.randn(3, 4, 5, 5))  # non-default running statistics
+    return layer
+
+
+BAD_INPUTS = {
+    "one value per channel (N, C)": (lambda: torch.randn(1, 4), "more than 1 value per channel"),
+    "one value per channel 1x1": (lambda: torch.randn(1, 4, 1, 1), "at least 2 samples"),
+    "wrong channel count": (lambda: torch.randn(2, 5, 3, 3), "num_features=4"),
+    "integer dtype": (lambda: torch.ones(2, 4, 3, 3, dtype=torch.int64), r"input\.float\(\)"),
+    "complex dtype": (lambda: torch.randn(2, 4, 3, 3, dtype=torch.complex64), "float32"),
+    "1-D input": (lambda: torch.randn(4), r"\(N, C\)"),
+    "6-D input": (lambda: torch.randn(2, 4, 2, 2, 2, 2), "6-D"),
+    "float64 input, float32 layer": (lambda: torch.randn(2, 4, 3, 3, dtype=torch.float64),
+                                     r"\.to\(torch.float64\)"),
+    "expanded input": (lambda: torch.randn(1, 4, 1, 1).expand(3, 4, 5, 5),
+                       r"input\.contiguous\(\)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=str)
+@pytest.mark.parametrize("cls", [iabn.InPlaceABN, iabn.ABN])
+def test_bad_input_raises_and_modifies_nothing(case, cls):
+    make, message = BAD_INPUTS[case]
+    if cls is iabn.ABN and case == "expanded input":
+        pytest.skip("ABN does not write its input; an expanded input is fine")
+    layer = _trained_layer(cls)
+    x = make()
+    x_before = x.clone()
+    state_before = _snapshot(layer)
+    with pytest.raises((ValueError, TypeError), match=message):
+        layer(x)
+    assert torch.equal(x, x_before)
+    _assert_unchanged(layer, state_before)
+
+
+def test_leaf_that_requires_grad_points_to_abn():
+    layer = _trained_layer()
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    before, state = x.detach().clone(), _snapshot(layer)
+    with pytest.raises(RuntimeError, match="leaf tensor that requires grad.*iabn.ABN"):
+        layer(x)
+    with pytest.raises(RuntimeError, match="view of a leaf tensor"):
+        layer(x[:, :, 1:])
+    assert torch.equal(x.detach(), before)
+    _assert_unchanged(layer, state)
+    iabn.ABN(4)(x).sum().backward()  # the suggested fix works
+    assert x.grad is not None
+
+
+def test_parameters_on_another_device():
+    layer = iabn.InPlaceABN(4, device="meta")
+    x = torch.randn(2, 4, 3, 3)
+    before = x.clone()
+    with pytest.raises(ValueError, match=r"weight is on meta but input is on cpu.*\.to\('cpu'\)"):
+        layer(x)
+    assert torch.equal(x, before)
+
+
+def test_eval_without_running_statistics_in_functional():
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(ValueError, match="running_mean and running_var are required"):
+        inplace_abn(x, None, None, training=False)
+    with pytest.raises(ValueError, match="must have shape \\(3,\\)"):
+        inplace_abn(x, torch.zeros(4), torch.ones(4), training=False)
+
+
+def test_mixed_parameter_dtypes():
+    x = torch.randn(2, 3, 4, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="share one dtype"):
+        inplace_abn(x, torch.zeros(3), torch.ones(3), torch.ones(3, dtype=torch.bfloat16),
+                    training=True)
+    with pytest.raises(TypeError, match="float32"):
+        abn(x, torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64),
+            training=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"activation": "relu"}, "use activation='leaky_relu'.*non-in-place ABN for relu"),
+        ({"activation": "gelu"}, "unknown activation='gelu'"),
+        ({"activation_param": 0.0}, "a zero slope is relu"),
+        ({"activation_param": -0.1}, "must be a finite number > 0"),
+        ({"activation_param": math.nan}, "must be a finite number > 0"),
+        ({"activation": "elu", "activation_param": 0.0}, "alpha of elu"),
+        ({"gamma_mode": "positive"}, "use 'signed'.*or 'abs'"),
+        ({"variant": 3}, "variant=3"),
+    ],
+    ids=str,
+)
+def test_invalid_configuration_rejected_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        iabn.InPlaceABN(8, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        inplace_abn(torch.randn(2, 8), None, None, training=True, **kwargs)
+
+
+def test_abn_accepts_relu_but_rejects_unknown():
+    assert iabn.ABN(3, activation="relu").activation == "relu"
+    with pytest.raises(ValueError, match="unknown activation"):
+        iabn.ABN(3, activation="swish")
+
+
+def test_sync_name_is_reserved_and_says_so():
+    with pytest.raises(NotImplementedError, match="InPlaceABNSync is not implemented yet"):
+        iabn.InPlaceABNSync(4)

@@ -1,0 +1,120 @@
+"""State dicts: the keys of nn.BatchNorm2d, weight portability both ways, old checkpoints."""
+
+import io
+
+import pytest
+import torch
+from helpers import randomise_
+from torch import nn
+
+import iabn
+
+
+def test_parameters_buffers_and_keys_match_batchnorm():
+    ours, theirs = iabn.InPlaceABN(7), nn.BatchNorm2d(7)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    assert [n for n, _ in ours.named_parameters()] == ["weight", "bias"]
+    assert [n for n, _ in ours.named_buffers()] == [
+        "running_mean", "running_var", "num_batches_tracked"
+    ]
+    assert list(iabn.InPlaceABN(3, affine=False, track_running_stats=False).state_dict()) == []
+
+
+def _conv_bn_net(norm_act):
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), *norm_act(8), nn.Conv2d(8, 4, 1))
+
+
+def test_batchnorm_trained_state_dict_reproduces_outputs():
+    """Train with nn.BatchNorm2d + LeakyReLU, load into InPlaceABN: same outputs."""
+    torch.manual_seed(0)
+    reference = _conv_bn_net(lambda c: [nn.BatchNorm2d(c), nn.LeakyReLU(0.01)])
+    opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(5):
+        opt.zero_grad()
+        reference(torch.randn(6, 3, 8, 8)).square().mean().backward()
+        opt.step()
+    with torch.no_grad():
+        reference[1].weight[::2].neg_()  # make sure negative gammas are covered
+    ours = _conv_bn_net(lambda c: [iabn.InPlaceABN(c)])
+    missing = ours.load_state_dict(_renumber(reference.state_dict()))
+    assert not missing.missing_keys and not missing.unexpected_keys
+    x = torch.randn(4, 3, 8, 8)
+    for training in (False, True):
+        reference.train(training)
+        ours.train(training)
+        torch.testing.assert_close(ours(x), reference(x), atol=1e-5, rtol=1e-5)
+
+
+def _renumber(state):
+    """Sequential index 3 (the conv after BN, LeakyReLU) becomes 2 (after InPlaceABN)."""
+    return {k.replace("3.", "2.", 1) if k.startswith("3.") else k: v for k, v in state.items()}
+
+
+def test_abs_mode_reproduces_the_original_parametrisation():
+    """gamma_mode='abs' computes with |gamma| + eps, as the original inplace_abn package."""
+    bn = randomise_(nn.BatchNorm2d(5)).eval()
+    original = iabn.InPlaceABN(5, gamma_mode="abs").eval()
+    original.load_state_dict(bn.state_dict())
+    with torch.no_grad():
+        bn.weight.copy_(bn.weight.abs() + original.eps)
+    x = torch.randn(3, 5, 4, 4)
+    torch.testing.assert_close(original(x.clone()), nn.functional.leaky_relu(bn(x), 0.01))
+
+
+def test_signed_mode_clamps_only_tiny_gammas():
+    layer = iabn.InPlaceABN(3, activation="identity", affine=True).eval()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([0.0, -1e-7, -2.0]))
+        layer.bias.zero_()
+    out = layer(torch.ones(1, 3, 1, 1) * 2)  # running stats 0/1: out = g * 2 / sqrt(1 + eps)
+    expected = torch.tensor([1e-5, -1e-5, -2.0]) * 2 / (1 + 1e-5) ** 0.5
+    torch.testing.assert_close(out.flatten(), expected)
+
+
+@pytest.mark.parametrize("with_metadata", [True, False])
+def test_old_checkpoint_without_num_batches_tracked_loads(with_metadata):
+    source = randomise_(nn.BatchNorm2d(4))
+    state = source.state_dict()
+    del state["num_batches_tracked"]
+    if with_metadata:
+        state._metadata = {"": {"version": 1}}  # written by a module without the buffer
+    else:
+        state = dict(state)  # a plain dict, as the original package's checkpoints load
+    layer = iabn.InPlaceABN(4)
+    layer.load_state_dict(state)
+    assert layer.num_batches_tracked.item() == 0
+    torch.testing.assert_close(layer.running_var, source.running_var)
+
+
+def test_round_trip_through_torch_save():
+    layer = iabn.InPlaceABN(6, momentum=None, activation="elu", activation_param=0.5)
+    layer(torch.randn(4, 6, 3, 3))
+    buffer = io.BytesIO()
+    torch.save(layer.state_dict(), buffer)
+    buffer.seek(0)
+    clone = iabn.InPlaceABN(6, momentum=None, activation="elu", activation_param=0.5)
+    clone.load_state_dict(torch.load(buffer))
+    for key, value in layer.state_dict().items():
+        assert torch.equal(clone.state_dict()[key], value), key
+    x = torch.randn(2, 6, 3, 3)
+    torch.testing.assert_close(clone.eval()(x.clone()), layer.eval()(x.clone()))
+
+
+def test_reset_parameters_and_running_stats():
+    layer = iabn.InPlaceABN(4)
+    randomise_(layer)
+    layer.num_batches_tracked.fill_(7)
+    layer.reset_running_stats()
+    assert torch.equal(layer.running_mean, torch.zeros(4))
+    assert torch.equal(layer.running_var, torch.ones(4))
+    assert layer.num_batches_tracked.item() == 0
+    randomise_(layer)
+    layer.reset_parameters()
+    assert torch.equal(layer.weight, torch.ones(4)) and torch.equal(layer.bias, torch.zeros(4))
+
+
+def test_not_converted_by_sync_batchnorm():
+    """nn.SyncBatchNorm.convert_sync_batchnorm must not swallow the activation."""
+    model = nn.Sequential(iabn.InPlaceABN(4), iabn.ABN(4))
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert isinstance(converted[0], iabn.InPlaceABN) and isinstance(converted[1], iabn.ABN)
