@@ -4,10 +4,11 @@ import io
 
 import pytest
 import torch
-from helpers import randomise_
 from torch import nn
 
 import iabn
+
+from helpers import randomise_
 
 
 def test_parameters_buffers_and_keys_match_batchnorm():

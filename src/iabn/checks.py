@@ -134,7 +134,9 @@ def _check_writable(input: Tensor) -> None:
                 f"the non-in-place iabn.ABN (iabn.functional.abn), or pass a computed tensor "
                 f"(e.g. the output of a convolution, or input.clone())"
             )
-    if torch._debug_has_internal_overlap(input) == 1:
+    # The overlap query returns a Python int, which torch.compile cannot trace, so it runs in
+    # eager mode only (inside a compiled graph, layer inputs are the graph's own intermediates).
+    if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(input) == 1:
         raise ValueError(
             "input has elements that share memory (e.g. a tensor made by expand()), so it "
             "cannot be overwritten in place: pass input.contiguous()"

@@ -1,0 +1,93 @@
+"""torch.library registration: opcheck, and compiled training steps against eager."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import iabn
+from iabn import ops
+
+
+def _forward_samples():
+    c = 5
+    weight, bias = torch.rand(c) + 0.5, torch.randn(c)
+    for training in (True, False):
+        for shape, fmt in (((3, c, 4, 6), torch.contiguous_format),
+                           ((3, c, 4, 6), torch.channels_last), ((4, c), None)):
+            x = torch.randn(shape)
+            if fmt is not None:
+                x = x.contiguous(memory_format=fmt)
+            yield (x, weight, bias, torch.zeros(c), torch.ones(c), training, 0.1, 1e-5,
+                   "leaky_relu", 0.01, "signed")
+    yield (torch.randn(2, c, 3, dtype=torch.bfloat16), None, None, None, None, True, 0.1,
+           1e-5, "elu", 1.0, "abs")
+
+
+@pytest.mark.parametrize("args", list(_forward_samples()), ids=lambda a: str(tuple(a[0].shape)))
+def test_opcheck_forward(args):
+    torch.library.opcheck(ops.inplace_abn_forward_, args)
+
+
+def _backward_samples():
+    c = 4
+    z = torch.nn.functional.leaky_relu(torch.randn(3, c, 5, 2), 0.01)
+    for training in (True, False):
+        for variant in (1, 2):
+            for mask in ([True, True, True], [False, True, False], [True, False, False]):
+                yield (z, torch.randn_like(z), torch.rand(c) + 0.5, torch.randn(c),
+                       torch.rand(c) + 0.5, training, 1e-5, "leaky_relu", 0.01, "signed",
+                       variant, mask)
+    yield (z, torch.randn_like(z), None, None, torch.rand(c) + 0.5, True, 1e-5, "identity", 0.0,
+           "signed", 2, [True, False, False])
+
+
+@pytest.mark.parametrize("args", list(_backward_samples()))
+def test_opcheck_backward(args):
+    torch.library.opcheck(ops.inplace_abn_backward, args)
+
+
+def _model(norm_act):
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), norm_act(8), nn.Conv2d(8, 8, 3, padding=1),
+        norm_act(8), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )
+
+
+def _train(model, forward, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_compiled_training_matches_eager(channels_last):
+    torch._dynamo.reset()
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    eager = _model(lambda c: iabn.InPlaceABN(c)).to(memory_format=fmt)
+    compiled = copy.deepcopy(eager)
+    batches = [
+        (torch.randn(6, 3, 8, 8).contiguous(memory_format=fmt), torch.randint(0, 4, (6,)))
+        for _ in range(3)
+    ]
+    losses_eager = _train(eager, eager, batches)
+    losses_compiled = _train(compiled, torch.compile(compiled, fullgraph=True), batches)
+    torch.testing.assert_close(losses_compiled, losses_eager, atol=1e-5, rtol=1e-5)
+    for (name, a), b in zip(eager.state_dict().items(), compiled.state_dict().values(),
+                            strict=True):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_compile_has_no_graph_breaks():
+    torch._dynamo.reset()
+    model = _model(lambda c: iabn.InPlaceABN(c, activation="elu", activation_param=1.0))
+    explanation = torch._dynamo.explain(model)(torch.randn(2, 3, 8, 8))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
