@@ -91,3 +91,24 @@ def test_compile_has_no_graph_breaks():
     explanation = torch._dynamo.explain(model)(torch.randn(2, 3, 8, 8))
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
+
+
+def test_compiled_graphs_call_the_registered_operators():
+    """Forward and backward graphs contain our opaque operators, not decomposed aten ops."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm.code)
+        return make_boxed_func(gm.forward)
+
+    model = _model(lambda c: iabn.InPlaceABN(c))
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=record, bw_compiler=record),
+                             fullgraph=True)
+    compiled(torch.randn(4, 3, 8, 8)).sum().backward()
+    forward_graph, backward_graph = graphs
+    assert forward_graph.count("iabn.inplace_abn_forward_") == 2
+    assert backward_graph.count("iabn.inplace_abn_backward") == 2

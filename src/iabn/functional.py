@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import activation as act
 from .checks import check_inputs, check_options
-from .ops import InPlaceABNFunction, inplace_abn_forward_
+from .ops import InPlaceABNFunction, forward_
 from .scale import straight_through_scale
 
 
@@ -98,7 +98,7 @@ def _inplace_abn_unchecked(
         t is not None and t.requires_grad for t in (input, weight, bias)
     )
     if not needs_grad:
-        inplace_abn_forward_(
+        forward_(
             input, weight, bias, running_mean, running_var, training, momentum, eps,
             activation, activation_param, gamma_mode,
         )

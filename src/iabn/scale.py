@@ -3,7 +3,7 @@
 The in-place layer divides by ``g`` in backward, so ``g`` must stay away from zero. Two ways:
 
 ``"signed"`` (default)
-    ``g = sign(gamma) * max(|gamma|, eps)`` with ``sign(0) = +1``. Wherever ``|gamma| >= eps``,
+    ``g = sign(gamma) * max(|gamma|, eps)`` with ``sign(+0.0) = +1``. Wherever ``|gamma| >= eps``,
     ``g == gamma``: a ``state_dict`` trained with ``nn.BatchNorm`` loads and gives the same
     outputs. The gradient passes straight through (``dgamma = dg``), so a gamma inside the
     clamp can still move out of it.
@@ -34,8 +34,8 @@ def effective_scale(gamma: Tensor, eps: float, gamma_mode: str) -> Tensor:
     """Return ``g = scale(gamma)`` as a new tensor (no autograd through it)."""
     if gamma_mode == ABS:
         return gamma.abs() + eps
-    magnitude = gamma.abs().clamp(min=eps)
-    return torch.where(gamma < 0, -magnitude, magnitude)
+    # copysign keeps the sign bit, so sign(+0.0) = +1 (and a stored -0.0 gives -eps)
+    return gamma.abs().clamp_(min=eps).copysign_(gamma)
 
 
 def gamma_grad(dg: Tensor, gamma: Tensor, gamma_mode: str) -> Tensor:
