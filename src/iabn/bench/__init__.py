@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
+from .. import __version__
+
 Step = Callable[[], object]
 RepeatCallback = Callable[[int, dict[str, float]], None]
 
 
 def machine_info() -> dict[str, Any]:
     """What a reader needs to reproduce a timing: versions, CPU, threads and the date (UTC)."""
-    from .. import __version__
-
     return {
         "iabn_version": __version__,
         "torch_version": torch.__version__,

@@ -1,0 +1,230 @@
+"""CPU speed of one norm + activation layer: standard BatchNorm vs InPlace-ABN.
+
+Providers, all on the same ``(8, C, H, W)`` float32 input and the same weights:
+
+``standard``  ``nn.BatchNorm2d`` + ``nn.LeakyReLU(0.01, inplace=True)`` (what users replace)
+``iabn_II``   ``iabn.InPlaceABN`` (variant II, the default) — the headline
+``iabn_I``    ``iabn.InPlaceABN(variant=1)``
+``abn``       ``iabn.ABN`` (not in place)
+
+Shapes are the four stages of ResNeXt-101 (C = 256/512/1024/2048 at 56/28/14/7 pixels).
+
+One step is ``out = layer(leaf.clone()); out.backward(grad)`` for every provider: the in-place
+layer must get a fresh non-leaf input each time, so everyone gets it the same way, and the same
+fixed upstream gradient. The clone is part of every provider's step, so the headline ratio
+``iabn_II / standard`` is of full step times. The clone's own cost ("prep": the forward copy
+only; its backward just hands the gradient through) is timed as a sixth provider, and the
+ratio net of it, ``(t - prep) / (t_standard - prep)``, is reported next to the raw one.
+
+Timing: warm-up, then ``--repeats`` interleaved repeats (each provider once per repeat, in a
+rotating order), each timing ``--iters`` consecutive steps; the median over repeats is shown.
+
+Usage::
+
+    python benchmarks/cpu_speed.py [--threads 2] [--repeats 7] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import iabn
+from iabn.bench import machine_info, progress_printer, set_threads, time_interleaved
+
+#: ``(channels, height = width)`` of ResNeXt-101's four stages.
+SHAPES = ((256, 56), (512, 28), (1024, 14), (2048, 7))
+PROVIDERS = ("standard", "iabn_II", "iabn_I", "abn")
+BASELINE = "standard"
+HEADLINE = "iabn_II"
+PREP = "prep"
+TARGET_RATIO = 1.10
+NEGATIVE_SLOPE = 0.01
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "cpu_speed.json"
+
+
+def make_layer(provider: str, channels: int) -> nn.Module:
+    """The norm + LeakyReLU(0.01) layer of ``provider`` for ``channels`` channels."""
+    if provider == "standard":
+        return nn.Sequential(
+            nn.BatchNorm2d(channels), nn.LeakyReLU(NEGATIVE_SLOPE, inplace=True)
+        )
+    if provider == "iabn_II":
+        return iabn.InPlaceABN(channels, activation_param=NEGATIVE_SLOPE, variant=2)
+    if provider == "iabn_I":
+        return iabn.InPlaceABN(channels, activation_param=NEGATIVE_SLOPE, variant=1)
+    if provider == "abn":
+        return iabn.ABN(channels, activation_param=NEGATIVE_SLOPE)
+    raise ValueError(f"unknown provider {provider!r}")
+
+
+def make_layers(channels: int) -> dict[str, nn.Module]:
+    """One layer per provider, all with the standard layer's (randomised) state."""
+    layers = {p: make_layer(p, channels) for p in PROVIDERS}
+    bn = layers["standard"][0]
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.normal_(0.0, 0.2)
+    for provider, layer in layers.items():
+        if provider != "standard":
+            layer.load_state_dict(bn.state_dict())
+        layer.train()
+    return layers
+
+
+def make_step(layer: nn.Module, leaf: Tensor, grad: Tensor):
+    """One forward + backward of ``layer`` on a fresh non-leaf copy of ``leaf``."""
+
+    def step() -> None:
+        leaf.grad = None
+        layer.zero_grad(set_to_none=True)
+        out = layer(leaf.clone())
+        out.backward(grad)
+
+    return step
+
+
+def make_prep_step(leaf: Tensor):
+    """The part of every step that is not the layer: producing the non-leaf input."""
+
+    def step() -> None:
+        leaf.grad = None
+        leaf.clone()
+
+    return step
+
+
+def calibrate_iters(step, target_ms: float) -> int:
+    """Steps per repeat so that one repeat of one provider takes about ``target_ms``."""
+    # The fastest of three single steps: a step slowed by other load (or by first-touch page
+    # faults) would otherwise set a far too small count.
+    times_ms = []
+    for _ in range(3):
+        start = time.perf_counter()
+        step()
+        times_ms.append((time.perf_counter() - start) * 1e3)
+    return max(1, min(200, math.ceil(target_ms / max(min(times_ms), 1e-3))))
+
+
+def bench_shape(
+    batch: int, channels: int, size: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Time every provider (and the shared prep) on ``(batch, channels, size, size)``."""
+    torch.manual_seed(args.seed)
+    shape = (batch, channels, size, size)
+    leaf = torch.randn(shape).requires_grad_()
+    grad = torch.randn(shape)
+    layers = make_layers(channels)
+    steps = {p: make_step(layer, leaf, grad) for p, layer in layers.items()}
+    steps[PREP] = make_prep_step(leaf)
+    for _ in range(args.warmup):
+        steps[BASELINE]()
+    iters = args.iters or calibrate_iters(steps[BASELINE], args.target_ms)
+    label = "x".join(map(str, shape[1:]))
+    callback = None if args.quiet else progress_printer(f"[cpu_speed {label}] ", args.repeats)
+    samples = time_interleaved(
+        steps, args.repeats, iters=iters, warmup=args.warmup, on_repeat=callback
+    )
+    medians = {p: median(s) for p, s in samples.items()}
+    prep, base = medians[PREP], medians[BASELINE]
+    ratio = {p: medians[p] / base for p in PROVIDERS}
+    net_ratio = {p: (medians[p] - prep) / (base - prep) for p in PROVIDERS}
+    return {
+        "shape": list(shape),
+        "iters_per_repeat": iters,
+        "median_ms": medians,
+        "ratio": ratio,
+        "net_ratio": net_ratio,
+        "within_target": ratio[HEADLINE] <= TARGET_RATIO,
+        "samples_ms": samples,
+    }
+
+
+def format_table(rows: list[dict[str, Any]], threads: int, repeats: int) -> str:
+    """The printed report: one line per shape, times in ms per step, ratios vs standard."""
+    header = (
+        f"{'C x H x W':<14}{'iters':>6}{'standard':>10}{'iabn_II':>10}{'ratio':>8}"
+        f"{'net':>7}{'<=' + str(TARGET_RATIO):>7}{'iabn_I':>9}{'ratio':>7}"
+        f"{'abn':>8}{'ratio':>7}{'prep':>8}"
+    )
+    lines = [
+        f"norm + LeakyReLU({NEGATIVE_SLOPE}) forward+backward on CPU, float32, torch "
+        f"{torch.__version__}, {threads} threads",
+        f"ms per step, median of {repeats} interleaved repeats; ratio = provider / standard "
+        f"(raw, full step); net = ratio after subtracting prep (the shared input clone)",
+        "",
+        header,
+    ]
+    for row in rows:
+        m, r = row["median_ms"], row["ratio"]
+        lines.append(
+            f"{'x'.join(map(str, row['shape'][1:])):<14}{row['iters_per_repeat']:>6}"
+            f"{m['standard']:>10.2f}{m['iabn_II']:>10.2f}{r['iabn_II']:>8.3f}"
+            f"{row['net_ratio']['iabn_II']:>7.3f}{'yes' if row['within_target'] else 'NO':>7}"
+            f"{m['iabn_I']:>9.2f}{r['iabn_I']:>7.3f}{m['abn']:>8.2f}{r['abn']:>7.3f}"
+            f"{m[PREP]:>8.2f}"
+        )
+    missed = ["x".join(map(str, row["shape"][1:])) for row in rows if not row["within_target"]]
+    verdict = f"NOT met at {', '.join(missed)}" if missed else "met at every shape"
+    lines += ["", f"target {HEADLINE} / {BASELINE} <= {TARGET_RATIO} (raw): {verdict}"]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="CPU forward+backward time: BatchNorm2d + LeakyReLU vs InPlace-ABN.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=7, help="timed interleaved repeats")
+    parser.add_argument("--iters", type=int, default=0,
+                        help="steps per repeat (0: enough for about --target-ms)")
+    parser.add_argument("--target-ms", type=float, default=100.0,
+                        help="aimed duration of one provider's repeat when --iters is 0")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per provider")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="results file")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.iters < 0 or args.warmup < 0 or args.threads < 1:
+        parser.error("--repeats and --threads must be >= 1, --iters and --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    threads = set_threads(args.threads)
+    rows = [bench_shape(args.batch, c, s, args) for c, s in SHAPES]
+    print(format_table(rows, threads, args.repeats))
+    report = {
+        "benchmark": "cpu_speed",
+        "description": "forward+backward of one norm + LeakyReLU(0.01) layer per step; "
+        "every provider's step includes the shared input clone (timed alone as 'prep')",
+        "machine": machine_info(),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "baseline": BASELINE,
+        "headline": HEADLINE,
+        "target_ratio": TARGET_RATIO,
+        "all_within_target": all(row["within_target"] for row in rows),
+        "shapes": rows,
+        "wall_time_s": round(time.perf_counter() - start, 2),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

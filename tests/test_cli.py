@@ -1,0 +1,112 @@
+"""The ``iabn`` command line: help, argument errors and a tiny ``iabn bench`` run end to end."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from iabn.bench.blocks import STRATEGIES, CheckResult, format_check
+from iabn.cli import main
+
+BATCH, CHANNELS, SIZE, BLOCKS = 2, 8, 8, 2
+FLOAT32_BYTES = 4
+# One block input (N, C, H, W) and one per-channel (C,) statistic, in bytes.
+ACTIVATION = BATCH * CHANNELS * SIZE * SIZE * FLOAT32_BYTES
+PER_CHANNEL = CHANNELS * FLOAT32_BYTES
+
+# Per block: (full-size tensors, per-channel tensors) autograd keeps for backward.
+#   bn:          BN input, BN output (saved by the out-of-place LeakyReLU), conv input;
+#                BN's batch mean and inverse std.
+#   bn_inplace:  BN input, the activated BN output (LeakyReLU and conv save the same
+#                storage); BN's batch mean and inverse std.
+#   checkpoint:  only the block input; everything inside is recomputed in backward.
+#   iabn_I/II:   only the layer output, shared with the conv; the inverse std.
+SAVED_PER_BLOCK = {
+    "bn": (3, 2),
+    "bn_inplace": (2, 2),
+    "checkpoint": (1, 0),
+    "iabn_I": (1, 1),
+    "iabn_II": (1, 1),
+}
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """Run ``python -m iabn bench`` once on a tiny model; return (process, parsed JSON)."""
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    command = [
+        sys.executable, "-m", "iabn", "bench", "--blocks", str(BLOCKS), "--channels",
+        str(CHANNELS), "--size", str(SIZE), "--batch", str(BATCH), "--repeats", "1",
+        "--iters", "1", "--warmup", "0", "--threads", "1", "--json", str(path),
+    ]
+    process = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    report = json.loads(path.read_text()) if path.exists() else None
+    return process, report
+
+
+def test_no_arguments_prints_help(capsys):
+    assert main([]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: iabn")
+    assert "bench" in out
+
+
+@pytest.mark.parametrize(
+    "args", [["bench", "--blocks", "0"], ["bench", "--repeats", "-1"], ["frobnicate"]]
+)
+def test_bad_arguments_exit_with_usage_error(args, capsys):
+    with pytest.raises(SystemExit) as excinfo:
+        main(args)
+    assert excinfo.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_bench_exits_0_and_prints_the_table(bench_run):
+    process, _ = bench_run
+    assert process.returncode == 0, process.stderr
+    lines = process.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("strategy"))
+    assert "saved MiB" in header and "step ms" in header
+    for name in STRATEGIES:
+        assert any(line.startswith(name) for line in lines), name
+    assert any(line.startswith("check: OK") for line in lines)
+    assert "repeat 1/1" in process.stderr  # progress goes to stderr, not into the table
+
+
+def test_bench_json_has_machine_info_and_arguments(bench_run):
+    _, report = bench_run
+    assert report["machine"]["torch_threads"] == 1
+    assert report["machine"]["torch_version"]
+    assert report["args"]["blocks"] == BLOCKS and report["args"]["channels"] == CHANNELS
+    assert report["input_shape"] == [BATCH, CHANNELS, SIZE, SIZE]
+    assert report["activation_bytes"] == ACTIVATION
+    assert report["check"]["passed"]
+    for result in report["strategies"].values():
+        assert len(result["time_ms_samples"]) == 1
+        assert result["time_ms_median"] > 0
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_bench_saved_bytes_are_exact(bench_run, strategy):
+    _, report = bench_run
+    result = report["strategies"][strategy]
+    full, per_channel = SAVED_PER_BLOCK[strategy]
+    shapes = [tuple(s["shape"]) for s in result["saved_storages"]]
+    # Nothing is saved but whole activations and per-channel statistics.
+    assert shapes.count((BATCH, CHANNELS, SIZE, SIZE)) == full * BLOCKS
+    assert shapes.count((CHANNELS,)) == per_channel * BLOCKS
+    assert len(shapes) == (full + per_channel) * BLOCKS
+    expected = BLOCKS * (full * ACTIVATION + per_channel * PER_CHANNEL)
+    assert result["saved_bytes"] == expected
+    assert result["saved_activations"] == pytest.approx(expected / ACTIVATION)
+    baseline = BLOCKS * (2 * ACTIVATION + 2 * PER_CHANNEL)
+    assert result["saved_vs_baseline"] == pytest.approx(expected / baseline)
+
+
+def test_check_line_names_the_strategies_that_disagree():
+    errors = dict.fromkeys(STRATEGIES, 0.0)
+    check = CheckResult(loss_error=errors, grad_error={**errors, "iabn_II": 1.0})
+    assert not check.passed
+    line = format_check(check)
+    assert line.startswith("check: MISMATCH") and "iabn_II" in line
