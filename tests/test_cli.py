@@ -26,8 +26,8 @@ SAVED_PER_BLOCK = {
     "bn": (3, 2),
     "bn_inplace": (2, 2),
     "checkpoint": (1, 0),
-    "iabn_I": (1, 1),
-    "iabn_II": (1, 1),
+    "iabn_I": (1, 2),
+    "iabn_II": (1, 2),
 }
 
 

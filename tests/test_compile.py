@@ -36,11 +36,12 @@ def _backward_samples():
     for training in (True, False):
         for variant in (1, 2):
             for mask in ([True, True, True], [False, True, False], [True, False, False]):
-                yield (z, torch.randn_like(z), torch.rand(c) + 0.5, torch.randn(c),
-                       torch.rand(c) + 0.5, training, 1e-5, "leaky_relu", 0.01, "signed",
-                       variant, mask)
-    yield (z, torch.randn_like(z), None, None, torch.rand(c) + 0.5, True, 1e-5, "identity", 0.0,
-           "signed", 2, [True, False, False])
+                weight = torch.rand(c) + 0.5
+                yield (z, torch.randn_like(z), weight, torch.randn(c), torch.rand(c) + 0.5,
+                       weight.clone(), training, 1e-5, "leaky_relu", 0.01, "signed", variant,
+                       mask)
+    yield (z, torch.randn_like(z), None, None, torch.rand(c) + 0.5, torch.ones(c), True, 1e-5,
+           "identity", 0.0, "signed", 2, [True, False, False])
 
 
 @pytest.mark.parametrize("args", list(_backward_samples()))

@@ -85,3 +85,10 @@ def test_backward_variants_agree_with_each_other_and_only_need_requested_grads()
     out = inplace_abn(frozen, None, None, weight, bias, True)
     (gw,) = torch.autograd.grad(out.sum(), (weight,))
     assert gw.shape == weight.shape
+
+
+def test_double_backward_is_refused_with_a_pointer_to_abn():
+    x, weight, bias = _inputs((3, 4, 5), channels_last=False)
+    out = inplace_abn(x.clone(), None, None, weight, bias, True)
+    with pytest.raises(RuntimeError, match=r"double backward.*iabn\.ABN"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)

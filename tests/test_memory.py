@@ -22,7 +22,7 @@ def _block(kind, channels=C):
 
 # (activations of the block input's size, per-channel float32 vectors) kept for backward
 EXPECTED = {
-    "iabn": (1, 1),        # z (shared with the conv's input) + invstd
+    "iabn": (1, 2),        # z (shared with the conv's input) + invstd, scale(gamma)
     "bn_inplace": (2, 2),  # x, z + save_mean, save_invstd
     "bn": (3, 2),          # x, y, z + save_mean, save_invstd
     "abn": (2, 3),         # x, z + scale(gamma), save_mean, save_invstd

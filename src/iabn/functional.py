@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import activation as act
 from .checks import check_inputs, check_options
-from .ops import InPlaceABNFunction, forward_
+from .ops import InPlaceABNFunction, LayerConfig, forward_
 from .scale import straight_through_scale
 
 
@@ -94,19 +94,16 @@ def _inplace_abn_unchecked(
     weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
     activation: str, activation_param: float, variant: int, gamma_mode: str,
 ) -> Tensor:
+    config = LayerConfig(
+        training, momentum, eps, activation, activation_param, gamma_mode, variant
+    )
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (input, weight, bias)
     )
     if not needs_grad:
-        forward_(
-            input, weight, bias, running_mean, running_var, training, momentum, eps,
-            activation, activation_param, gamma_mode,
-        )
+        forward_(input, weight, bias, running_mean, running_var, config)
         return input
-    return InPlaceABNFunction.apply(
-        input, weight, bias, running_mean, running_var, training, momentum, eps,
-        activation, activation_param, gamma_mode, variant,
-    )
+    return InPlaceABNFunction.apply(input, weight, bias, running_mean, running_var, config)
 
 
 def _abn_unchecked(

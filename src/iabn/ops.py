@@ -3,8 +3,9 @@
 Two operators, so that ``torch.compile`` sees them as opaque nodes with known effects:
 
 ``iabn::inplace_abn_forward_``
-    overwrites ``x`` (and, in training, the running statistics) and returns ``invstd``;
-    declared with ``mutates_args`` so the compiler orders it correctly.
+    overwrites ``x`` (and, in training, the running statistics) and returns the per-channel
+    ``(invstd, scale)`` backward needs; declared with ``mutates_args`` so the compiler orders
+    it correctly.
 ``iabn::inplace_abn_backward``
     pure: ``(z, dz, ...) -> (dx, dgamma, dbeta)``.
 
@@ -15,19 +16,33 @@ registered operators, which is what the compiler needs.
 
 :class:`InPlaceABNFunction` ties them together for autograd: it marks ``x`` dirty (the output
 *is* the input's storage) and saves only ``z`` and per-channel tensors.
+
+Scalar options travel as one :class:`LayerConfig` so that ``Function.apply`` handles six
+arguments rather than thirteen (its per-argument overhead is measurable on small layers).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .kernels import reference
 
 _EMPTY_SHAPE = (0,)
+
+
+class LayerConfig(NamedTuple):
+    """The layer's scalar options, as passed to :class:`InPlaceABNFunction`."""
+
+    training: bool
+    momentum: float
+    eps: float
+    activation: str
+    activation_param: float
+    gamma_mode: str
+    variant: int
 
 
 @torch.library.custom_op(
@@ -45,7 +60,7 @@ def inplace_abn_forward_(
     activation: str,
     activation_param: float,
     gamma_mode: str,
-) -> Tensor:
+) -> tuple[Tensor, Tensor]:
     return reference.forward_(
         x, weight, bias, running_mean, running_var, training, momentum, eps,
         activation, activation_param, gamma_mode,
@@ -56,7 +71,8 @@ def inplace_abn_forward_(
 def _(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
       activation_param, gamma_mode):
     dtype = reference.stat_dtype(x, weight, running_mean)
-    return x.new_empty((x.shape[1],), dtype=dtype)
+    channels = x.shape[1]
+    return x.new_empty((channels,), dtype=dtype), x.new_empty((channels,), dtype=dtype)
 
 
 @torch.library.custom_op("iabn::inplace_abn_backward", mutates_args=())
@@ -66,6 +82,7 @@ def inplace_abn_backward(
     weight: Tensor | None,
     bias: Tensor | None,
     invstd: Tensor,
+    scale: Tensor,
     training: bool,
     eps: float,
     activation: str,
@@ -75,8 +92,8 @@ def inplace_abn_backward(
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
     dx, dgamma, dbeta = reference.backward(
-        z, dz, weight, bias, invstd, training, eps, activation, activation_param, gamma_mode,
-        variant, output_mask,
+        z, dz, weight, bias, invstd, scale, training, eps, activation, activation_param,
+        gamma_mode, variant, output_mask,
     )
     # An operator returns tensors, never None: gradients not asked for come back empty.
     empty = z.new_empty(_EMPTY_SHAPE)
@@ -88,8 +105,8 @@ def inplace_abn_backward(
 
 
 @inplace_abn_backward.register_fake
-def _(z, dz, weight, bias, invstd, training, eps, activation, activation_param, gamma_mode,
-      variant, output_mask):
+def _(z, dz, weight, bias, invstd, scale, training, eps, activation, activation_param,
+      gamma_mode, variant, output_mask):
     want_dx, want_dgamma, want_dbeta = output_mask
     empty = z.new_empty(_EMPTY_SHAPE)
     return (
@@ -99,11 +116,16 @@ def _(z, dz, weight, bias, invstd, training, eps, activation, activation_param, 
     )
 
 
-def forward_(*args) -> Tensor:
+def forward_(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+    running_var: Tensor | None, config: LayerConfig,
+) -> tuple[Tensor, Tensor]:
     """Run the forward kernel in place: the registered operator when compiling, else direct."""
-    if torch.compiler.is_compiling():
-        return inplace_abn_forward_(*args)
-    return reference.forward_(*args)
+    kernel = inplace_abn_forward_ if torch.compiler.is_compiling() else reference.forward_
+    return kernel(
+        x, weight, bias, running_mean, running_var, config.training, config.momentum,
+        config.eps, config.activation, config.activation_param, config.gamma_mode,
+    )
 
 
 class InPlaceABNFunction(torch.autograd.Function):
@@ -117,44 +139,36 @@ class InPlaceABNFunction(torch.autograd.Function):
         bias: Tensor | None,
         running_mean: Tensor | None,
         running_var: Tensor | None,
-        training: bool,
-        momentum: float,
-        eps: float,
-        activation: str,
-        activation_param: float,
-        gamma_mode: str,
-        variant: int,
+        config: LayerConfig,
     ) -> Tensor:
-        invstd = forward_(
-            x, weight, bias, running_mean, running_var, training, momentum, eps,
-            activation, activation_param, gamma_mode,
-        )
+        invstd, scale = forward_(x, weight, bias, running_mean, running_var, config)
         ctx.mark_dirty(x)
-        ctx.save_for_backward(x, weight, bias, invstd)
-        ctx.config = (training, eps, activation, activation_param, gamma_mode, variant)
+        ctx.save_for_backward(x, weight, bias, invstd, scale)
+        ctx.config = config
         return x
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
-        z, weight, bias, invstd = ctx.saved_tensors
-        training, eps, activation, activation_param, gamma_mode, variant = ctx.config
+        # Grad mode is on in backward only under create_graph=True. (A check instead of
+        # @once_differentiable, whose wrapper costs ~15 µs per layer and step.)
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "InPlaceABN does not support double backward (create_graph=True); "
+                "use iabn.ABN where second derivatives are needed"
+            )
+        z, weight, bias, invstd, scale = ctx.saved_tensors
+        c = ctx.config
         mask = [
             ctx.needs_input_grad[0],
             weight is not None and ctx.needs_input_grad[1],
             bias is not None and ctx.needs_input_grad[2],
         ]
-        if torch.compiler.is_compiling():
-            dx, dgamma, dbeta = inplace_abn_backward(
-                z, dz, weight, bias, invstd, training, eps, activation, activation_param,
-                gamma_mode, variant, mask,
-            )
-        else:
-            dx, dgamma, dbeta = reference.backward(
-                z, dz, weight, bias, invstd, training, eps, activation, activation_param,
-                gamma_mode, variant, mask,
-            )
+        kernel = inplace_abn_backward if torch.compiler.is_compiling() else reference.backward
+        dx, dgamma, dbeta = kernel(
+            z, dz, weight, bias, invstd, scale, c.training, c.eps, c.activation,
+            c.activation_param, c.gamma_mode, c.variant, mask,
+        )
         grads = tuple(
             grad if wanted else None for grad, wanted in zip((dx, dgamma, dbeta), mask, strict=True)
         )
-        return grads + (None,) * 9
+        return (*grads, None, None, None)

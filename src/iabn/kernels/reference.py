@@ -56,16 +56,24 @@ def channel_view(v: Tensor, ndim: int) -> Tensor:
     return v.reshape(v.shape + (1,) * (ndim - 2))
 
 
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    # Tensor.to costs ~1 µs even when nothing changes; backward calls it ten times a layer.
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _scale_and_shift(
     weight: Tensor | None, bias: Tensor | None, eps: float, gamma_mode: str, channels: int,
     dtype: torch.dtype, device: torch.device,
 ) -> tuple[Tensor, Tensor]:
     g = (
-        effective_scale(weight.to(dtype), eps, gamma_mode)
+        effective_scale(_cast(weight, dtype), eps, gamma_mode)
         if weight is not None
         else torch.ones(channels, dtype=dtype, device=device)
     )
-    beta = bias.to(dtype) if bias is not None else torch.zeros(channels, dtype=dtype, device=device)
+    beta = (
+        _cast(bias, dtype) if bias is not None
+        else torch.zeros(channels, dtype=dtype, device=device)
+    )
     return g, beta
 
 
@@ -81,9 +89,11 @@ def forward_(
     activation: str,
     activation_param: float,
     gamma_mode: str,
-) -> Tensor:
-    """Overwrite ``x`` with ``phi(g * (x - mu) * invstd + beta)``; return ``invstd`` ``(C,)``.
+) -> tuple[Tensor, Tensor]:
+    """Overwrite ``x`` with ``phi(g * (x - mu) * invstd + beta)``; return ``(invstd, g)``.
 
+    ``g = scale(weight)`` (ones without affine) and ``invstd`` are ``(C,)`` in the statistics
+    dtype; backward needs both, so they are returned rather than recomputed there.
     ``training=True`` normalises with the batch statistics and, when the running buffers are
     given, updates them in place as ``nn.BatchNorm`` does (unbiased variance, ``momentum``).
     ``training=False`` normalises with the running statistics.
@@ -105,11 +115,11 @@ def forward_(
             work, g, beta, running_mean, running_var, False, 0.0, eps,
             out=work, save_mean=unused, save_invstd=unused.clone(),
         )
-        invstd = (running_var.to(sdtype) + eps).rsqrt()
+        invstd = (_cast(running_var, sdtype) + eps).rsqrt()
     act.apply_(work, activation, activation_param)
     if work is not x:
         x.copy_(work)
-    return invstd
+    return invstd, g
 
 
 def backward(
@@ -118,6 +128,7 @@ def backward(
     weight: Tensor | None,
     bias: Tensor | None,
     invstd: Tensor,
+    scale: Tensor,
     training: bool,
     eps: float,
     activation: str,
@@ -128,53 +139,47 @@ def backward(
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dx, dgamma, dbeta)`` from the stored output ``z`` and its gradient ``dz``.
 
-    ``training`` says whether forward used batch statistics (their gradient flows into ``dx``)
-    or running statistics (``dx = dy * g * invstd``). ``output_mask`` selects which of the three
-    are computed; the others are returned as ``None``. ``z`` and ``dz`` are only read.
+    ``invstd`` and ``scale`` (``g``) are what :func:`forward_` returned. ``training`` says
+    whether forward used batch statistics (their gradient flows into ``dx``) or running
+    statistics (``dx = dy * g * invstd``). ``output_mask`` selects which of the three are
+    computed; the others are ``None``. ``z`` and ``dz`` are only read.
     """
     want_dx, want_dgamma, want_dbeta = output_mask
-    ndim, channels = z.dim(), z.shape[1]
+    ndim = z.dim()
     cdtype = compute_dtype(z.dtype)
-    zc, dzc = z.to(cdtype), dz.to(cdtype)
-    g, beta = _scale_and_shift(weight, bias, eps, gamma_mode, channels, cdtype, z.device)
-    invstd = invstd.to(cdtype)
+    zc, dzc = _cast(z, cdtype), _cast(dz, cdtype)
+    g, invstd = _cast(scale, cdtype), _cast(invstd, cdtype)
+    beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
 
     y = act.invert(zc, activation, activation_param)
     dy = act.grad_from_output(dzc, zc, activation, activation_param)
+    inv_g = g.reciprocal()
     if variant == 1:
         # Variant I: recover xhat = (y - beta) / g explicitly, then standard BN backward.
-        inv_g = g.reciprocal()
         bn_input = torch.addcmul(channel_view(-beta * inv_g, ndim), y, channel_view(inv_g, ndim))
         center, inv_scale = torch.zeros_like(g), torch.ones_like(g)
         dx_weight = g * invstd
     else:
         # Variant II: feed y itself; center and scale of the identity in the module docstring.
-        bn_input, center, inv_scale = y, beta, g.reciprocal()
+        bn_input, center, inv_scale = y, beta, inv_g
         dx_weight = g * g * invstd
 
-    dx = None
-    if training:
-        dx, dg, dbeta = torch.ops.aten.native_batch_norm_backward(
-            dy, bn_input, dx_weight, None, None, center, inv_scale, True, eps,
-            [want_dx, want_dgamma, want_dbeta],
-        )
-    else:
-        # Running statistics are constants: dx is a per-channel scaling of dy, and the
-        # parameter gradients are the same two reductions as in training.
-        _, dg, dbeta = torch.ops.aten.native_batch_norm_backward(
-            dy, bn_input, dx_weight, None, None, center, inv_scale, True, eps,
-            [False, want_dgamma, want_dbeta],
-        )
-        if want_dx:
-            dx = dy * channel_view(g * invstd, ndim)
+    # In eval mode the running statistics are constants: dx is a per-channel scaling of dy,
+    # and only the parameter gradients (the same two reductions) come from the kernel.
+    dx, dg, dbeta = torch.ops.aten.native_batch_norm_backward(
+        dy, bn_input, dx_weight, None, None, center, inv_scale, True, eps,
+        [want_dx and training, want_dgamma, want_dbeta],
+    )
+    if want_dx and not training:
+        dx = dy * channel_view(g * invstd, ndim)
 
     if dx is not None:
-        dx = dx.to(z.dtype)
+        dx = _cast(dx, z.dtype)
     dgamma = None
     if want_dgamma and weight is not None:
-        dgamma = gamma_grad(dg, weight.to(cdtype), gamma_mode).to(weight.dtype)
+        dgamma = _cast(gamma_grad(dg, _cast(weight, cdtype), gamma_mode), weight.dtype)
     if not want_dbeta or bias is None:
         dbeta = None
     elif dbeta is not None:
-        dbeta = dbeta.to(bias.dtype)
+        dbeta = _cast(dbeta, bias.dtype)
     return dx, dgamma, dbeta
