@@ -16,12 +16,24 @@ fixed upstream gradient. The clone is part of every provider's step, so the head
 only; its backward just hands the gradient through) is timed as a sixth provider, and the
 ratio net of it, ``(t - prep) / (t_standard - prep)``, is reported next to the raw one.
 
-Timing: warm-up, then ``--repeats`` interleaved repeats (each provider once per repeat, in a
-rotating order), each timing ``--iters`` consecutive steps; the median over repeats is shown.
+Timing: ``--repeats`` interleaved repeats (each provider once per repeat, in a rotating
+order), each timing ``--iters`` consecutive steps after a warm-up; the median over repeats is
+shown. Two ways to interleave:
+
+``--isolate`` (default)
+    every (repeat, provider) runs in a fresh worker process that times all shapes. On the
+    project's CPU machines the step time depends strongly on the state of the C heap (glibc
+    returns large freed blocks to the OS, so re-used vs. freshly page-faulted buffers differ
+    by up to 2x), and in one process each provider inherits the heap the others left
+    behind. Separate processes give each provider the heap its own allocations make, as in a
+    training run that uses one kind of layer.
+``--in-process``
+    all providers in one process, one after the other within each repeat (faster to run;
+    shows the heap interaction, which can favour either side).
 
 Usage::
 
-    python benchmarks/cpu_speed.py [--threads 2] [--repeats 7] [--json PATH]
+    python benchmarks/cpu_speed.py [--threads 2] [--repeats 11] [--in-process] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,10 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import median
+from statistics import median, quantiles
 from typing import Any
 
 import torch
@@ -115,29 +128,27 @@ def calibrate_iters(step, target_ms: float) -> int:
     return max(1, min(200, math.ceil(target_ms / max(min(times_ms), 1e-3))))
 
 
-def bench_shape(
-    batch: int, channels: int, size: int, args: argparse.Namespace
-) -> dict[str, Any]:
-    """Time every provider (and the shared prep) on ``(batch, channels, size, size)``."""
-    torch.manual_seed(args.seed)
+def shape_steps(batch: int, channels: int, size: int, seed: int, providers) -> dict:
+    """The step of each of ``providers`` (prep included) on ``(batch, channels, size, size)``."""
+    torch.manual_seed(seed)
     shape = (batch, channels, size, size)
     leaf = torch.randn(shape).requires_grad_()
     grad = torch.randn(shape)
     layers = make_layers(channels)
-    steps = {p: make_step(layer, leaf, grad) for p, layer in layers.items()}
-    steps[PREP] = make_prep_step(leaf)
-    for _ in range(args.warmup):
-        steps[BASELINE]()
-    iters = args.iters or calibrate_iters(steps[BASELINE], args.target_ms)
-    label = "x".join(map(str, shape[1:]))
-    callback = None if args.quiet else progress_printer(f"[cpu_speed {label}] ", args.repeats)
-    samples = time_interleaved(
-        steps, args.repeats, iters=iters, warmup=args.warmup, on_repeat=callback
-    )
+    steps = {p: make_step(layers[p], leaf, grad) for p in providers if p != PREP}
+    if PREP in providers:
+        steps[PREP] = make_prep_step(leaf)
+    return steps
+
+
+def summarise(shape: tuple[int, ...], iters: int, samples: dict[str, list[float]]) -> dict:
+    """One table row from the per-repeat samples (ms per step) of every provider."""
     medians = {p: median(s) for p, s in samples.items()}
     prep, base = medians[PREP], medians[BASELINE]
     ratio = {p: medians[p] / base for p in PROVIDERS}
     net_ratio = {p: (medians[p] - prep) / (base - prep) for p in PROVIDERS}
+    # The spread of the ratio within the repeats shows how far one run can be trusted.
+    paired = sorted(a / b for a, b in zip(samples[HEADLINE], samples[BASELINE], strict=True))
     return {
         "shape": list(shape),
         "iters_per_repeat": iters,
@@ -145,31 +156,99 @@ def bench_shape(
         "ratio": ratio,
         "net_ratio": net_ratio,
         "within_target": ratio[HEADLINE] <= TARGET_RATIO,
+        "headline_ratio_per_repeat": {"min": paired[0], "max": paired[-1],
+                                      "quartiles": quantiles(paired, n=4) if len(paired) > 1
+                                      else paired * 3},
         "samples_ms": samples,
     }
 
 
-def format_table(rows: list[dict[str, Any]], threads: int, repeats: int) -> str:
+def bench_in_process(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """All providers in this process, interleaved within each repeat, shape by shape."""
+    rows = []
+    for channels, size in SHAPES:
+        steps = shape_steps(args.batch, channels, size, args.seed, (*PROVIDERS, PREP))
+        for _ in range(args.warmup):
+            steps[BASELINE]()
+        iters = args.iters or calibrate_iters(steps[BASELINE], args.target_ms)
+        label = f"{channels}x{size}x{size}"
+        callback = None if args.quiet else progress_printer(f"[cpu_speed {label}] ", args.repeats)
+        samples = time_interleaved(
+            steps, args.repeats, iters=iters, warmup=args.warmup, on_repeat=callback
+        )
+        rows.append(summarise((args.batch, channels, size, size), iters, samples))
+    return rows
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Worker of ``--isolate``: time one provider on every shape, print JSON ``{label: ms}``."""
+    results = {}
+    for channels, size in SHAPES:
+        step = shape_steps(args.batch, channels, size, args.seed, (args.worker,))[args.worker]
+        for _ in range(args.warmup):
+            step()
+        iters = args.iters or calibrate_iters(step, args.target_ms)
+        samples = time_interleaved({args.worker: step}, 3, iters=iters, warmup=0)
+        results[f"{channels}x{size}x{size}"] = {"ms": median(samples[args.worker]),
+                                                "iters": iters}
+    print(json.dumps(results))
+    return 0
+
+
+def bench_isolated(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each (repeat, provider) in a fresh process; providers rotate from repeat to repeat."""
+    names = [*PROVIDERS, PREP]
+    labels = [f"{c}x{s}x{s}" for c, s in SHAPES]
+    samples = {label: {name: [] for name in names} for label in labels}
+    iters = {label: 0 for label in labels}
+    command = [sys.executable, str(Path(__file__).resolve()), "--threads", str(args.threads),
+               "--batch", str(args.batch), "--iters", str(args.iters), "--target-ms",
+               str(args.target_ms), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+    for index in range(args.repeats):
+        shift = index % len(names)
+        for name in names[shift:] + names[:shift]:
+            output = subprocess.run([*command, "--worker", name], check=True,
+                                    capture_output=True, text=True).stdout
+            for label, result in json.loads(output).items():
+                samples[label][name].append(result["ms"])
+                iters[label] = max(iters[label], result["iters"])
+        if not args.quiet:
+            last = {label: samples[label][HEADLINE][-1] / samples[label][BASELINE][-1]
+                    for label in labels}
+            line = "  ".join(f"{label}: {ratio:.3f}" for label, ratio in last.items())
+            print(f"[cpu_speed isolated] repeat {index + 1}/{args.repeats} {HEADLINE}/{BASELINE} "
+                  f"{line}", file=sys.stderr, flush=True)
+    return [summarise((args.batch, c, s, s), iters[label], samples[label])
+            for (c, s), label in zip(SHAPES, labels, strict=True)]
+
+
+def format_table(rows: list[dict[str, Any]], threads: int, repeats: int, isolate: bool) -> str:
     """The printed report: one line per shape, times in ms per step, ratios vs standard."""
     header = (
         f"{'C x H x W':<14}{'iters':>6}{'standard':>10}{'iabn_II':>10}{'ratio':>8}"
-        f"{'net':>7}{'<=' + str(TARGET_RATIO):>7}{'iabn_I':>9}{'ratio':>7}"
+        f"{'net':>7}{'IQR of ratio':>14}{'<=' + str(TARGET_RATIO):>7}{'iabn_I':>9}{'ratio':>7}"
         f"{'abn':>8}{'ratio':>7}{'prep':>8}"
     )
     lines = [
         f"norm + LeakyReLU({NEGATIVE_SLOPE}) forward+backward on CPU, float32, torch "
         f"{torch.__version__}, {threads} threads",
-        f"ms per step, median of {repeats} interleaved repeats; ratio = provider / standard "
-        f"(raw, full step); net = ratio after subtracting prep (the shared input clone)",
+        f"ms per step, median of {repeats} interleaved repeats "
+        f"({'one process per repeat and provider' if isolate else 'all in one process'}); "
+        f"ratio = provider / standard "
+        f"(raw, full step); net = ratio after subtracting prep (the shared input clone); "
+        f"IQR = quartiles of the {HEADLINE}/{BASELINE} ratio over repeats",
         "",
         header,
     ]
     for row in rows:
         m, r = row["median_ms"], row["ratio"]
+        q1, _, q3 = row["headline_ratio_per_repeat"]["quartiles"]
+        iqr = f"{q1:.2f}-{q3:.2f}"
         lines.append(
             f"{'x'.join(map(str, row['shape'][1:])):<14}{row['iters_per_repeat']:>6}"
             f"{m['standard']:>10.2f}{m['iabn_II']:>10.2f}{r['iabn_II']:>8.3f}"
-            f"{row['net_ratio']['iabn_II']:>7.3f}{'yes' if row['within_target'] else 'NO':>7}"
+            f"{row['net_ratio']['iabn_II']:>7.3f}{iqr:>14}"
+            f"{'yes' if row['within_target'] else 'NO':>7}"
             f"{m['iabn_I']:>9.2f}{r['iabn_I']:>7.3f}{m['abn']:>8.2f}{r['abn']:>7.3f}"
             f"{m[PREP]:>8.2f}"
         )
@@ -186,7 +265,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=7, help="timed interleaved repeats")
+    parser.add_argument("--repeats", type=int, default=11, help="timed interleaved repeats")
     parser.add_argument("--iters", type=int, default=0,
                         help="steps per repeat (0: enough for about --target-ms)")
     parser.add_argument("--target-ms", type=float, default=100.0,
@@ -195,6 +274,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help="results file")
     parser.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--in-process", dest="isolate", action="store_false",
+                        help="time all providers in this process instead of one fresh process "
+                        "per (repeat, provider)")
+    parser.add_argument("--worker", choices=(*PROVIDERS, PREP), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.iters < 0 or args.warmup < 0 or args.threads < 1:
         parser.error("--repeats and --threads must be >= 1, --iters and --warmup >= 0")
@@ -205,8 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     threads = set_threads(args.threads)
-    rows = [bench_shape(args.batch, c, s, args) for c, s in SHAPES]
-    print(format_table(rows, threads, args.repeats))
+    if args.worker:
+        return run_worker(args)
+    rows = bench_isolated(args) if args.isolate else bench_in_process(args)
+    print(format_table(rows, threads, args.repeats, args.isolate))
     report = {
         "benchmark": "cpu_speed",
         "description": "forward+backward of one norm + LeakyReLU(0.01) layer per step; "
@@ -216,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "baseline": BASELINE,
         "headline": HEADLINE,
         "target_ratio": TARGET_RATIO,
+        "isolated_processes": args.isolate,
         "all_within_target": all(row["within_target"] for row in rows),
         "shapes": rows,
         "wall_time_s": round(time.perf_counter() - start, 2),

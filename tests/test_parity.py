@@ -196,3 +196,32 @@ def test_no_grad_and_inference_mode_run_in_place():
     with torch.inference_mode():
         y = x.clone()
         torch.testing.assert_close(layer(y), expected)
+
+
+def test_network_of_layers_sharing_scratch_memory_matches_torch():
+    """Several layers of different sizes reuse the backward's scratch buffers in turn."""
+    from iabn.kernels import scratch
+
+    def net(norm_act):
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, padding=1), norm_act(8),
+            torch.nn.Conv2d(8, 16, 3, stride=2), norm_act(16),
+            torch.nn.Conv2d(16, 4, 1), norm_act(4),
+        ).double()
+
+    torch.manual_seed(0)
+    reference = net(lambda c: torch.nn.Sequential(torch.nn.BatchNorm2d(c),
+                                                  torch.nn.LeakyReLU(0.01)))
+    ours = net(lambda c: iabn.InPlaceABN(c))
+    state = {k.replace(".0.", ".", 1) if k.count(".") == 2 else k: v
+             for k, v in reference.state_dict().items()}
+    ours.load_state_dict(state)
+    scratch.release()
+    x = torch.randn(3, 3, 9, 9, dtype=torch.float64)
+    for model in (reference, ours):
+        model(x).square().sum().backward()
+    assert scratch.held_bytes() == 2 * 3 * 8 * 9 * 9 * 8  # two buffers of the largest input
+    for (name, a), b in zip(reference.named_parameters(), ours.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-10, rtol=1e-10, msg=name)
+    scratch.release()
+    assert scratch.held_bytes() == 0

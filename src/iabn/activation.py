@@ -80,14 +80,19 @@ def apply(x: Tensor, activation: str, activation_param: float) -> Tensor:
     return x
 
 
-def invert(z: Tensor, activation: str, activation_param: float) -> Tensor:
+def invert(
+    z: Tensor, activation: str, activation_param: float, out: Tensor | None = None
+) -> Tensor:
     """Return ``y = phi^-1(z)``; ``z`` is left untouched (never write through the result).
 
     ``z`` may still be needed by another backward (``retain_graph=True``), so it is never
-    overwritten here. For ``identity`` the result *is* ``z``.
+    overwritten here. For ``identity`` the result *is* ``z``. ``out``, a tensor shaped like
+    ``z``, receives the result where the kernel can write into it (``leaky_relu``).
     """
     if activation == LEAKY_RELU:
         # The inverse of a leaky ReLU with slope a is a leaky ReLU with slope 1/a.
+        if out is not None:
+            return torch.ops.aten.leaky_relu.out(z, 1.0 / activation_param, out=out)
         return F.leaky_relu(z, 1.0 / activation_param)
     if activation == ELU:
         # y = log1p(z / alpha) for z <= 0. Where exp(y) underflowed in forward, z == -alpha
@@ -100,9 +105,18 @@ def invert(z: Tensor, activation: str, activation_param: float) -> Tensor:
     return z
 
 
-def grad_from_output(dz: Tensor, z: Tensor, activation: str, activation_param: float) -> Tensor:
-    """Return ``dy = phi'(y) * dz`` from the output ``z`` (for ``identity`` it is ``dz``)."""
+def grad_from_output(
+    dz: Tensor, z: Tensor, activation: str, activation_param: float, out: Tensor | None = None
+) -> Tensor:
+    """Return ``dy = phi'(y) * dz`` from the output ``z`` (for ``identity`` it is ``dz``).
+
+    ``out`` as in :func:`invert`.
+    """
     if activation == LEAKY_RELU:
+        if out is not None:
+            return torch.ops.aten.leaky_relu_backward.grad_input(
+                dz, z, activation_param, True, grad_input=out
+            )
         return torch.ops.aten.leaky_relu_backward(dz, z, activation_param, True)
     if activation == ELU:
         return torch.ops.aten.elu_backward(dz, activation_param, 1, 1, True, z)

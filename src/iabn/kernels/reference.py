@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .. import activation as act
 from ..scale import effective_scale, gamma_grad
+from . import scratch
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 # Memory formats in which the native kernel writes its output in place correctly. For any
@@ -151,8 +152,14 @@ def backward(
     g, invstd = _cast(scale, cdtype), _cast(invstd, cdtype)
     beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
 
-    y = act.invert(zc, activation, activation_param)
-    dy = act.grad_from_output(dzc, zc, activation, activation_param)
+    # y and dy never leave this function, so they live in reused scratch memory (where the
+    # activation's kernels can write into it: leaky_relu, the layer's default).
+    y_out = dy_out = None
+    if activation == act.LEAKY_RELU:
+        y_out = scratch.empty_like(zc, scratch.INVERSE)
+        dy_out = scratch.empty_like(zc, scratch.GRADIENT)
+    y = act.invert(zc, activation, activation_param, y_out)
+    dy = act.grad_from_output(dzc, zc, activation, activation_param, dy_out)
     inv_g = g.reciprocal()
     if variant == 1:
         # Variant I: recover xhat = (y - beta) / g explicitly, then standard BN backward.

@@ -1,0 +1,67 @@
+"""Reusable scratch buffers for the CPU backward.
+
+The reference backward needs two full-size temporaries, ``y = phi^-1(z)`` and
+``dy = phi'(y) * dz``, that never leave it. Allocating them afresh each step costs more than
+computing them on CPU: glibc hands large freed blocks back to the operating system, so every
+step page-faults them in again. Measured on the project's 2-core CPU machine (1 thread,
+ResNeXt-101 block shapes, batch 8): the fresh allocations made a training step of InPlaceABN
+1.02–1.19x that of ``nn.BatchNorm2d`` + ``LeakyReLU``; with reused buffers 0.91–1.01x.
+
+Each thread keeps one buffer per slot and dtype, grown to the largest size it has needed, and
+reuses it; at most two buffers the size of the largest layer input (in the backward's compute
+dtype, float32 for half inputs). :func:`release` frees them. CUDA tensors never use this (the
+CUDA caching allocator already reuses memory), nor do tensors whose strides leave gaps.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import Tensor
+
+_local = threading.local()
+
+#: Slots: one buffer each, so the two temporaries of one backward never share memory.
+INVERSE, GRADIENT = 0, 1
+
+
+def _is_dense(t: Tensor) -> bool:
+    """True when ``t`` covers exactly ``t.numel()`` consecutive elements in some order."""
+    if t.dim() == 0:
+        return True
+    order = sorted(range(t.dim()), key=lambda d: t.stride(d))
+    expected = 1
+    for d in order:
+        if t.size(d) != 1 and t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+def empty_like(t: Tensor, slot: int) -> Tensor:
+    """An uninitialised tensor with ``t``'s shape, strides and dtype, in a reused buffer.
+
+    The result is only valid until the next call with the same ``slot`` on this thread:
+    never return it or keep it.
+    """
+    if t.device.type != "cpu" or not _is_dense(t):
+        return torch.empty_like(t)
+    buffers: dict[tuple[int, torch.dtype], Tensor] = _local.__dict__.setdefault("buffers", {})
+    key = (slot, t.dtype)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.numel() < t.numel():
+        buffer = torch.empty(t.numel(), dtype=t.dtype)
+        buffers[key] = buffer
+    return buffer.as_strided(t.shape, t.stride())
+
+
+def release() -> None:
+    """Free this thread's scratch buffers (they are re-created on the next backward)."""
+    _local.__dict__.pop("buffers", None)
+
+
+def held_bytes() -> int:
+    """Bytes of scratch memory this thread holds."""
+    buffers = _local.__dict__.get("buffers", {})
+    return sum(b.numel() * b.element_size() for b in buffers.values())
