@@ -225,3 +225,26 @@ def test_network_of_layers_sharing_scratch_memory_matches_torch():
         torch.testing.assert_close(b.grad, a.grad, atol=1e-10, rtol=1e-10, msg=name)
     scratch.release()
     assert scratch.held_bytes() == 0
+
+
+@pytest.mark.parametrize(
+    "make_view",
+    [lambda t: t.transpose(0, 2), lambda t: t[:, :, ::2], lambda t: t[:, 2:5]],
+    ids=["transposed", "strided", "channel-slice"],
+)
+def test_in_place_on_a_view_of_an_intermediate_has_correct_gradients(make_view):
+    """Autograd rebases the written view onto its base; gradients must flow through both."""
+    base = torch.randn(6, 8, 7, 6, dtype=torch.float64, requires_grad=True)
+    channels = make_view(base).shape[1]
+    bn, act, layer = _pair(tuple(make_view(base).shape), "leaky_relu")
+    bn.train()
+    expected = act(bn(make_view(base).clone()))
+    grad = torch.randn_like(expected)
+    (grad_expected,) = torch.autograd.grad((expected * grad).sum(), base)
+
+    work = base * 1.0
+    out = layer(make_view(work))
+    assert out.shape[1] == channels
+    (grad_ours,) = torch.autograd.grad((out * grad).sum(), base)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    torch.testing.assert_close(grad_ours, grad_expected, atol=1e-12, rtol=0)

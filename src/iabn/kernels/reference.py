@@ -22,12 +22,6 @@ from ..scale import effective_scale, gamma_grad
 from . import scratch
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-# Memory formats in which the native kernel writes its output in place correctly. For any
-# other strides the ``out=`` write does not match the input's layout, so we go through a
-# dense copy (measured: wrong values without it).
-_DENSE_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
-
-
 def stat_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
     """Dtype of the per-channel statistics: the parameters', else float32 for half inputs."""
     for t in (weight, running_mean):
@@ -40,16 +34,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Backward works in float32 for half inputs: inverting ``z`` in half precision would add
     a rounding error of ``z``'s size to every recovered ``y``."""
     return torch.float32 if dtype in _LOW_PRECISION else dtype
-
-
-def _is_dense(x: Tensor) -> bool:
-    if x.dim() == 4:
-        formats = _DENSE_FORMATS[:2]
-    elif x.dim() == 5:
-        formats = _DENSE_FORMATS[::2]
-    else:
-        formats = _DENSE_FORMATS[:1]
-    return any(x.is_contiguous(memory_format=f) for f in formats)
 
 
 def channel_view(v: Tensor, ndim: int) -> Tensor:
@@ -102,7 +86,9 @@ def forward_(
     channels = x.shape[1]
     sdtype = stat_dtype(x, weight, running_mean)
     g, beta = _scale_and_shift(weight, bias, eps, gamma_mode, channels, sdtype, x.device)
-    work = x if _is_dense(x) else x.contiguous()
+    # For other strides the native kernel's ``out=`` write does not follow the input's
+    # layout (measured: wrong values), so such inputs go through a dense copy.
+    work = x if scratch.is_dense_format(x) else x.contiguous()
     if training:
         save_mean = torch.empty(channels, dtype=sdtype, device=x.device)
         invstd = torch.empty(channels, dtype=sdtype, device=x.device)

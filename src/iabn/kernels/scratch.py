@@ -10,7 +10,8 @@ ResNeXt-101 block shapes, batch 8): the fresh allocations made a training step o
 Each thread keeps one buffer per slot and dtype, grown to the largest size it has needed, and
 reuses it; at most two buffers the size of the largest layer input (in the backward's compute
 dtype, float32 for half inputs). :func:`release` frees them. CUDA tensors never use this (the
-CUDA caching allocator already reuses memory), nor do tensors whose strides leave gaps.
+CUDA caching allocator already reuses memory), nor do layouts other than contiguous and
+channels-last.
 """
 
 from __future__ import annotations
@@ -26,17 +27,14 @@ _local = threading.local()
 INVERSE, GRADIENT = 0, 1
 
 
-def _is_dense(t: Tensor) -> bool:
-    """True when ``t`` covers exactly ``t.numel()`` consecutive elements in some order."""
-    if t.dim() == 0:
+def is_dense_format(t: Tensor) -> bool:
+    """True when ``t`` is contiguous, ``channels_last`` (4-D) or ``channels_last_3d`` (5-D):
+    the layouts PyTorch's batch-norm kernels write in place and that fill their storage."""
+    if t.is_contiguous():
         return True
-    order = sorted(range(t.dim()), key=lambda d: t.stride(d))
-    expected = 1
-    for d in order:
-        if t.size(d) != 1 and t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
+    if t.dim() == 4:
+        return t.is_contiguous(memory_format=torch.channels_last)
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
 
 
 def empty_like(t: Tensor, slot: int) -> Tensor:
@@ -45,7 +43,7 @@ def empty_like(t: Tensor, slot: int) -> Tensor:
     The result is only valid until the next call with the same ``slot`` on this thread:
     never return it or keep it.
     """
-    if t.device.type != "cpu" or not _is_dense(t):
+    if not t.is_cpu or not is_dense_format(t):
         return torch.empty_like(t)
     buffers: dict[tuple[int, torch.dtype], Tensor] = _local.__dict__.setdefault("buffers", {})
     key = (slot, t.dtype)
