@@ -69,17 +69,6 @@ def apply_(x: Tensor, activation: str, activation_param: float) -> Tensor:
     return x
 
 
-def apply(x: Tensor, activation: str, activation_param: float) -> Tensor:
-    """Apply the activation out of place (used by :class:`iabn.ABN`, differentiable)."""
-    if activation == LEAKY_RELU:
-        return F.leaky_relu(x, activation_param)
-    if activation == ELU:
-        return F.elu(x, activation_param)
-    if activation == RELU:
-        return F.relu(x)
-    return x
-
-
 def invert(
     z: Tensor, activation: str, activation_param: float, out: Tensor | None = None
 ) -> Tensor:

@@ -10,10 +10,10 @@ import torch
 from torch import Tensor
 
 from .activation import check_activation
+from .kernels.reference import LOW_PRECISION
 from .scale import check_gamma_mode
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
 _SHAPES = "(N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W)"
 
 
@@ -112,11 +112,11 @@ def _check_param_dtypes(input: Tensor, *params: Tensor | None) -> None:
     if not dtypes:
         return
     (dtype,) = dtypes
-    allowed = (input.dtype, torch.float32) if input.dtype in _LOW_PRECISION else (input.dtype,)
+    allowed = (input.dtype, torch.float32) if input.dtype in LOW_PRECISION else (input.dtype,)
     if dtype not in allowed:
         hint = (
             "keep parameters in float32 (or the input's dtype) for half-precision inputs"
-            if input.dtype in _LOW_PRECISION
+            if input.dtype in LOW_PRECISION
             else f"convert the layer with .to({input.dtype}) or the input with .to({dtype})"
         )
         raise TypeError(f"parameters have dtype {dtype} but input has {input.dtype}: {hint}")

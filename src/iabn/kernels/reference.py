@@ -21,19 +21,20 @@ from .. import activation as act
 from ..scale import effective_scale, gamma_grad
 from . import scratch
 
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
+#: Input dtypes whose statistics and backward are computed in float32.
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 def stat_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
     """Dtype of the per-channel statistics: the parameters', else float32 for half inputs."""
     for t in (weight, running_mean):
         if t is not None:
             return t.dtype
-    return torch.float32 if x.dtype in _LOW_PRECISION else x.dtype
+    return torch.float32 if x.dtype in LOW_PRECISION else x.dtype
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Backward works in float32 for half inputs: inverting ``z`` in half precision would add
     a rounding error of ``z``'s size to every recovered ``y``."""
-    return torch.float32 if dtype in _LOW_PRECISION else dtype
+    return torch.float32 if dtype in LOW_PRECISION else dtype
 
 
 def channel_view(v: Tensor, ndim: int) -> Tensor:
