@@ -132,8 +132,3 @@ def test_abn_accepts_relu_but_rejects_unknown():
     assert iabn.ABN(3, activation="relu").activation == "relu"
     with pytest.raises(ValueError, match="unknown activation"):
         iabn.ABN(3, activation="swish")
-
-
-def test_sync_name_is_reserved_and_says_so():
-    with pytest.raises(NotImplementedError, match="InPlaceABNSync is not implemented yet"):
-        iabn.InPlaceABNSync(4)

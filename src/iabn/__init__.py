@@ -1,8 +1,19 @@
 """iabn: In-Place Activated BatchNorm and memory-saving tools for training deep CNNs."""
 
 from . import functional, memory
-from .modules import ABN, InPlaceABN, InPlaceABNSync
+from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
+from .modules import ABN, InPlaceABN
 
 __version__ = "0.1.0"
 
-__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "__version__", "functional", "memory"]
+__all__ = [
+    "ABN",
+    "ABNSync",
+    "InPlaceABN",
+    "InPlaceABNSync",
+    "__version__",
+    "convert_local",
+    "convert_sync",
+    "functional",
+    "memory",
+]

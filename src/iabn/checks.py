@@ -41,8 +41,13 @@ def check_inputs(
     *,
     in_place: bool,
     num_features: int | None = None,
+    synchronised: bool = False,
 ) -> None:
-    """Validate a call; ``training`` means "normalise with batch statistics"."""
+    """Validate a call; ``training`` means "normalise with batch statistics".
+
+    ``synchronised``: the batch statistics come from all ranks, so this rank may hold a single
+    value per channel, or none; the total is checked after the ranks' counts are gathered.
+    """
     if not isinstance(input, Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if input.dtype not in SUPPORTED_DTYPES:
@@ -72,7 +77,7 @@ def check_inputs(
             "running_mean and running_var are required when training=False (normalising with "
             "running statistics); pass both, or training=True to use the batch statistics"
         )
-    if training:
+    if training and not synchronised:
         values_per_channel = input.numel() // max(channels, 1)
         if values_per_channel == 1:
             raise ValueError(

@@ -119,4 +119,12 @@ def _abn_unchecked(
     return act.apply_(y, activation, activation_param)
 
 
-__all__ = ["abn", "inplace_abn"]
+def inplace_abn_sync(*args, **kwargs) -> Tensor:
+    """:func:`inplace_abn` with batch statistics synchronised over ``torch.distributed``
+    (extra keyword ``group``); see :func:`iabn.distributed.inplace_abn_sync`."""
+    from .distributed import inplace_abn_sync as synchronised  # distributed imports this module
+
+    return synchronised(*args, **kwargs)
+
+
+__all__ = ["abn", "inplace_abn", "inplace_abn_sync"]

@@ -147,17 +147,3 @@ class InPlaceABN(ABN):
     def extra_repr(self) -> str:
         text = super().extra_repr()
         return text + (f", variant={self.variant}" if self.variant != 2 else "")
-
-
-class InPlaceABNSync(InPlaceABN):
-    """Reserved: :class:`InPlaceABN` with statistics synchronised over ``torch.distributed``.
-
-    Not implemented yet (tracked as its own piece of work); constructing it raises so that no
-    model silently trains with per-device statistics.
-    """
-
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError(
-            "InPlaceABNSync is not implemented yet in this version of iabn; use InPlaceABN "
-            "(per-device statistics) meanwhile"
-        )

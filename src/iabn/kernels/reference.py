@@ -139,14 +139,7 @@ def backward(
     g, invstd = _cast(scale, cdtype), _cast(invstd, cdtype)
     beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
 
-    # y and dy never leave this function, so they live in reused scratch memory (where the
-    # activation's kernels can write into it: leaky_relu, the layer's default).
-    y_out = dy_out = None
-    if activation == act.LEAKY_RELU:
-        y_out = scratch.empty_like(zc, scratch.INVERSE)
-        dy_out = scratch.empty_like(zc, scratch.GRADIENT)
-    y = act.invert(zc, activation, activation_param, y_out)
-    dy = act.grad_from_output(dzc, zc, activation, activation_param, dy_out)
+    y, dy = recover(zc, dzc, activation, activation_param)
     inv_g = g.reciprocal()
     if variant == 1:
         # Variant I: recover xhat = (y - beta) / g explicitly, then standard BN backward.
@@ -167,13 +160,37 @@ def backward(
     if want_dx and not training:
         dx = dy * channel_view(g * invstd, ndim)
 
+    return finish_grads(dx, dg, dbeta, z, weight, bias, gamma_mode, output_mask)
+
+
+def recover(
+    zc: Tensor, dzc: Tensor, activation: str, activation_param: float
+) -> tuple[Tensor, Tensor]:
+    """``(y, dy)`` from the stored output and its gradient (both in the compute dtype).
+
+    They never leave the backward, so they live in reused scratch memory where the
+    activation's kernels can write into it (leaky_relu, the layer's default). Valid until the
+    next backward on this thread.
+    """
+    y_out = dy_out = None
+    if activation == act.LEAKY_RELU:
+        y_out = scratch.empty_like(zc, scratch.INVERSE)
+        dy_out = scratch.empty_like(zc, scratch.GRADIENT)
+    y = act.invert(zc, activation, activation_param, y_out)
+    dy = act.grad_from_output(dzc, zc, activation, activation_param, dy_out)
+    return y, dy
+
+
+def finish_grads(
+    dx: Tensor | None, dg: Tensor | None, dbeta: Tensor | None, z: Tensor,
+    weight: Tensor | None, bias: Tensor | None, gamma_mode: str, output_mask: list[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Chain ``dg`` to ``dgamma``, drop what was not asked for, cast to the inputs' dtypes."""
+    _, want_dgamma, want_dbeta = output_mask
     if dx is not None:
         dx = _cast(dx, z.dtype)
     dgamma = None
-    if want_dgamma and weight is not None:
-        dgamma = _cast(gamma_grad(dg, _cast(weight, cdtype), gamma_mode), weight.dtype)
-    if not want_dbeta or bias is None:
-        dbeta = None
-    elif dbeta is not None:
-        dbeta = _cast(dbeta, bias.dtype)
-    return dx, dgamma, dbeta
+    if want_dgamma and weight is not None and dg is not None:
+        dgamma = _cast(gamma_grad(dg, _cast(weight, dg.dtype), gamma_mode), weight.dtype)
+    keep_dbeta = want_dbeta and bias is not None and dbeta is not None
+    return dx, dgamma, _cast(dbeta, bias.dtype) if keep_dbeta else None

@@ -1,0 +1,138 @@
+"""Math of the synchronised layer, split around its two collectives (no communication here).
+
+Forward: :func:`local_moments` -> (all-gather) -> :func:`merge_moments` ->
+:func:`normalize_` with the merged statistics. Backward: :func:`local_sums` -> (all-reduce) ->
+:func:`input_grad`. Per-channel tensors are ``(C,)``; merged statistics are float64 so that the
+merge of many ranks' moments loses nothing (DESIGN §2, "Sync").
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .. import activation as act
+from .reference import (
+    _cast,
+    _scale_and_shift,
+    channel_view,
+    compute_dtype,
+    recover,
+    scratch,
+    stat_dtype,
+)
+
+MERGE_DTYPE = torch.float64
+
+
+def local_moments(x: Tensor) -> Tensor:
+    """``(count, mean_1..C, var_1..C)`` of this rank as one float64 vector of ``2C + 1``.
+
+    ``var`` is biased (divided by the local count). A rank without samples reports zeros, so
+    it still contributes a well-formed row to the all-gather.
+    """
+    channels = x.shape[1]
+    count = x.numel() // channels if channels else 0
+    moments = torch.zeros(2 * channels + 1, dtype=MERGE_DTYPE, device=x.device)
+    moments[0] = count
+    if count:
+        dims = [d for d in range(x.dim()) if d != 1]
+        var, mean = torch.var_mean(_cast(x, compute_dtype(x.dtype)), dim=dims, correction=0)
+        moments[1 : channels + 1] = mean
+        moments[channels + 1 :] = var
+    return moments
+
+
+def merge_moments(gathered: Tensor) -> tuple[int, Tensor, Tensor]:
+    """Chan's parallel merge of ``(world, 2C + 1)`` rows -> ``(total count, mean, var)``.
+
+    ``var`` is the biased variance of the union of all ranks' values.
+    """
+    channels = (gathered.shape[1] - 1) // 2
+    counts = gathered[:, :1]
+    means, variances = gathered[:, 1 : channels + 1], gathered[:, channels + 1 :]
+    total = counts.sum()
+    mean = (counts * means).sum(0) / total
+    m2 = (counts * (variances + (means - mean) ** 2)).sum(0)
+    return int(total.item()), mean, m2 / total
+
+
+def normalize_(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    mean: Tensor,
+    var: Tensor,
+    eps: float,
+    activation: str,
+    activation_param: float,
+    gamma_mode: str,
+) -> tuple[Tensor, Tensor]:
+    """Overwrite ``x`` with ``phi(g * (x - mean) / sqrt(var + eps) + beta)``; return
+    ``(invstd, g)`` in the statistics dtype, as :func:`reference.forward_` does."""
+    channels = x.shape[1]
+    sdtype = stat_dtype(x, weight, None)
+    g, beta = _scale_and_shift(weight, bias, eps, gamma_mode, channels, sdtype, x.device)
+    mean, var = mean.to(sdtype), var.to(sdtype)
+    if x.numel():
+        work = x if scratch.is_dense_format(x) else x.contiguous()
+        # Eval-mode batch norm normalises with the statistics it is given: the merged ones.
+        unused = torch.empty(0, dtype=sdtype, device=x.device)
+        torch.ops.aten.native_batch_norm.out(
+            work, g, beta, mean, var, False, 0.0, eps,
+            out=work, save_mean=unused, save_invstd=unused.clone(),
+        )
+        act.apply_(work, activation, activation_param)
+        if work is not x:
+            x.copy_(work)
+    return (var + eps).rsqrt(), g
+
+
+def update_running_stats_(
+    running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, total: int,
+    momentum: float,
+) -> None:
+    """``nn.BatchNorm``'s update with the merged statistics (unbiased variance)."""
+    unbiased = var * (total / (total - 1))
+    running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
+    running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+
+
+def local_sums(
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
+    activation_param: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, dy, sums)`` with ``sums = [sum(dy * xhat), sum(dy)]`` stacked ``(2, C)``.
+
+    ``y`` and ``dy`` are scratch tensors (see :func:`reference.recover`), valid until the next
+    backward on this thread.
+    """
+    cdtype = compute_dtype(z.dtype)
+    g = _cast(scale, cdtype)
+    beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
+    y, dy = recover(_cast(z, cdtype), _cast(dz, cdtype), activation, activation_param)
+    if not z.numel():
+        return y, dy, torch.zeros(2, g.shape[0], dtype=cdtype, device=z.device)
+    # The reductions of the batch-norm backward, with the identity of reference.py.
+    _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
+        dy, y, g, None, None, beta, g.reciprocal(), True, 0.0, [False, True, True],
+    )
+    return y, dy, torch.stack([sum_dy_xhat, sum_dy])
+
+
+def input_grad(
+    y: Tensor, dy: Tensor, bias: Tensor | None, scale: Tensor, invstd: Tensor,
+    global_sums: Tensor, total: int, out_dtype: torch.dtype,
+) -> Tensor:
+    """``dx = g * invstd * (dy - xhat * sum(dy * xhat) / n - sum(dy) / n)`` with the sums and
+    ``n`` over all ranks, written as ``k1 * dy + k2 * y + k3`` with per-channel ``k``."""
+    ndim = y.dim()
+    g, invstd = _cast(scale, y.dtype), _cast(invstd, y.dtype)
+    beta = _cast(bias, y.dtype) if bias is not None else torch.zeros_like(g)
+    sum_dy_xhat, sum_dy = _cast(global_sums, y.dtype)
+    k1 = g * invstd
+    k2 = -invstd * sum_dy_xhat / total
+    k3 = invstd * (beta * sum_dy_xhat - g * sum_dy) / total
+    dx = torch.addcmul(channel_view(k3, ndim), dy, channel_view(k1, ndim))
+    dx.addcmul_(y, channel_view(k2, ndim))
+    return _cast(dx, out_dtype)

@@ -1,0 +1,169 @@
+"""Code that runs inside the worker processes of test_distributed.py (gloo, CPU).
+
+Every rank builds the same full batch from the same seed and takes its own slice, so each rank
+can compute the single-process reference on the whole batch by itself and compare locally.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+import iabn
+
+from helpers import ACTIVATION_PARAMS, randomise_, torch_activation, torch_batchnorm
+
+
+def run(rank: int, world: int, port: int, scenario: str) -> None:
+    """``torch.multiprocessing.spawn`` entry point: one rank of one scenario."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        SCENARIOS[scenario](rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _slice(full: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
+    start = sum(sizes[:rank])
+    return full[start : start + sizes[rank]]
+
+
+def _compare_with_single_process(rank, world, sizes, activation, dtype, atol, steps=2,
+                                 momentum=0.1, channels_last=False, shape=(6, 5, 4)):
+    channels = shape[0]
+    param = ACTIVATION_PARAMS[activation] or 0.01
+    torch.manual_seed(1)
+    reference = torch_batchnorm(len(shape) + 1, channels, momentum=momentum)
+    reference = randomise_(reference).to(dtype)
+    act = torch_activation(activation, param)
+    layer = iabn.InPlaceABNSync(channels, momentum=momentum, activation=activation,
+                                activation_param=param).to(dtype)
+    layer.load_state_dict(reference.state_dict())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    for step in range(steps):
+        torch.manual_seed(100 + step)
+        full = (torch.randn(sum(sizes), *shape, dtype=dtype) * 2 + 0.5)
+        upstream = torch.randn(sum(sizes), *shape, dtype=dtype)
+        reference.zero_grad()
+        layer.zero_grad()
+        x_ref = full.clone().requires_grad_()
+        out_ref = act(reference(x_ref))
+        out_ref.backward(upstream)
+
+        x_leaf = _slice(full, sizes, rank).contiguous(memory_format=fmt).requires_grad_()
+        out = layer(x_leaf.clone())
+        out.backward(_slice(upstream, sizes, rank).contiguous(memory_format=fmt))
+
+        torch.testing.assert_close(out, _slice(out_ref, sizes, rank), atol=atol, rtol=0)
+        torch.testing.assert_close(x_leaf.grad, _slice(x_ref.grad, sizes, rank), atol=atol,
+                                   rtol=0)
+        # DDP averages the ranks' parameter gradients; times the world size that is the sum,
+        # which must be the whole batch's gradient.
+        for name in ("weight", "bias"):
+            grad = getattr(layer, name).grad.clone()
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad, getattr(reference, name).grad, atol=atol * 10,
+                                       rtol=0, msg=f"{name} grad")
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            torch.testing.assert_close(getattr(layer, name), getattr(reference, name),
+                                       atol=atol, rtol=0, msg=name)
+
+
+def _sizes_for(world: int) -> list[list[int]]:
+    return {2: [[3, 5], [1, 4], [4, 0]], 3: [[3, 5, 1], [2, 0, 3]]}[world]
+
+
+def matches_single_process(rank: int, world: int) -> None:
+    for sizes in _sizes_for(world):
+        for activation in ("leaky_relu", "elu", "identity"):
+            _compare_with_single_process(rank, world, sizes, activation, torch.float64, 1e-10)
+        _compare_with_single_process(rank, world, sizes, "leaky_relu", torch.float32, 2e-5,
+                                     channels_last=True)
+    _compare_with_single_process(rank, world, _sizes_for(world)[0], "leaky_relu",
+                                 torch.float64, 1e-10, steps=3, momentum=None)
+    _compare_with_single_process(rank, world, _sizes_for(world)[0], "leaky_relu",
+                                 torch.float64, 1e-10, shape=(3,))  # (N, C) input
+
+
+def counts_collectives(rank: int, world: int) -> None:
+    calls: Counter[str] = Counter()
+    originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    layer = iabn.InPlaceABNSync(4)
+    layer(torch.randn(3, 4, 5, 5))  # the first step also checks the ranks agree
+    dist.all_gather, dist.all_reduce = counting("all_gather"), counting("all_reduce")
+    try:
+        for _ in range(3):
+            x = torch.randn(2 + rank, 4, 5, 5, requires_grad=True)
+            layer(x.clone()).sum().backward()
+        assert calls == {"all_gather": 3, "all_reduce": 3}, calls
+        layer.eval()
+        with torch.no_grad():
+            layer(torch.randn(2, 4, 5, 5))
+        x = torch.randn(2, 4, 5, 5, requires_grad=True)
+        layer(x.clone()).sum().backward()
+        assert calls == {"all_gather": 3, "all_reduce": 3}, f"eval communicated: {calls}"
+    finally:
+        dist.all_gather, dist.all_reduce = originals["all_gather"], originals["all_reduce"]
+
+
+def rejects_mismatched_ranks(rank: int, world: int) -> None:
+    layer = iabn.InPlaceABNSync(4 + rank)
+    x = torch.randn(3, 4 + rank, 2, 2)
+    before = x.clone()
+    try:
+        layer(x)
+    except ValueError as error:
+        assert "differ across ranks" in str(error) and "rank 1: 5 channels" in str(error)
+    else:
+        raise AssertionError("mismatched channel counts were not detected")
+    assert torch.equal(x, before) and layer.num_batches_tracked.item() == 0
+
+
+def functional_and_conversion(rank: int, world: int) -> None:
+    from iabn.functional import inplace_abn_sync
+
+    torch.manual_seed(0)
+    full = torch.randn(6, 3, 4, dtype=torch.float64)
+    mine = full[rank * 3 : rank * 3 + 3].clone()
+    expected = torch.nn.functional.leaky_relu(
+        torch.nn.functional.batch_norm(full, None, None, training=True), 0.01
+    )[rank * 3 : rank * 3 + 3]
+    out = inplace_abn_sync(mine, None, None, training=True)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), iabn.InPlaceABN(4),
+                                torch.nn.Sequential(iabn.ABN(4, activation="elu")))
+    weight = model[1].weight
+    synced = iabn.convert_sync(model)
+    assert type(synced[1]) is iabn.InPlaceABNSync and type(synced[2][0]) is iabn.ABNSync
+    assert synced[1].weight is weight and synced[2][0].activation == "elu"
+    back = iabn.convert_local(synced)
+    assert type(back[1]) is iabn.InPlaceABN and type(back[2][0]) is iabn.ABN
+    assert back[1].weight is weight
+
+    from iabn.distributed import active_ranks_group
+
+    sub = active_ranks_group(rank != 0)
+    if rank != 0:
+        assert dist.get_world_size(sub) == world - 1
+
+
+SCENARIOS = {
+    "matches_single_process": matches_single_process,
+    "counts_collectives": counts_collectives,
+    "rejects_mismatched_ranks": rejects_mismatched_ranks,
+    "functional_and_conversion": functional_and_conversion,
+}

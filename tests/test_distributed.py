@@ -1,0 +1,55 @@
+"""InPlaceABNSync with real processes (gloo on CPU): exact against one process on the whole
+batch, uneven and empty per-rank batches, one collective each way, clear cross-rank errors."""
+
+import socket
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import iabn
+
+import dist_workers
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(world: int, scenario: str) -> None:
+    mp.spawn(dist_workers.run, args=(world, _free_port(), scenario), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matches_single_process_on_the_whole_batch(world):
+    _spawn(world, "matches_single_process")
+
+
+def test_one_collective_each_way_and_none_in_eval():
+    _spawn(2, "counts_collectives")
+
+
+def test_mismatched_channels_fail_clearly_on_every_rank():
+    _spawn(2, "rejects_mismatched_ranks")
+
+
+def test_functional_conversion_and_active_group():
+    _spawn(3, "functional_and_conversion")
+
+
+def test_without_process_group_behaves_like_inplace_abn_and_warns_once(monkeypatch):
+    import iabn.distributed as distributed
+
+    monkeypatch.setattr(distributed, "_warned_single_process", False)
+    torch.manual_seed(0)
+    sync_layer, local_layer = iabn.InPlaceABNSync(4), iabn.InPlaceABN(4)
+    x = torch.randn(3, 4, 5, 5)
+    with pytest.warns(UserWarning, match="without a torch.distributed process group"):
+        out = sync_layer(x.clone())
+    torch.testing.assert_close(out, local_layer(x.clone()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sync_layer(x.clone())  # no second warning
