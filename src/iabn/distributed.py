@@ -321,7 +321,10 @@ def active_ranks_group(active: bool, group: Any = None) -> Any:
     run the synchronised layers with it.
     """
     group = dist.group.WORLD if group is None else group
-    flag = torch.tensor([1 if active else 0], dtype=torch.int64)
+    # NCCL only moves CUDA tensors; gloo moves CPU ones.
+    device = torch.device("cuda", torch.cuda.current_device()) if (
+        dist.get_backend(group) == "nccl") else torch.device("cpu")
+    flag = torch.tensor([1 if active else 0], dtype=torch.int64, device=device)
     flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
     dist.all_gather(flags, flag, group=group)
     members = [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
