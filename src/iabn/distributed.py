@@ -313,23 +313,21 @@ def _rebuild(old: ABN, cls: type[ABN], group: Any) -> ABN:
     return new
 
 
-def active_ranks_group(active: bool, group: Any = None) -> Any:
-    """A process group of the ranks of ``group`` (default: world) that pass ``active=True``.
+def active_ranks_group(active: bool) -> Any:
+    """A process group of the ranks that pass ``active=True`` (e.g. those that have data).
 
-    Every rank of the default group must call it (``torch.distributed.new_group`` requires
-    that). Ranks that are not active get ``GroupMember.NON_GROUP_MEMBER`` back and must not
-    run the synchronised layers with it.
+    Every rank of the world must call it, with its own flag (``torch.distributed.new_group``
+    requires that all ranks call it with the same member list, which the all-gather of the
+    flags provides). Inactive ranks get ``GroupMember.NON_GROUP_MEMBER`` back and must not run
+    the synchronised layers with it.
     """
-    group = dist.group.WORLD if group is None else group
     # NCCL only moves CUDA tensors; gloo moves CPU ones.
     device = torch.device("cuda", torch.cuda.current_device()) if (
-        dist.get_backend(group) == "nccl") else torch.device("cpu")
+        dist.get_backend() == "nccl") else torch.device("cpu")
     flag = torch.tensor([1 if active else 0], dtype=torch.int64, device=device)
-    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(flags, flag, group=group)
-    members = [dist.get_global_rank(group, r) if group is not dist.group.WORLD else r
-               for r, f in enumerate(flags) if int(f.item())]
-    return dist.new_group(ranks=members)
+    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size())]
+    dist.all_gather(flags, flag)
+    return dist.new_group(ranks=[r for r, f in enumerate(flags) if int(f.item())])
 
 
 __all__ = [
