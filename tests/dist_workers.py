@@ -23,10 +23,11 @@ def run(rank: int, world: int, port: int, scenario: str) -> None:
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        SCENARIOS[scenario](rank, world)
-    finally:
-        dist.destroy_process_group()
+    SCENARIOS[scenario](rank, world)
+    # All ranks finish before any tears gloo down (see ddp_train.py). A failing rank skips
+    # this and exits with its exception, which ends the whole spawn.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _slice(full: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
