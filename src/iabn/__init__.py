@@ -1,6 +1,7 @@
 """iabn: In-Place Activated BatchNorm and memory-saving tools for training deep CNNs."""
 
 from . import functional, memory
+from .blocks import BNActConv
 from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
 from .modules import ABN, InPlaceABN
 
@@ -9,6 +10,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ABN",
     "ABNSync",
+    "BNActConv",
     "InPlaceABN",
     "InPlaceABNSync",
     "__version__",

@@ -109,4 +109,7 @@ def grad_from_output(
         return torch.ops.aten.leaky_relu_backward(dz, z, activation_param, True)
     if activation == ELU:
         return torch.ops.aten.elu_backward(dz, activation_param, 1, 1, True, z)
+    if activation == RELU:
+        # relu's output tells where its input was positive, so its derivative needs no inverse
+        return torch.ops.aten.threshold_backward(dz, z, 0)
     return dz

@@ -1,0 +1,102 @@
+"""Paper Fig. 4 analogue: one BN -> LeakyReLU -> conv block per memory strategy.
+
+For each ResNeXt-101 stage shape (C = 256/512/1024/2048 at 56/28/14/7 pixels, here with a
+1x1 conv C -> C/2 as in the bottleneck's reduction), every strategy of :class:`iabn.BNActConv`
+runs the same weights on the same data: forward + backward time (median of interleaved
+repeats) and the exact activation bytes it keeps for backward. The paper used batch 32 and 200
+iterations on a GPU; on CPU the default is batch 4 and a few repeats (`--batch`, `--repeats`),
+so CPU times show the relative cost of the extra work, not GPU behaviour.
+
+Usage::
+
+    python benchmarks/block_strategies.py [--batch 4] [--repeats 7] [--threads 2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from statistics import median
+
+import torch
+
+from iabn.bench import machine_info, progress_printer, set_threads, time_interleaved
+from iabn.blocks import STRATEGIES, BNActConv
+from iabn.memory import saved_tensor_bytes
+
+SHAPES = ((256, 56), (512, 28), (1024, 14), (2048, 7))
+BASELINE = "standard"
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "block_strategies.json"
+
+
+def bench_shape(batch: int, channels: int, size: int, args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    blocks = {s: BNActConv(channels, channels // 2, 1, strategy=s) for s in STRATEGIES}
+    state = blocks[BASELINE].state_dict()
+    for block in blocks.values():
+        block.load_state_dict(state)
+    leaf = torch.randn(batch, channels, size, size, requires_grad=True)
+    grad = torch.randn(batch, channels // 2, size, size)
+    saved = {s: saved_tensor_bytes(b, leaf.clone()) for s, b in blocks.items()}
+
+    def step(block):
+        def run() -> None:
+            leaf.grad = None
+            block.zero_grad(set_to_none=True)
+            block(leaf.clone()).backward(grad)
+        return run
+
+    label = f"{channels}x{size}x{size}"
+    callback = None if args.quiet else progress_printer(f"[blocks {label}] ", args.repeats)
+    samples = time_interleaved({s: step(b) for s, b in blocks.items()}, args.repeats,
+                               iters=args.iters, warmup=2, on_repeat=callback)
+    medians = {s: median(v) for s, v in samples.items()}
+    return {"shape": [batch, channels, size, size], "saved_bytes": saved,
+            "activation_bytes": leaf.nbytes, "median_ms": medians,
+            "time_ratio": {s: medians[s] / medians[BASELINE] for s in STRATEGIES},
+            "samples_ms": samples}
+
+
+def format_table(rows: list[dict], args: argparse.Namespace) -> str:
+    lines = [f"BN -> LeakyReLU(0.01) -> conv1x1 block, fwd+bwd, CPU float32, batch {args.batch}, "
+             f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of "
+             f"{args.repeats} interleaved repeats x {args.iters} steps",
+             "saved = activation memory kept for backward in units of the block input; "
+             "time relative to standard", ""]
+    header = f"{'C x H x W':<12}" + "".join(f"{s:>22}" for s in STRATEGIES)
+    lines.append(header)
+    for row in rows:
+        cells = "".join(
+            f"{row['saved_bytes'][s] / row['activation_bytes']:>9.2f}x "
+            f"{row['median_ms'][s]:>7.2f}ms {row['time_ratio'][s]:>4.2f}"
+            for s in STRATEGIES
+        )
+        lines.append(f"{'x'.join(map(str, row['shape'][1:])):<12}{cells}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    set_threads(args.threads)
+    rows = [bench_shape(args.batch, c, s, args) for c, s in SHAPES]
+    print(format_table(rows, args))
+    report = {"benchmark": "block_strategies", "machine": machine_info(),
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "shapes": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
