@@ -1,6 +1,6 @@
 """iabn: In-Place Activated BatchNorm and memory-saving tools for training deep CNNs."""
 
-from . import functional, memory
+from . import functional, memory, offload
 from .blocks import BNActConv
 from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
 from .modules import ABN, InPlaceABN
@@ -18,4 +18,5 @@ __all__ = [
     "convert_sync",
     "functional",
     "memory",
+    "offload",
 ]
