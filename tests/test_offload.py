@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.offload import Offloader, OffloadModel, offload
+from iabn.offloading import Offloader, OffloadModel, offload
 
 
 class Net(nn.Module):

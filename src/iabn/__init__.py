@@ -1,9 +1,10 @@
 """iabn: In-Place Activated BatchNorm and memory-saving tools for training deep CNNs."""
 
-from . import functional, memory, offload
+from . import functional, memory
 from .blocks import BNActConv
 from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
 from .modules import ABN, InPlaceABN
+from .offloading import Offloader, OffloadModel, offload
 
 __version__ = "0.1.0"
 
@@ -13,6 +14,8 @@ __all__ = [
     "BNActConv",
     "InPlaceABN",
     "InPlaceABNSync",
+    "OffloadModel",
+    "Offloader",
     "__version__",
     "convert_local",
     "convert_sync",
