@@ -1,0 +1,54 @@
+"""The pluggable norm + activation layer every model takes (timm-style string factory).
+
+``norm_act_factory(name_or_callable, activation, activation_param)`` returns a callable
+``make(channels, activation=None) -> nn.Module``: ``"bn"`` (``nn.BatchNorm2d`` + the
+activation as a separate in-place module), ``"abn"``, ``"iabn"``, ``"iabn_sync"``, or any
+callable with that signature. ``activation=None`` means the model's default activation;
+models pass ``"identity"`` where a norm is followed by a residual sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from ..activation import ELU, IDENTITY, LEAKY_RELU, RELU
+from ..distributed import InPlaceABNSync
+from ..modules import ABN, InPlaceABN
+
+NormAct = Callable[..., nn.Module]
+NAMES = ("bn", "abn", "iabn", "iabn_sync")
+
+
+def activation_module(activation: str, activation_param: float) -> nn.Module:
+    """The ``torch.nn`` activation, in place (it follows a batch norm's fresh output)."""
+    if activation == LEAKY_RELU:
+        return nn.LeakyReLU(activation_param, inplace=True)
+    if activation == ELU:
+        return nn.ELU(activation_param, inplace=True)
+    if activation == RELU:
+        return nn.ReLU(inplace=True)
+    if activation == IDENTITY:
+        return nn.Identity()
+    raise ValueError(f"unknown activation={activation!r}")
+
+
+def norm_act_factory(
+    layer: str | NormAct = "iabn", activation: str = "leaky_relu", activation_param: float = 0.01
+) -> NormAct:
+    """A factory ``make(channels, activation=None)`` for the chosen norm + activation layer."""
+    if callable(layer):
+        return layer
+    if layer not in NAMES:
+        raise ValueError(f"unknown norm_act={layer!r}: use one of {', '.join(NAMES)} or a callable")
+
+    def make(channels: int, activation_override: str | None = None) -> nn.Module:
+        act = activation_override or activation
+        if layer == "bn":
+            return nn.Sequential(nn.BatchNorm2d(channels),
+                                 activation_module(act, activation_param))
+        cls = {"abn": ABN, "iabn": InPlaceABN, "iabn_sync": InPlaceABNSync}[layer]
+        return cls(channels, activation=act, activation_param=activation_param)
+
+    return make
