@@ -255,13 +255,17 @@ class Offloader:
         saved.offloaded, saved.index, saved.tensor = handle, len(self._order) - 1, None
 
     def _count_storages(self) -> None:
-        """A storage counts as offloaded when every view saved of it went to the host."""
-        for views in self._seen.values():
-            nbytes = views[0].nbytes
+        """A storage counts as offloaded when every view saved of it went to the host.
+        Parameters and kept buffers are not activations and are not counted at all."""
+        for key, views in self._seen.items():
+            first = views[0]
+            if key in self.keep or (first.tensor is not None and first.tensor.is_leaf
+                                    and first.tensor.requires_grad):
+                continue
             if all(v.offloaded is not None for v in views):
-                self.stats.offloaded_bytes += nbytes
+                self.stats.offloaded_bytes += first.nbytes
             else:
-                self.stats.kept_bytes += nbytes
+                self.stats.kept_bytes += first.nbytes
 
     def _copy_to_host(self, t: Tensor) -> _Offloaded:
         source = t
@@ -320,13 +324,16 @@ def offload(
 
 class OffloadModel(nn.Module):
     """Wraps ``model`` so that each forward offloads the inputs of its convolution and pooling
-    layers (``layers``; further narrowed by ``predicate``/``min_bytes``) to host memory.
+    layers to host memory. ``layers`` is a tuple of module types (default
+    :data:`DEFAULT_LAYERS`) or ``select(name, module) -> bool`` to pick layers by name (e.g.
+    only the first stages); ``predicate``/``min_bytes`` narrow the choice further.
 
     The host pool lives in ``self.offloader`` and is reused by every forward.
     """
 
     def __init__(
-        self, model: nn.Module, layers: tuple[type[nn.Module], ...] = DEFAULT_LAYERS,
+        self, model: nn.Module,
+        layers: tuple[type[nn.Module], ...] | Callable[[str, nn.Module], bool] = DEFAULT_LAYERS,
         predicate: Predicate | None = None, min_bytes: int = 64 * 1024,
         compress: torch.dtype | None = None, prefetch: int = 1, pin_memory: bool | None = None,
     ) -> None:
@@ -341,8 +348,9 @@ class OffloadModel(nn.Module):
             return user_predicate is None or bool(user_predicate(t))
 
         self.offloader = Offloader(chosen, min_bytes, compress, prefetch, pin_memory)
-        for module in model.modules():
-            if isinstance(module, layers):
+        for name, module in model.named_modules():
+            chosen_layer = layers(name, module) if callable(layers) else isinstance(module, layers)
+            if chosen_layer:
                 module.register_forward_pre_hook(self._mark_input)
 
     def _mark_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
