@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import iabn
+from iabn.memory import saved_storages
 from iabn.offloading import Offloader, OffloadModel, offload
 
 
@@ -179,3 +180,13 @@ def test_cuda_gradients_bit_identical_and_streams():
         assert torch.equal(loss, expected[0])
         assert all(torch.equal(g, e) for g, e in zip(grads, expected[1], strict=True))
     assert wrapped.offloader.pool.buffers[0].is_pinned()
+
+
+def test_select_layers_by_name_and_counts_exclude_parameters():
+    model = _reference()
+    wrapped = OffloadModel(model, layers=lambda name, module: name == "conv3", min_bytes=0)
+    wrapped(X).sum().backward()
+    assert wrapped.stats.offloaded_bytes == X.shape[0] * 8 * 8 * 8 * 4  # conv3's input only
+    eager = sum(s.nbytes for s in saved_storages(model, X))
+    # kept + offloaded activations = what eager training keeps (parameters counted nowhere)
+    assert wrapped.stats.kept_bytes + wrapped.stats.offloaded_bytes == eager
