@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -120,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
             fresh = create(name, norm_act=layer)
             fresh.load_state_dict(model.state_dict())
             row["kept_bytes"][strategy] = kept_bytes(fresh, strategy, x)
+            # The offload wrapper and the model's hooks form reference cycles; collect them
+            # now, or their host buffers pile up until the machine runs out of memory.
+            del fresh
+            gc.collect()
             print(f"[memory] {name}/{layer} {strategy}: "
                   f"{row['kept_bytes'][strategy] / MIB:.1f} MiB", file=sys.stderr, flush=True)
         rows.append(row)

@@ -190,3 +190,20 @@ def test_select_layers_by_name_and_counts_exclude_parameters():
     eager = sum(s.nbytes for s in saved_storages(model, X))
     # kept + offloaded activations = what eager training keeps (parameters counted nowhere)
     assert wrapped.stats.kept_bytes + wrapped.stats.offloaded_bytes == eager
+
+
+def test_wrapper_leaves_no_cycle_and_no_hooks_behind():
+    import gc
+    import weakref
+
+    model = _reference()
+    wrapped = OffloadModel(model, min_bytes=0)
+    wrapped(X).sum().backward()
+    pool = weakref.ref(wrapped.offloader.pool)
+    gc.disable()
+    try:
+        del wrapped  # freed by reference counting alone: no cycle through the model's hooks
+        assert pool() is None
+    finally:
+        gc.enable()
+    assert all(not m._forward_pre_hooks for m in model.modules())

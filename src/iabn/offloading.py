@@ -339,19 +339,32 @@ class OffloadModel(nn.Module):
     ) -> None:
         super().__init__()
         self.model = model
-        self._targets: set[tuple[str, int]] = set()
+        # storages of this forward's conv/pool inputs; the predicate closes over the set, not
+        # over the wrapper, so that no reference cycle keeps the wrapper alive
+        targets: set[tuple[str, int]] = set()
+        self._targets = targets
         user_predicate = predicate
 
         def chosen(t: Tensor) -> bool:
-            if _storage_key(t) not in self._targets:
+            if _storage_key(t) not in targets:
                 return False
             return user_predicate is None or bool(user_predicate(t))
 
         self.offloader = Offloader(chosen, min_bytes, compress, prefetch, pin_memory)
-        for name, module in model.named_modules():
-            chosen_layer = layers(name, module) if callable(layers) else isinstance(module, layers)
-            if chosen_layer:
-                module.register_forward_pre_hook(self._mark_input)
+        # The hooks reach the wrapper through a weak reference: the model must not keep a
+        # dead wrapper (and its host pool) alive through a reference cycle.
+        wrapper = weakref.ref(self)
+
+        def mark(module: nn.Module, args: tuple[Any, ...]) -> None:
+            alive = wrapper()
+            if alive is not None:
+                alive._mark_input(module, args)
+
+        self._hook_handles = [
+            module.register_forward_pre_hook(mark)
+            for name, module in model.named_modules()
+            if (layers(name, module) if callable(layers) else isinstance(module, layers))
+        ]
 
     def _mark_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if args and isinstance(args[0], Tensor):
@@ -359,7 +372,7 @@ class OffloadModel(nn.Module):
             self.offloader.promote(args[0])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._targets = set()
+        self._targets.clear()
         self.offloader.keep = {_storage_key(t) for t in (*self.model.parameters(),
                                                          *self.model.buffers())}
         with self.offloader.hooks():
@@ -368,6 +381,15 @@ class OffloadModel(nn.Module):
     @property
     def stats(self) -> OffloadStats:
         return self.offloader.stats
+
+    def remove_hooks(self) -> None:
+        """Detach from the wrapped model (its layers stop being marked for offloading)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+    def __del__(self) -> None:
+        self.remove_hooks()
 
 
 __all__ = ["DEFAULT_LAYERS", "OffloadModel", "OffloadStats", "Offloader", "offload"]
