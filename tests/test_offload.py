@@ -207,3 +207,15 @@ def test_wrapper_leaves_no_cycle_and_no_hooks_behind():
     finally:
         gc.enable()
     assert all(not m._forward_pre_hooks for m in model.modules())
+
+
+def test_freed_and_reused_memory_is_not_mistaken_for_the_same_tensor():
+    """An offloaded temporary is freed at once; the next one of the same size often gets the
+    same address. It must still be saved as a tensor of its own."""
+    leaf = torch.randn(64, 1024, requires_grad=True)
+    expected = torch.autograd.grad(sum((leaf * k).sin().sum() for k in range(1, 6)), leaf)[0]
+    with offload(min_bytes=0) as off:
+        outs = [(leaf * k).sin() for k in range(1, 6)]  # each temporary dies right after sin
+    got = torch.autograd.grad(sum(o.sum() for o in outs), leaf)[0]
+    assert torch.equal(got, expected)
+    assert off.stats.offloaded_bytes == 5 * leaf.nbytes

@@ -112,14 +112,21 @@ class _HostPool:
 class _Saved:
     """What autograd holds for one saved tensor: the tensor itself, or its host copy."""
 
-    __slots__ = ("index", "nbytes", "offloaded", "tensor", "view")
+    __slots__ = ("index", "nbytes", "offloaded", "source", "tensor", "view")
 
     def __init__(self, tensor: Tensor, view: tuple) -> None:
         self.tensor: Tensor | None = tensor
+        # Whether the saved tensor still exists: while it does, its storage cannot have been
+        # freed, so another tensor at the same address is a view of the same data.
+        self.source = weakref.ref(tensor)
         self.view = view
         self.nbytes = tensor.untyped_storage().nbytes()
         self.offloaded: _Offloaded | None = None
         self.index = -1
+
+    @property
+    def alive(self) -> bool:
+        return self.tensor is not None or self.source() is not None
 
 
 class _Offloaded:
@@ -204,19 +211,20 @@ class Offloader:
         # weak: a fetched activation must die with its last user, not with the iteration
         self._order: list[weakref.ref[_Offloaded]] = []
         self._seen: dict[tuple[str, int], list[_Saved]] = {}
+        self._retired: list[list[_Saved]] = []
 
     @contextmanager
     def hooks(self) -> Iterator[Offloader]:
         """Install the hooks for one forward pass (one iteration)."""
         self.pool.start_iteration()
         self.stats = OffloadStats()
-        self._order, self._seen = [], {}
+        self._order, self._seen, self._retired = [], {}, []
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield self
         finally:
             self._count_storages()
-            self._seen = {}  # drop this iteration's references to device tensors
+            self._seen, self._retired = {}, []  # drop this iteration's device tensors
 
     def _eligible(self, t: Tensor) -> bool:
         if t.is_leaf and t.requires_grad:  # a parameter: never offloaded
@@ -227,14 +235,28 @@ class Offloader:
             return False  # already in host memory
         return self.predicate is None or bool(self.predicate(t))
 
-    def _pack(self, t: Tensor) -> _Saved:
+    def _same_storage(self, t: Tensor) -> list[_Saved]:
+        """The saves of ``t``'s storage this iteration, if that storage is still the same one.
+
+        An offloaded tensor's device memory is freed as soon as the forward drops it, and the
+        next tensor of that size often gets the same address: a storage key whose saved
+        tensors are all gone belongs to a new tensor, and the old saves are retired.
+        """
         key = _storage_key(t)
+        saves = self._seen.get(key)
+        if saves and not any(saved.alive for saved in saves):
+            self._retired.append(saves)
+            saves = self._seen[key] = []
+        return self._seen.setdefault(key, [])
+
+    def _pack(self, t: Tensor) -> _Saved:
         view = (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
-        for saved in self._seen.get(key, ()):
+        saves = self._same_storage(t)
+        for saved in saves:
             if saved.view == view:  # saved before in this iteration: transfer it once
                 return saved
         saved = _Saved(t, view)
-        self._seen.setdefault(key, []).append(saved)
+        saves.append(saved)
         if self._eligible(t):
             self._offload(saved)
         return saved
@@ -245,7 +267,7 @@ class Offloader:
         :class:`OffloadModel` learns that a tensor is a convolution's input only when that
         convolution starts, after the layer that produced it may already have saved it.
         """
-        for saved in self._seen.get(_storage_key(t), ()):
+        for saved in self._same_storage(t):
             if saved.tensor is not None and self._eligible(saved.tensor):
                 self._offload(saved)
 
@@ -257,7 +279,9 @@ class Offloader:
     def _count_storages(self) -> None:
         """A storage counts as offloaded when every view saved of it went to the host.
         Parameters and kept buffers are not activations and are not counted at all."""
-        for key, views in self._seen.items():
+        groups = [(key, views) for key, views in self._seen.items() if views]
+        groups += [(None, views) for views in self._retired]
+        for key, views in groups:
             first = views[0]
             if key in self.keep or (first.tensor is not None and first.tensor.is_leaf
                                     and first.tensor.requires_grad):
