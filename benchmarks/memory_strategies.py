@@ -10,6 +10,7 @@ exactly with saved-tensor hooks (de-duplicated by storage, parameters and buffer
 ``offload_half``     the same for the first half of the layers (by order in the model)
 ``checkpoint_k``     ``torch.utils.checkpoint`` (non-reentrant) over k segments of the body
 ``save_on_cpu``      ``torch.autograd.graph.save_on_cpu``: every saved tensor goes to host
+                     (0 bytes kept by construction; its cost is transfer time, GPU only)
 
 This is the memory at the end of forward. Backward adds a transient that differs by strategy
 (checkpointing re-materialises one segment at a time, offloading holds the activation in use
@@ -75,9 +76,10 @@ def kept_bytes(model: nn.Module, strategy: str, x: torch.Tensor) -> int:
     if strategy == "eager":
         return sum(s.nbytes for s in saved_storages(model, x.clone()))
     if strategy == "save_on_cpu":
-        with torch.autograd.graph.save_on_cpu(pin_memory=False):
-            model(x.clone())
-        return 0  # everything saved went to host memory by construction
+        # Moves every saved tensor to host memory by construction: nothing stays on the
+        # device. (Not run here: on a CPU-only machine it keeps the very tensors, and a saved
+        # output then forms a reference cycle that leaks the graph.)
+        return 0
     if strategy.startswith("offload"):
         layers = DEFAULT_LAYERS
         if strategy == "offload_half":

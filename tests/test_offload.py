@@ -219,3 +219,34 @@ def test_freed_and_reused_memory_is_not_mistaken_for_the_same_tensor():
     got = torch.autograd.grad(sum(o.sum() for o in outs), leaf)[0]
     assert torch.equal(got, expected)
     assert off.stats.offloaded_bytes == 5 * leaf.nbytes
+
+
+def test_no_reference_cycle_keeps_a_dropped_graph_alive():
+    """A node that saves its own output (in-place LeakyReLU, InPlaceABN) must not be kept
+    alive through the hooks' packed value once the graph is dropped."""
+    import gc
+    import warnings
+    import weakref
+
+    def tensors_alive():
+        with warnings.catch_warnings():  # gc.get_objects() touches deprecated torch aliases
+            warnings.simplefilter("ignore", FutureWarning)
+            return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
+
+    for run in (lambda m, x: OffloadModel(m, min_bytes=0)(x),
+                lambda m, x: saved_storages(m, x) and None):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), iabn.InPlaceABN(8), nn.Conv2d(8, 8, 3),
+                              nn.BatchNorm2d(8), nn.LeakyReLU(0.01, inplace=True))
+        x = torch.randn(2, 3, 12, 12, requires_grad=True)
+        out = run(model, x.clone())
+        probe = weakref.ref(out) if out is not None else None
+        gc.disable()
+        try:
+            del out
+            assert probe is None or probe() is None
+            before = tensors_alive()
+            run(model, x.clone())
+            after = tensors_alive()
+            assert after == before  # nothing of the forward survives it
+        finally:
+            gc.enable()

@@ -49,12 +49,16 @@ def saved_storages(
         if key not in excluded and key not in seen:
             seen[key] = SavedStorage(tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
             kept.append(t)
-        return t
+        # Not t itself: a node that saves its own output would then hold, through the packed
+        # value, the tensor that holds the node — a cycle through C++ that no garbage
+        # collection frees. A detached alias shares storage and version counter, not grad_fn.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn(*args, **kwargs)
     storages = list(seen.values())
     del result
+    kept.clear()
     return storages
 
 

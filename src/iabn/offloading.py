@@ -112,10 +112,13 @@ class _HostPool:
 class _Saved:
     """What autograd holds for one saved tensor: the tensor itself, or its host copy."""
 
-    __slots__ = ("index", "nbytes", "offloaded", "source", "tensor", "view")
+    __slots__ = ("index", "is_parameter", "nbytes", "offloaded", "source", "tensor", "view")
 
     def __init__(self, tensor: Tensor, view: tuple) -> None:
-        self.tensor: Tensor | None = tensor
+        # A detached alias, not the tensor: holding a node's own saved output would make a
+        # reference cycle through the autograd graph that garbage collection cannot free.
+        self.tensor: Tensor | None = tensor.detach()
+        self.is_parameter = tensor.is_leaf and tensor.requires_grad
         # Whether the saved tensor still exists: while it does, its storage cannot have been
         # freed, so another tensor at the same address is a view of the same data.
         self.source = weakref.ref(tensor)
@@ -226,8 +229,8 @@ class Offloader:
             self._count_storages()
             self._seen, self._retired = {}, []  # drop this iteration's device tensors
 
-    def _eligible(self, t: Tensor) -> bool:
-        if t.is_leaf and t.requires_grad:  # a parameter: never offloaded
+    def _eligible(self, t: Tensor, is_parameter: bool) -> bool:
+        if is_parameter:  # a leaf that requires grad: never offloaded
             return False
         if t.untyped_storage().nbytes() < self.min_bytes or _storage_key(t) in self.keep:
             return False
@@ -257,7 +260,7 @@ class Offloader:
                 return saved
         saved = _Saved(t, view)
         saves.append(saved)
-        if self._eligible(t):
+        if self._eligible(t, saved.is_parameter):
             self._offload(saved)
         return saved
 
@@ -268,7 +271,7 @@ class Offloader:
         convolution starts, after the layer that produced it may already have saved it.
         """
         for saved in self._same_storage(t):
-            if saved.tensor is not None and self._eligible(saved.tensor):
+            if saved.tensor is not None and self._eligible(saved.tensor, saved.is_parameter):
                 self._offload(saved)
 
     def _offload(self, saved: _Saved) -> None:
@@ -283,8 +286,7 @@ class Offloader:
         groups += [(None, views) for views in self._retired]
         for key, views in groups:
             first = views[0]
-            if key in self.keep or (first.tensor is not None and first.tensor.is_leaf
-                                    and first.tensor.requires_grad):
+            if key in self.keep or first.is_parameter:
                 continue
             if all(v.offloaded is not None for v in views):
                 self.stats.offloaded_bytes += first.nbytes
