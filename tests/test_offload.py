@@ -225,28 +225,23 @@ def test_no_reference_cycle_keeps_a_dropped_graph_alive():
     """A node that saves its own output (in-place LeakyReLU, InPlaceABN) must not be kept
     alive through the hooks' packed value once the graph is dropped."""
     import gc
-    import warnings
     import weakref
-
-    def tensors_alive():
-        with warnings.catch_warnings():  # gc.get_objects() touches deprecated torch aliases
-            warnings.simplefilter("ignore", FutureWarning)
-            return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())
 
     for run in (lambda m, x: OffloadModel(m, min_bytes=0)(x),
                 lambda m, x: saved_storages(m, x) and None):
         model = nn.Sequential(nn.Conv2d(3, 8, 3), iabn.InPlaceABN(8), nn.Conv2d(8, 8, 3),
                               nn.BatchNorm2d(8), nn.LeakyReLU(0.01, inplace=True))
+        outputs = []  # weak references to every layer's output
+        for layer in model:
+            layer.register_forward_hook(
+                lambda m, a, out, outputs=outputs: outputs.append(weakref.ref(out))
+            )
         x = torch.randn(2, 3, 12, 12, requires_grad=True)
-        out = run(model, x.clone())
-        probe = weakref.ref(out) if out is not None else None
         gc.disable()
         try:
-            del out
-            assert probe is None or probe() is None
-            before = tensors_alive()
-            run(model, x.clone())
-            after = tensors_alive()
-            assert after == before  # nothing of the forward survives it
+            result = run(model, x.clone())
+            del result
+            # freed by reference counting alone, i.e. no cycle holds the graph
+            assert outputs and all(ref() is None for ref in outputs)
         finally:
             gc.enable()
