@@ -54,11 +54,7 @@ MIB = 2**20
 
 def body_and_head(model: nn.Module) -> tuple[list[nn.Module], nn.Module]:
     """The model as a list of body modules (checkpointing splits these) and the head."""
-    if hasattr(model, "stages"):  # ResNet
-        blocks = [model.stem, *[b for stage in model.stages for b in stage]]
-    else:
-        blocks = list(model.features)
-    return blocks, nn.Sequential(model.pool, nn.Flatten(), model.fc)
+    return model.body(), model.classifier
 
 
 def run_checkpointed(blocks, head, segments: int, x: torch.Tensor,

@@ -9,20 +9,6 @@ from iabn.models import MODELS, NORM_ACT_NAMES, create
 SIZES = {"resnet50": 32, "resnet101": 32, "resnet152": 32, "vgg19": 32, "mobilenet_v2": 32}
 
 
-def _portable_state(model):
-    """A state_dict with nn.Sequential(BatchNorm2d, act)'s ``.0.`` removed from BN keys."""
-    state = {}
-    for key, value in model.state_dict().items():
-        parts = key.split(".")
-        norm_entry = parts[-1] in (
-            "weight", "bias", "running_mean", "running_var", "num_batches_tracked")
-        # value.dim() <= 1: a norm's entry, not the weight of a conv inside a Sequential
-        if len(parts) >= 2 and parts[-2] == "0" and norm_entry and value.dim() <= 1:
-            parts.pop(-2)
-        state[".".join(parts)] = value
-    return state
-
-
 @pytest.mark.parametrize("name", ["resnet50", "vgg19", "mobilenet_v2"])
 def test_norm_act_layers_agree(name):
     torch.manual_seed(0)
@@ -31,11 +17,10 @@ def test_norm_act_layers_agree(name):
     grads = {}
     for layer in ("bn", "abn", "iabn"):
         model = create(name, num_classes=5, norm_act=layer).double()
-        state = reference.state_dict() if layer == "bn" else _portable_state(reference)
-        model.load_state_dict(state)
+        model.load_state_dict(reference.state_dict())  # the same keys for every norm_act
         out = model(x.clone())
         out.square().sum().backward()
-        grads[layer] = (out.detach(), {k: p.grad for k, p in _named_grads(model, layer)})
+        grads[layer] = (out.detach(), {k: p.grad for k, p in model.named_parameters()})
     # Float64 round-off only. Gradients of these deep, freshly initialised nets reach 1e7, and
     # some are zero up to round-off (a norm's bias feeding a 1x1 conv and another norm), so
     # each tensor is compared as a whole against the largest gradient's scale.
@@ -46,16 +31,6 @@ def test_norm_act_layers_agree(name):
             expected = grads["bn"][1][key]
             error = (grad - expected).norm().item()
             assert error <= 1e-10 * (expected.norm().item() + scale), (layer, key, error)
-
-
-def _named_grads(model, layer):
-    for key, param in model.named_parameters():
-        if layer == "bn":
-            parts = key.split(".")
-            if parts[-2] == "0" and param.dim() == 1 and parts[-1] in ("weight", "bias"):
-                parts.pop(-2)
-            key = ".".join(parts)
-        yield key, param
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -74,3 +49,28 @@ def test_factory_errors():
     with pytest.raises(ValueError, match="unknown norm_act='gn'"):
         create("resnet50", norm_act="gn")
     assert NORM_ACT_NAMES == ("bn", "abn", "iabn", "iabn_sync")
+
+
+def _reference_layout(path):
+    """``{key without 'module.': shape}`` from a key file of the original package."""
+    layout = {}
+    for line in path.read_text().splitlines():
+        if line and not line.startswith("#"):
+            key, shape = line.split(None, 1)
+            layout[key.removeprefix("module.")] = tuple(int(d) for d in shape.strip("[]").split(",")
+                                                        if d.strip())
+    return layout
+
+
+@pytest.mark.parametrize("depth,file", [(50, "imagenet_resnet50_ipabn-sync_lr_512_keys.txt"),
+                                        (101, "imagenet_resnet101_ipabn-sync_lr_512_keys.txt")])
+def test_resnet_keys_and_shapes_match_the_original_checkpoints(depth, file):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "shared" / "reference" / file
+    if not path.exists():
+        pytest.skip(f"{path} not present")
+    expected = _reference_layout(path)
+    model = create(f"resnet{depth}", norm_act="iabn")
+    ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    assert ours == expected

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .norm_act import NormAct, norm_act_factory
-from .resnet import _init
+from .resnet import init_weights
 
 # (expansion, output channels, repeats, first stride)
 SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
@@ -50,10 +50,14 @@ class MobileNetV2(nn.Module):
                 channels = out_channels
         layers += [nn.Conv2d(channels, 1280, 1, bias=False), make(1280)]
         self.features = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(1280, num_classes)
-        _init(self)
+        self.classifier = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                        nn.Linear(1280, num_classes))
+        init_weights(self)
+
+    def body(self) -> list[nn.Module]:
+        """The feature layers in order (for checkpointing and offloading by segment)."""
+        return list(self.features)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc(self.pool(self.features(x)).flatten(1))
+        return self.classifier(self.features(x))
 

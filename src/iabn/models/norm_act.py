@@ -1,10 +1,12 @@
 """The pluggable norm + activation layer every model takes (timm-style string factory).
 
 ``norm_act_factory(name_or_callable, activation, activation_param)`` returns a callable
-``make(channels, activation=None) -> nn.Module``: ``"bn"`` (``nn.BatchNorm2d`` + the
-activation as a separate in-place module), ``"abn"``, ``"iabn"``, ``"iabn_sync"``, or any
-callable with that signature. ``activation=None`` means the model's default activation;
-models pass ``"identity"`` where a norm is followed by a residual sum.
+``make(channels, activation=None) -> nn.Module``: ``"bn"`` (:class:`BatchNormAct2d`: standard
+batch norm, then the activation in place), ``"abn"``, ``"iabn"``, ``"iabn_sync"``, or any
+callable with that signature. All four have the ``state_dict`` keys of ``nn.BatchNorm2d``, so
+one checkpoint loads into a model built with any of them. ``activation=None`` means the
+model's default activation; models pass ``"identity"`` where a norm is followed by a residual
+sum.
 """
 
 from __future__ import annotations
@@ -34,6 +36,19 @@ def activation_module(activation: str, activation_param: float) -> nn.Module:
     raise ValueError(f"unknown activation={activation!r}")
 
 
+class BatchNormAct2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` followed by an activation (in place on the norm's fresh output),
+    with exactly ``nn.BatchNorm2d``'s parameters, buffers and keys."""
+
+    def __init__(self, num_features: int, activation: str = "leaky_relu",
+                 activation_param: float = 0.01, **kwargs) -> None:
+        super().__init__(num_features, **kwargs)
+        self.act = activation_module(activation, activation_param)
+
+    def forward(self, input):
+        return self.act(super().forward(input))
+
+
 def norm_act_factory(
     layer: str | NormAct = "iabn", activation: str = "leaky_relu", activation_param: float = 0.01
 ) -> NormAct:
@@ -46,8 +61,7 @@ def norm_act_factory(
     def make(channels: int, activation_override: str | None = None) -> nn.Module:
         act = activation_override or activation
         if layer == "bn":
-            return nn.Sequential(nn.BatchNorm2d(channels),
-                                 activation_module(act, activation_param))
+            return BatchNormAct2d(channels, act, activation_param)
         cls = {"abn": ABN, "iabn": InPlaceABN, "iabn_sync": InPlaceABNSync}[layer]
         return cls(channels, activation=act, activation_param=activation_param)
 

@@ -1,11 +1,18 @@
 """ResNet v1 (post-activation bottlenecks) with a pluggable norm + activation layer.
 
-In a bottleneck, the last norm has no activation (``identity``): the activation follows the
-residual sum, applied in place to the sum (a fresh tensor). The block's input is read by the
-first convolution and by the shortcut and is never written, so in-place norm layers are safe.
+Module names follow the original ``inplace_abn`` ImageNet models (``mod1`` .. ``mod5``,
+``blockN.convs.{conv,bn}{1,2,3}``, ``proj_conv``/``proj_bn``, ``classifier.fc``), so their
+checkpoints load after stripping the ``module.`` prefix (with ``gamma_mode="abs"`` layers).
+
+In a bottleneck the last norm and the projection norm have no activation (``identity``); the
+activation follows the residual sum, applied in place to the sum (a fresh tensor). The block's
+input is read by the first convolution and by the shortcut and never written, so in-place norm
+layers are safe.
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,29 +29,28 @@ class Bottleneck(nn.Module):
                  activation: str, activation_param: float) -> None:
         super().__init__()
         out_channels = width * self.expansion
-        self.conv1 = nn.Conv2d(in_channels, width, 1, bias=False)
-        self.bn1 = make(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
-        self.bn2 = make(width)
-        self.conv3 = nn.Conv2d(width, out_channels, 1, bias=False)
-        self.bn3 = make(out_channels, "identity")
-        self.shortcut = None
+        self.convs = nn.Sequential(OrderedDict([
+            ("conv1", nn.Conv2d(in_channels, width, 1, bias=False)),
+            ("bn1", make(width)),
+            ("conv2", nn.Conv2d(width, width, 3, stride, 1, bias=False)),
+            ("bn2", make(width)),
+            ("conv3", nn.Conv2d(width, out_channels, 1, bias=False)),
+            ("bn3", make(out_channels, "identity")),
+        ]))
+        self.proj_conv = self.proj_bn = None
         if stride != 1 or in_channels != out_channels:
-            self.shortcut = nn.Sequential(
-                nn.Conv2d(in_channels, out_channels, 1, stride, bias=False),
-                make(out_channels, "identity"),
-            )
+            self.proj_conv = nn.Conv2d(in_channels, out_channels, 1, stride, bias=False)
+            self.proj_bn = make(out_channels, "identity")
         self.activation, self.activation_param = activation, activation_param
 
     def forward(self, x: Tensor) -> Tensor:
-        residual = x if self.shortcut is None else self.shortcut(x)
-        out = self.bn1(self.conv1(x))
-        out = self.bn2(self.conv2(out))
-        out = self.bn3(self.conv3(out)) + residual
-        return _activate_(out, self.activation, self.activation_param)
+        shortcut = x if self.proj_conv is None else self.proj_bn(self.proj_conv(x))
+        out = self.convs(x) + shortcut
+        return activate_(out, self.activation, self.activation_param)
 
 
-def _activate_(x: Tensor, activation: str, param: float) -> Tensor:
+def activate_(x: Tensor, activation: str, param: float) -> Tensor:
+    """The model's activation applied in place (``x`` must be a fresh tensor)."""
     if activation == "leaky_relu":
         return F.leaky_relu_(x, param)
     if activation == "elu":
@@ -64,29 +70,37 @@ class ResNet(nn.Module):
         if depth not in DEPTHS:
             raise ValueError(f"depth={depth}: use one of {sorted(DEPTHS)}")
         make = norm_act_factory(norm_act, activation, activation_param)
-        self.stem = nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), make(64),
-                                  nn.MaxPool2d(3, 2, 1))
-        stages, channels = [], 64
+        self.mod1 = nn.Sequential(OrderedDict([
+            ("conv1", nn.Conv2d(3, 64, 7, 2, 3, bias=False)), ("bn1", make(64)),
+            ("pool1", nn.MaxPool2d(3, 2, 1)),
+        ]))
+        channels = 64
         for index, blocks in enumerate(DEPTHS[depth]):
             width = 64 * 2**index
-            layers = []
+            layers = OrderedDict()
             for b in range(blocks):
                 stride = 2 if b == 0 and index > 0 else 1
-                layers.append(Bottleneck(channels, width, stride, make, activation,
-                                         activation_param))
+                layers[f"block{b + 1}"] = Bottleneck(channels, width, stride, make, activation,
+                                                     activation_param)
                 channels = width * Bottleneck.expansion
-            stages.append(nn.Sequential(*layers))
-        self.stages = nn.Sequential(*stages)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(channels, num_classes)
-        _init(self)
+            self.add_module(f"mod{index + 2}", nn.Sequential(layers))
+        self.classifier = nn.Sequential(OrderedDict([
+            ("avg_pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten()),
+            ("fc", nn.Linear(channels, num_classes)),
+        ]))
+        init_weights(self)
+
+    def body(self) -> list[nn.Module]:
+        """The stem and every block, in order (for checkpointing and offloading by segment)."""
+        return [self.mod1, *(block for i in range(2, 6) for block in getattr(self, f"mod{i}"))]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc(self.pool(self.stages(self.stem(x))).flatten(1))
+        for module in self.body():
+            x = module(x)
+        return self.classifier(x)
 
 
-
-def _init(model: nn.Module) -> None:
+def init_weights(model: nn.Module) -> None:
     """He initialisation for convolutions (fan-out), as the original training scripts."""
     for module in model.modules():
         if isinstance(module, nn.Conv2d):

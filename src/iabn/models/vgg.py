@@ -10,7 +10,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from .norm_act import NormAct, norm_act_factory
-from .resnet import _init
+from .resnet import init_weights
 
 CONFIG_19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
              512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
@@ -30,10 +30,14 @@ class VGG(nn.Module):
                 layers += [nn.Conv2d(channels, item, 3, padding=1, bias=False), make(item)]
                 channels = item
         self.features = nn.Sequential(*layers)
-        self.pool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(channels, num_classes)
-        _init(self)
+        self.classifier = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                        nn.Linear(channels, num_classes))
+        init_weights(self)
+
+    def body(self) -> list[nn.Module]:
+        """The feature layers in order (for checkpointing and offloading by segment)."""
+        return list(self.features)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc(self.pool(self.features(x)).flatten(1))
+        return self.classifier(self.features(x))
 
