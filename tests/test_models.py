@@ -6,10 +6,12 @@ import torch
 
 from iabn.models import MODELS, NORM_ACT_NAMES, create
 
-SIZES = {"resnet50": 32, "resnet101": 32, "resnet152": 32, "vgg19": 32, "mobilenet_v2": 32}
+SIZES = {"resnet50": 32, "resnet101": 32, "resnet152": 32, "vgg19": 32, "mobilenet_v2": 32,
+         "resnext50": 32, "resnext101": 32, "resnext152": 32, "wider_resnet38": 32,
+         "wider_resnet38_a2": 32}
 
 
-@pytest.mark.parametrize("name", ["resnet50", "vgg19", "mobilenet_v2"])
+@pytest.mark.parametrize("name", ["resnet50", "vgg19", "mobilenet_v2", "resnext50"])
 def test_norm_act_layers_agree(name):
     torch.manual_seed(0)
     reference = create(name, num_classes=5, norm_act="bn").double()
@@ -51,26 +53,52 @@ def test_factory_errors():
     assert NORM_ACT_NAMES == ("bn", "abn", "iabn", "iabn_sync")
 
 
-def _reference_layout(path):
-    """``{key without 'module.': shape}`` from a key file of the original package."""
-    layout = {}
+def _reference_layout(path, section=None):
+    """``{key without 'module.': shape}`` from a key file of the original package (only the
+    ``## state_dict["<section>"]`` part when ``section`` is given)."""
+    layout, inside = {}, section is None
     for line in path.read_text().splitlines():
-        if line and not line.startswith("#"):
+        if line.startswith("## "):
+            inside = section is not None and f'"{section}"' in line
+            continue
+        if inside and line and not line.startswith("#"):
             key, shape = line.split(None, 1)
             layout[key.removeprefix("module.")] = tuple(int(d) for d in shape.strip("[]").split(",")
                                                         if d.strip())
     return layout
 
 
-@pytest.mark.parametrize("depth,file", [(50, "imagenet_resnet50_ipabn-sync_lr_512_keys.txt"),
-                                        (101, "imagenet_resnet101_ipabn-sync_lr_512_keys.txt")])
-def test_resnet_keys_and_shapes_match_the_original_checkpoints(depth, file):
+REFERENCE_LAYOUTS = [
+    ("resnet50", {}, "imagenet_resnet50_ipabn-sync_lr_512_keys.txt", None),
+    ("resnet101", {}, "imagenet_resnet101_ipabn-sync_lr_512_keys.txt", None),
+    ("resnext101", {}, "imagenet_resnext101_ipabn_lr_512_keys.txt", None),
+    ("resnext152", {}, "imagenet_resnext152_ipabn_lr_256_keys.txt", None),
+    ("wider_resnet38", {}, "imagenet_wider_resnet38_ipabn_lr_256_keys.txt", None),
+    ("wider_resnet38_a2", {"dilation": True, "num_classes": None},
+     "vistas_wrn38_deeplabv3_keys.txt", "body"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,file,section", REFERENCE_LAYOUTS,
+                         ids=[r[0] for r in REFERENCE_LAYOUTS])
+def test_keys_and_shapes_match_the_original_checkpoints(name, kwargs, file, section):
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "shared" / "reference" / file
     if not path.exists():
         pytest.skip(f"{path} not present")
-    expected = _reference_layout(path)
-    model = create(f"resnet{depth}", norm_act="iabn")
+    expected = _reference_layout(path, section)
+    with torch.device("meta"):  # shapes only: no memory, no initialisation cost
+        model = create(name, norm_act="iabn", **kwargs)
     ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert ours == expected
+
+
+def test_dilated_wider_resnet_a2_has_output_stride_8_and_trains_with_inplace_abn():
+    torch.manual_seed(0)
+    model = create("wider_resnet38_a2", dilation=True, num_classes=None)
+    x = torch.randn(2, 3, 32, 32)
+    features = model(x)
+    assert features.shape == (2, 4096, 4, 4)
+    features.mean().backward()  # pre-activation blocks copy x before an in-place bn1
+    assert model.mod2.block1.bn1.weight.grad is not None

@@ -1,8 +1,9 @@
 """Models with a pluggable norm + activation layer (``norm_act="bn"|"abn"|"iabn"|"iabn_sync"``
 or a callable). ``create(name, **kw)`` builds one by name; ``MODELS`` lists the names.
 
-This is the subset the memory benchmarks need (ResNet-50/101/152 v1, VGG-19, MobileNetV2);
-the rest of the zoo and the training tools are separate work.
+Included so far: ResNet-50/101/152 v1, ResNeXt-50/101/152 and WideResNet-38 (and A2) named
+like the original package's checkpoints, VGG-19 and MobileNetV2. ResNet-18/34, WideResNet-16/20,
+DenseNet and the training tools are separate work.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from torch import nn
 from .mobilenet import MobileNetV2
 from .norm_act import NAMES as NORM_ACT_NAMES
 from .norm_act import norm_act_factory
+from .preact import ResNeXt, WiderResNet
 from .resnet import ResNet
 from .vgg import VGG
 
@@ -23,6 +25,11 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnet152": lambda **kw: ResNet(152, **kw),
     "vgg19": lambda **kw: VGG(**kw),
     "mobilenet_v2": lambda **kw: MobileNetV2(**kw),
+    "resnext50": lambda **kw: ResNeXt(50, **kw),
+    "resnext101": lambda **kw: ResNeXt(101, **kw),
+    "resnext152": lambda **kw: ResNeXt(152, **kw),
+    "wider_resnet38": lambda **kw: WiderResNet(**kw),
+    "wider_resnet38_a2": lambda **kw: WiderResNet(a2=True, **kw),
 }
 
 
@@ -34,5 +41,6 @@ def create(name: str, **kwargs) -> nn.Module:
 
 
 __all__ = [
-    "MODELS", "NORM_ACT_NAMES", "VGG", "MobileNetV2", "ResNet", "create", "norm_act_factory",
+    "MODELS", "NORM_ACT_NAMES", "VGG", "MobileNetV2", "ResNeXt", "ResNet", "WiderResNet",
+    "create", "norm_act_factory",
 ]
