@@ -8,10 +8,12 @@ from iabn.models import MODELS, NORM_ACT_NAMES, create
 
 SIZES = {"resnet50": 32, "resnet101": 32, "resnet152": 32, "vgg19": 32, "mobilenet_v2": 32,
          "resnext50": 32, "resnext101": 32, "resnext152": 32, "wider_resnet38": 32,
-         "wider_resnet38_a2": 32}
+         "wider_resnet38_a2": 32, "resnet18": 32, "resnet34": 32, "densenet121": 32,
+         "densenet169": 32, "densenet201": 32, "densenet264": 32}
 
 
-@pytest.mark.parametrize("name", ["resnet50", "vgg19", "mobilenet_v2", "resnext50"])
+@pytest.mark.parametrize("name", ["resnet18", "resnet50", "vgg19", "mobilenet_v2", "resnext50",
+                                  "densenet121"])
 def test_norm_act_layers_agree(name):
     torch.manual_seed(0)
     reference = create(name, num_classes=5, norm_act="bn").double()
@@ -69,7 +71,9 @@ def _reference_layout(path, section=None):
 
 
 REFERENCE_LAYOUTS = [
+    ("resnet34", {}, "imagenet_resnet34_ipabn-sync_lr_512_keys.txt", None),
     ("resnet50", {}, "imagenet_resnet50_ipabn-sync_lr_512_keys.txt", None),
+    ("densenet264", {}, "imagenet_densenet264_ipabn_lr_256_keys.txt", None),
     ("resnet101", {}, "imagenet_resnet101_ipabn-sync_lr_512_keys.txt", None),
     ("resnext101", {}, "imagenet_resnext101_ipabn_lr_512_keys.txt", None),
     ("resnext152", {}, "imagenet_resnext152_ipabn_lr_256_keys.txt", None),

@@ -1,9 +1,9 @@
 """Models with a pluggable norm + activation layer (``norm_act="bn"|"abn"|"iabn"|"iabn_sync"``
 or a callable). ``create(name, **kw)`` builds one by name; ``MODELS`` lists the names.
 
-Included so far: ResNet-50/101/152 v1, ResNeXt-50/101/152 and WideResNet-38 (and A2) named
-like the original package's checkpoints, VGG-19 and MobileNetV2. ResNet-18/34, WideResNet-16/20,
-DenseNet and the training tools are separate work.
+Included so far: ResNet-18/34/50/101/152 v1, ResNeXt-50/101/152, WideResNet-38 (and A2) and
+DenseNet-121/169/201/264 named like the original package's checkpoints, VGG-19 and MobileNetV2.
+WideResNet-16/20 and the training tools are separate work.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .densenet import DenseNet
 from .mobilenet import MobileNetV2
 from .norm_act import NAMES as NORM_ACT_NAMES
 from .norm_act import norm_act_factory
@@ -20,6 +21,8 @@ from .resnet import ResNet
 from .vgg import VGG
 
 MODELS: dict[str, Callable[..., nn.Module]] = {
+    "resnet18": lambda **kw: ResNet(18, **kw),
+    "resnet34": lambda **kw: ResNet(34, **kw),
     "resnet50": lambda **kw: ResNet(50, **kw),
     "resnet101": lambda **kw: ResNet(101, **kw),
     "resnet152": lambda **kw: ResNet(152, **kw),
@@ -30,6 +33,10 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnext152": lambda **kw: ResNeXt(152, **kw),
     "wider_resnet38": lambda **kw: WiderResNet(**kw),
     "wider_resnet38_a2": lambda **kw: WiderResNet(a2=True, **kw),
+    "densenet121": lambda **kw: DenseNet(121, **kw),
+    "densenet169": lambda **kw: DenseNet(169, **kw),
+    "densenet201": lambda **kw: DenseNet(201, **kw),
+    "densenet264": lambda **kw: DenseNet(264, **kw),
 }
 
 
@@ -41,6 +48,7 @@ def create(name: str, **kwargs) -> nn.Module:
 
 
 __all__ = [
-    "MODELS", "NORM_ACT_NAMES", "VGG", "MobileNetV2", "ResNeXt", "ResNet", "WiderResNet",
+    "MODELS", "NORM_ACT_NAMES", "VGG", "DenseNet", "MobileNetV2", "ResNeXt", "ResNet",
+    "WiderResNet",
     "create", "norm_act_factory",
 ]

@@ -19,7 +19,34 @@ from torch import Tensor, nn
 
 from .norm_act import NormAct, norm_act_factory
 
-DEPTHS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
+DEPTHS = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3),
+          152: (3, 8, 36, 3)}
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions (ResNet-18/34); the first carries the stride."""
+
+    expansion = 1
+
+    def __init__(self, in_channels: int, width: int, stride: int, make: NormAct,
+                 activation: str, activation_param: float) -> None:
+        super().__init__()
+        self.convs = nn.Sequential(OrderedDict([
+            ("conv1", nn.Conv2d(in_channels, width, 3, stride, 1, bias=False)),
+            ("bn1", make(width)),
+            ("conv2", nn.Conv2d(width, width, 3, 1, 1, bias=False)),
+            ("bn2", make(width, "identity")),
+        ]))
+        self.proj_conv = self.proj_bn = None
+        if stride != 1 or in_channels != width:
+            self.proj_conv = nn.Conv2d(in_channels, width, 1, stride, bias=False)
+            self.proj_bn = make(width, "identity")
+        self.activation, self.activation_param = activation, activation_param
+
+    def forward(self, x: Tensor) -> Tensor:
+        shortcut = x if self.proj_conv is None else self.proj_bn(self.proj_conv(x))
+        out = self.convs(x) + shortcut
+        return activate_(out, self.activation, self.activation_param)
 
 
 class Bottleneck(nn.Module):
@@ -61,8 +88,8 @@ def activate_(x: Tensor, activation: str, param: float) -> Tensor:
 
 
 class ResNet(nn.Module):
-    """ResNet-50/101/152 v1. ``norm_act``: ``"bn"``, ``"abn"``, ``"iabn"``, ``"iabn_sync"`` or a
-    callable (see :mod:`iabn.models.norm_act`)."""
+    """ResNet-18/34 (basic blocks) and 50/101/152 (bottlenecks), v1. ``norm_act``: ``"bn"``,
+    ``"abn"``, ``"iabn"``, ``"iabn_sync"`` or a callable (see :mod:`iabn.models.norm_act`)."""
 
     def __init__(self, depth: int = 50, num_classes: int = 1000, norm_act: str | NormAct = "iabn",
                  activation: str = "leaky_relu", activation_param: float = 0.01) -> None:
@@ -75,14 +102,15 @@ class ResNet(nn.Module):
             ("pool1", nn.MaxPool2d(3, 2, 1)),
         ]))
         channels = 64
+        block_type = BasicBlock if depth < 50 else Bottleneck
         for index, blocks in enumerate(DEPTHS[depth]):
             width = 64 * 2**index
             layers = OrderedDict()
             for b in range(blocks):
                 stride = 2 if b == 0 and index > 0 else 1
-                layers[f"block{b + 1}"] = Bottleneck(channels, width, stride, make, activation,
+                layers[f"block{b + 1}"] = block_type(channels, width, stride, make, activation,
                                                      activation_param)
-                channels = width * Bottleneck.expansion
+                channels = width * block_type.expansion
             self.add_module(f"mod{index + 2}", nn.Sequential(layers))
         self.classifier = nn.Sequential(OrderedDict([
             ("avg_pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten()),
