@@ -1,9 +1,9 @@
 """Models with a pluggable norm + activation layer (``norm_act="bn"|"abn"|"iabn"|"iabn_sync"``
 or a callable). ``create(name, **kw)`` builds one by name; ``MODELS`` lists the names.
 
-Included so far: ResNet-18/34/50/101/152 v1, ResNeXt-50/101/152, WideResNet-38 (and A2) and
-DenseNet-121/169/201/264 named like the original package's checkpoints, VGG-19 and MobileNetV2.
-WideResNet-16/20 and the training tools are separate work.
+ResNet-18/34/50/101/152 v1, ResNeXt-50/101/152, WideResNet-16/20/38 (and A2, optionally
+dilated) and DenseNet-121/169/201/264 are named like the original package's checkpoints
+(:func:`iabn.models.load_original` loads those); VGG-19 and MobileNetV2 complete the set.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from .checkpoints import LoadReport, load_original, original_state_dict
 from .densenet import DenseNet
 from .mobilenet import MobileNetV2
 from .norm_act import NAMES as NORM_ACT_NAMES
@@ -31,7 +32,11 @@ MODELS: dict[str, Callable[..., nn.Module]] = {
     "resnext50": lambda **kw: ResNeXt(50, **kw),
     "resnext101": lambda **kw: ResNeXt(101, **kw),
     "resnext152": lambda **kw: ResNeXt(152, **kw),
+    "wider_resnet16": lambda **kw: WiderResNet(depth=16, **kw),
+    "wider_resnet20": lambda **kw: WiderResNet(depth=20, **kw),
     "wider_resnet38": lambda **kw: WiderResNet(**kw),
+    "wider_resnet16_a2": lambda **kw: WiderResNet(depth=16, a2=True, **kw),
+    "wider_resnet20_a2": lambda **kw: WiderResNet(depth=20, a2=True, **kw),
     "wider_resnet38_a2": lambda **kw: WiderResNet(a2=True, **kw),
     "densenet121": lambda **kw: DenseNet(121, **kw),
     "densenet169": lambda **kw: DenseNet(169, **kw),
@@ -48,7 +53,17 @@ def create(name: str, **kwargs) -> nn.Module:
 
 
 __all__ = [
-    "MODELS", "NORM_ACT_NAMES", "VGG", "DenseNet", "MobileNetV2", "ResNeXt", "ResNet",
+    "MODELS",
+    "NORM_ACT_NAMES",
+    "VGG",
+    "DenseNet",
+    "LoadReport",
+    "MobileNetV2",
+    "ResNeXt",
+    "ResNet",
     "WiderResNet",
-    "create", "norm_act_factory",
+    "create",
+    "load_original",
+    "norm_act_factory",
+    "original_state_dict",
 ]

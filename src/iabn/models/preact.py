@@ -130,28 +130,31 @@ class ResNeXt(_PreActNet):
         self._finish(channels, num_classes, make)
 
 
-WRN38 = (3, 3, 6, 3, 1, 1)
+#: blocks per module mod2..mod7 of WideResNet-16/20/38
+WRN_STRUCTURES = {16: (1, 1, 1, 1, 1, 1), 20: (1, 1, 1, 3, 1, 1), 38: (3, 3, 6, 3, 1, 1)}
 WRN_CHANNELS = ((128, 128), (256, 256), (512, 512), (512, 1024), (512, 1024, 2048),
                 (1024, 2048, 4096))
 
 
 class WiderResNet(_PreActNet):
-    """WideResNet-38 of the paper (``a2=False``: max-pool before mod2..mod6, output stride
-    32) or its A2 variant (``a2=True``: pools before mod2/mod3 only, strided blocks instead,
-    dropout 0.3/0.5 in mod6/mod7; ``dilation=True`` keeps output stride 8 for segmentation).
-    ``num_classes=None`` gives the trunk only (4096 channels after ``bn_out``)."""
+    """WideResNet-16/20/38 of the paper (``depth``; ``a2=False``: max-pool before mod2..mod6,
+    output stride 32) or the A2 variant (``a2=True``: pools before mod2/mod3 only, strided
+    blocks instead, dropout 0.3/0.5 in mod6/mod7; ``dilation=True`` keeps output stride 8 for
+    segmentation). ``num_classes=None`` gives the trunk only (4096 channels after ``bn_out``)."""
 
     def __init__(self, num_classes: int | None = 1000, a2: bool = False, dilation: bool = False,
                  norm_act: str | NormAct = "iabn", activation: str = "leaky_relu",
-                 activation_param: float = 0.01) -> None:
+                 activation_param: float = 0.01, depth: int = 38) -> None:
         super().__init__()
+        if depth not in WRN_STRUCTURES:
+            raise ValueError(f"depth={depth}: use one of {sorted(WRN_STRUCTURES)}")
         if dilation and not a2:
             raise ValueError("dilation=True is defined for the A2 variant: pass a2=True")
         make = norm_act_factory(norm_act, activation, activation_param)
         self.mod1 = nn.Sequential(OrderedDict([("conv1", nn.Conv2d(3, 64, 3, 1, 1, bias=False))]))
         body: list[nn.Module] = [self.mod1]
         channels = 64
-        for mod_id, blocks in enumerate(WRN38):
+        for mod_id, blocks in enumerate(WRN_STRUCTURES[depth]):
             if mod_id < (2 if a2 else 5):
                 pool = nn.MaxPool2d(3, 2, 1)
                 self.add_module(f"pool{mod_id + 2}", pool)
