@@ -15,14 +15,20 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from statistics import median
 
 import torch
 
-from iabn.bench import machine_info, progress_printer, set_threads, time_interleaved
+from iabn.bench import (
+    machine_info,
+    progress_printer,
+    set_threads,
+    time_interleaved,
+    training_step,
+    write_json,
+)
 from iabn.blocks import STRATEGIES, BNActConv
 from iabn.memory import saved_tensor_bytes
 
@@ -41,17 +47,11 @@ def bench_shape(batch: int, channels: int, size: int, args: argparse.Namespace) 
     grad = torch.randn(batch, channels // 2, size, size)
     saved = {s: saved_tensor_bytes(b, leaf.clone()) for s, b in blocks.items()}
 
-    def step(block):
-        def run() -> None:
-            leaf.grad = None
-            block.zero_grad(set_to_none=True)
-            block(leaf.clone()).backward(grad)
-        return run
-
     label = f"{channels}x{size}x{size}"
     callback = None if args.quiet else progress_printer(f"[blocks {label}] ", args.repeats)
-    samples = time_interleaved({s: step(b) for s, b in blocks.items()}, args.repeats,
-                               iters=args.iters, warmup=2, on_repeat=callback)
+    steps = {s: training_step(b, leaf, grad) for s, b in blocks.items()}
+    samples = time_interleaved(steps, args.repeats, iters=args.iters, warmup=2,
+                               on_repeat=callback)
     medians = {s: median(v) for s, v in samples.items()}
     return {"shape": [batch, channels, size, size], "saved_bytes": saved,
             "activation_bytes": leaf.nbytes, "median_ms": medians,
@@ -92,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "block_strategies", "machine": machine_info(),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
               "shapes": rows}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"results written to {args.json}")
+    write_json(args.json, report)
     return 0
 
 

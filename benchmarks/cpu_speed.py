@@ -52,7 +52,14 @@ import torch
 from torch import Tensor, nn
 
 import iabn
-from iabn.bench import machine_info, progress_printer, set_threads, time_interleaved
+from iabn.bench import (
+    machine_info,
+    progress_printer,
+    set_threads,
+    time_interleaved,
+    training_step,
+    write_json,
+)
 
 #: ``(channels, height = width)`` of ResNeXt-101's four stages.
 SHAPES = ((256, 56), (512, 28), (1024, 14), (2048, 7))
@@ -94,18 +101,6 @@ def make_layers(channels: int) -> dict[str, nn.Module]:
     return layers
 
 
-def make_step(layer: nn.Module, leaf: Tensor, grad: Tensor):
-    """One forward + backward of ``layer`` on a fresh non-leaf copy of ``leaf``."""
-
-    def step() -> None:
-        leaf.grad = None
-        layer.zero_grad(set_to_none=True)
-        out = layer(leaf.clone())
-        out.backward(grad)
-
-    return step
-
-
 def make_prep_step(leaf: Tensor):
     """The part of every step that is not the layer: producing the non-leaf input."""
 
@@ -135,7 +130,7 @@ def shape_steps(batch: int, channels: int, size: int, seed: int, providers) -> d
     leaf = torch.randn(shape).requires_grad_()
     grad = torch.randn(shape)
     layers = make_layers(channels)
-    steps = {p: make_step(layers[p], leaf, grad) for p in providers if p != PREP}
+    steps = {p: training_step(layers[p], leaf, grad) for p in providers if p != PREP}
     if PREP in providers:
         steps[PREP] = make_prep_step(leaf)
     return steps
@@ -306,9 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "shapes": rows,
         "wall_time_s": round(time.perf_counter() - start, 2),
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"results written to {args.json}")
+    write_json(args.json, report)
     return 0
 
 

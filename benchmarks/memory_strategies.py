@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -41,7 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import iabn
-from iabn.bench import machine_info
+from iabn.bench import machine_info, write_json
 from iabn.memory import saved_storages
 from iabn.models import create
 from iabn.offloading import DEFAULT_LAYERS
@@ -141,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"benchmark": "memory_strategies", "machine": machine_info(), "args": {
         k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": rows, "wall_time_s": round(time.perf_counter() - start, 1)}
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"results written to {args.json}")
+    write_json(args.json, report)
     return 0
 
 

@@ -56,10 +56,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch import Tensor, nn
+from torch import nn
 
 import iabn
-from iabn.bench import machine_info, progress_printer
+from iabn.bench import machine_info, progress_printer, training_step
 
 #: ``(channels, height = width)`` of the timed inputs; the batch is ``--batch`` per rank.
 SHAPES = ((64, 56), (256, 28), (512, 14), (1024, 7))
@@ -103,18 +103,6 @@ def make_layers(channels: int, names: tuple[str, ...], device: torch.device,
     return layers
 
 
-def make_step(layer: nn.Module, leaf: Tensor, grad: Tensor) -> Step:
-    """One forward + backward of ``layer`` on a fresh non-leaf copy of ``leaf``."""
-
-    def step() -> None:
-        leaf.grad = None
-        layer.zero_grad(set_to_none=True)
-        out = layer(leaf.clone())
-        out.backward(grad)
-
-    return step
-
-
 def make_comm_step(channels: int, world: int, device: torch.device) -> Step:
     """The two collectives of one InPlaceABNSync step, alone, on tensors of the layer's sizes:
     an all-gather of ``2C + 1`` float64 and an all-reduce (sum) of ``(2, C)`` float32."""
@@ -141,7 +129,7 @@ def shape_steps(args: argparse.Namespace, rank: int, world: int, channels: int, 
     steps = {}
     for name in names:
         steps[name] = (make_comm_step(channels, world, device) if name == COMM
-                       else make_step(layers[name], leaf, grad))
+                       else training_step(layers[name], leaf, grad))
     return steps
 
 

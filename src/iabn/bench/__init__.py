@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import platform
 import sys
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +40,26 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def training_step(layer: torch.nn.Module, leaf: torch.Tensor, grad: torch.Tensor) -> Step:
+    """A benchmark step: ``layer(leaf.clone()).backward(grad)``, gradients reset to ``None``
+    first (as ``optimizer.zero_grad()`` does) so that every step does the same work. The clone
+    gives in-place layers the non-leaf input they need; every provider pays for it alike."""
+
+    def step() -> None:
+        leaf.grad = None
+        layer.zero_grad(set_to_none=True)
+        layer(leaf.clone()).backward(grad)
+
+    return step
+
+
+def write_json(path: Path, report: Mapping[str, Any]) -> None:
+    """Write a benchmark's report (indented JSON) and say where."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"results written to {path}")
 
 
 def set_threads(threads: int | None) -> int:
@@ -98,4 +120,7 @@ def progress_printer(prefix: str, repeats: int) -> RepeatCallback:
     return report
 
 
-__all__ = ["machine_info", "progress_printer", "set_threads", "time_interleaved"]
+__all__ = [
+    "machine_info", "progress_printer", "set_threads", "time_interleaved", "training_step",
+    "write_json",
+]

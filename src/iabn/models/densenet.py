@@ -15,8 +15,8 @@ from collections import OrderedDict
 import torch
 from torch import Tensor, nn
 
+from .common import classifier_head, init_weights, input_3x3_stem
 from .norm_act import NormAct, norm_act_factory
-from .resnet import init_weights
 
 LAYERS = {121: (6, 12, 24, 16), 169: (6, 12, 32, 32), 201: (6, 12, 48, 32),
           264: (6, 12, 64, 48)}
@@ -54,12 +54,7 @@ class DenseNet(nn.Module):
         if depth not in LAYERS:
             raise ValueError(f"depth={depth}: use one of {sorted(LAYERS)}")
         make = norm_act_factory(norm_act, activation, activation_param)
-        self.mod1 = nn.Sequential(OrderedDict([
-            ("conv1", nn.Conv2d(3, 64, 3, 2, 1, bias=False)), ("bn1", make(64)),
-            ("conv2", nn.Conv2d(64, 64, 3, 1, 1, bias=False)), ("bn2", make(64)),
-            ("conv3", nn.Conv2d(64, 64, 3, 1, 1, bias=False)),
-            ("pool", nn.MaxPool2d(3, 2, 1)),
-        ]))
+        self.mod1 = input_3x3_stem(make)
         self._body: list[nn.Module] = [self.mod1]
         channels = 64
         for index, layers in enumerate(LAYERS[depth]):
@@ -77,10 +72,7 @@ class DenseNet(nn.Module):
             self._body.append(module)
             channels = module.out_channels
         self.bn_out = make(channels)
-        self.classifier = nn.Sequential(OrderedDict([
-            ("avg_pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten()),
-            ("fc", nn.Linear(channels, num_classes)),
-        ]))
+        self.classifier = classifier_head(channels, num_classes)
         init_weights(self)
 
     def body(self) -> list[nn.Module]:

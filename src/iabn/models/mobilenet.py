@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from .common import classifier_head, init_weights
 from .norm_act import NormAct, norm_act_factory
-from .resnet import init_weights
 
 # (expansion, output channels, repeats, first stride)
 SETTINGS = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1),
@@ -50,8 +50,7 @@ class MobileNetV2(nn.Module):
                 channels = out_channels
         layers += [nn.Conv2d(channels, 1280, 1, bias=False), make(1280)]
         self.features = nn.Sequential(*layers)
-        self.classifier = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                        nn.Linear(1280, num_classes))
+        self.classifier = classifier_head(1280, num_classes)
         init_weights(self)
 
     def body(self) -> list[nn.Module]:

@@ -15,8 +15,8 @@ from collections import OrderedDict
 
 from torch import Tensor, nn
 
+from .common import classifier_head, init_weights, input_3x3_stem
 from .norm_act import NormAct, norm_act_factory
-from .resnet import init_weights
 
 
 def _writes_input(module: nn.Module) -> bool:
@@ -87,10 +87,7 @@ class _PreActNet(nn.Module):
         self.bn_out = make(channels)
         self.classifier = None
         if num_classes:
-            self.classifier = nn.Sequential(OrderedDict([
-                ("avg_pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten()),
-                ("fc", nn.Linear(channels, num_classes)),
-            ]))
+            self.classifier = classifier_head(channels, num_classes)
         init_weights(self)
 
 
@@ -107,12 +104,7 @@ class ResNeXt(_PreActNet):
         if depth not in RESNEXT_DEPTHS:
             raise ValueError(f"depth={depth}: use one of {sorted(RESNEXT_DEPTHS)}")
         make = norm_act_factory(norm_act, activation, activation_param)
-        self.mod1 = nn.Sequential(OrderedDict([
-            ("conv1", nn.Conv2d(3, 64, 3, 2, 1, bias=False)), ("bn1", make(64)),
-            ("conv2", nn.Conv2d(64, 64, 3, 1, 1, bias=False)), ("bn2", make(64)),
-            ("conv3", nn.Conv2d(64, 64, 3, 1, 1, bias=False)),
-            ("pool", nn.MaxPool2d(3, 2, 1)),
-        ]))
+        self.mod1 = input_3x3_stem(make)
         body: list[nn.Module] = [self.mod1]
         channels = 64
         for index, blocks in enumerate(RESNEXT_DEPTHS[depth]):

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .common import activate_, classifier_head, init_weights
 from .norm_act import NormAct, norm_act_factory
 
 DEPTHS = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3),
@@ -76,17 +76,6 @@ class Bottleneck(nn.Module):
         return activate_(out, self.activation, self.activation_param)
 
 
-def activate_(x: Tensor, activation: str, param: float) -> Tensor:
-    """The model's activation applied in place (``x`` must be a fresh tensor)."""
-    if activation == "leaky_relu":
-        return F.leaky_relu_(x, param)
-    if activation == "elu":
-        return F.elu_(x, param)
-    if activation == "relu":
-        return F.relu_(x)
-    return x
-
-
 class ResNet(nn.Module):
     """ResNet-18/34 (basic blocks) and 50/101/152 (bottlenecks), v1. ``norm_act``: ``"bn"``,
     ``"abn"``, ``"iabn"``, ``"iabn_sync"`` or a callable (see :mod:`iabn.models.norm_act`)."""
@@ -112,10 +101,7 @@ class ResNet(nn.Module):
                                                      activation_param)
                 channels = width * block_type.expansion
             self.add_module(f"mod{index + 2}", nn.Sequential(layers))
-        self.classifier = nn.Sequential(OrderedDict([
-            ("avg_pool", nn.AdaptiveAvgPool2d(1)), ("flatten", nn.Flatten()),
-            ("fc", nn.Linear(channels, num_classes)),
-        ]))
+        self.classifier = classifier_head(channels, num_classes)
         init_weights(self)
 
     def body(self) -> list[nn.Module]:
@@ -126,13 +112,3 @@ class ResNet(nn.Module):
         for module in self.body():
             x = module(x)
         return self.classifier(x)
-
-
-def init_weights(model: nn.Module) -> None:
-    """He initialisation for convolutions (fan-out), as the original training scripts."""
-    for module in model.modules():
-        if isinstance(module, nn.Conv2d):
-            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, std=0.01)
-            nn.init.zeros_(module.bias)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from .common import classifier_head, init_weights
 from .norm_act import NormAct, norm_act_factory
-from .resnet import init_weights
 
 CONFIG_19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M",
              512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
@@ -30,8 +30,7 @@ class VGG(nn.Module):
                 layers += [nn.Conv2d(channels, item, 3, padding=1, bias=False), make(item)]
                 channels = item
         self.features = nn.Sequential(*layers)
-        self.classifier = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                                        nn.Linear(channels, num_classes))
+        self.classifier = classifier_head(channels, num_classes)
         init_weights(self)
 
     def body(self) -> list[nn.Module]:
