@@ -42,3 +42,18 @@ def memory_format_for(ndim: int, channels_last: bool) -> torch.memory_format:
     if not channels_last:
         return torch.contiguous_format
     return {4: torch.channels_last, 5: torch.channels_last_3d}[ndim]
+
+
+def reference_layout(path, section=None):
+    """``{key without 'module.': shape}`` from a key file of the original package (only the
+    ``## state_dict["<section>"]`` part when ``section`` is given)."""
+    layout, inside = {}, section is None
+    for line in path.read_text().splitlines():
+        if line.startswith("## "):
+            inside = section is not None and f'"{section}"' in line
+            continue
+        if inside and line and not line.startswith("#"):
+            key, shape = line.split(None, 1)
+            layout[key.removeprefix("module.")] = tuple(int(d) for d in shape.strip("[]").split(",")
+                                                        if d.strip())
+    return layout

@@ -6,6 +6,8 @@ import torch
 
 from iabn.models import MODELS, NORM_ACT_NAMES, create
 
+from helpers import reference_layout
+
 SIZE = 32  # input height = width: every model handles it (output stride 32 -> 1x1)
 
 
@@ -52,21 +54,6 @@ def test_factory_errors():
     assert NORM_ACT_NAMES == ("bn", "abn", "iabn", "iabn_sync")
 
 
-def _reference_layout(path, section=None):
-    """``{key without 'module.': shape}`` from a key file of the original package (only the
-    ``## state_dict["<section>"]`` part when ``section`` is given)."""
-    layout, inside = {}, section is None
-    for line in path.read_text().splitlines():
-        if line.startswith("## "):
-            inside = section is not None and f'"{section}"' in line
-            continue
-        if inside and line and not line.startswith("#"):
-            key, shape = line.split(None, 1)
-            layout[key.removeprefix("module.")] = tuple(int(d) for d in shape.strip("[]").split(",")
-                                                        if d.strip())
-    return layout
-
-
 REFERENCE_LAYOUTS = [
     ("resnet34", {}, "imagenet_resnet34_ipabn-sync_lr_512_keys.txt", None),
     ("resnet50", {}, "imagenet_resnet50_ipabn-sync_lr_512_keys.txt", None),
@@ -88,7 +75,7 @@ def test_keys_and_shapes_match_the_original_checkpoints(name, kwargs, file, sect
     path = Path(__file__).resolve().parents[2] / "shared" / "reference" / file
     if not path.exists():
         pytest.skip(f"{path} not present")
-    expected = _reference_layout(path, section)
+    expected = reference_layout(path, section)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = create(name, norm_act="iabn", **kwargs)
     ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .checkpoints import LoadReport, load_original, original_state_dict
+from .deeplab import DeepLabV3Head, SegmentationNet, deeplabv3_wider_resnet38
 from .densenet import DenseNet
 from .mobilenet import MobileNetV2
 from .norm_act import NAMES as NORM_ACT_NAMES
@@ -56,13 +57,16 @@ __all__ = [
     "MODELS",
     "NORM_ACT_NAMES",
     "VGG",
+    "DeepLabV3Head",
     "DenseNet",
     "LoadReport",
     "MobileNetV2",
     "ResNeXt",
     "ResNet",
+    "SegmentationNet",
     "WiderResNet",
     "create",
+    "deeplabv3_wider_resnet38",
     "load_original",
     "norm_act_factory",
     "original_state_dict",
