@@ -80,6 +80,49 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.set_defaults(handler=_bench)
 
 
+def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
+    from .segment import FUSIONS, OUTPUTS, VISTAS_MEAN, VISTAS_STD, parse_floats
+
+    seg = subparsers.add_parser(
+        "segment", help="semantic segmentation of a folder of images (DeepLabV3)",
+        description="Segment every .png/.jpg/.jpeg in IN_DIR with a DeepLabV3 + WideResNet-A2 "
+        "snapshot (iabn's, or the original package's Vistas file) and write the results to "
+        "OUT_DIR. Exit status 1 when an image could not be read (the others are processed).",
+    )
+    seg.add_argument("snapshot", help="model snapshot (.pth / .pth.tar)")
+    seg.add_argument("in_dir", help="folder of input images")
+    seg.add_argument("out_dir", help="folder for the outputs (mirrors IN_DIR's layout)")
+    seg.add_argument("--recursive", action="store_true", help="also process subfolders")
+    seg.add_argument("--long-side", type=_non_negative_int, default=2048,
+                     help="resize so the longer side has this many pixels; 0 keeps the size "
+                     "(default: 2048)")
+    seg.add_argument("--scales", type=parse_floats, default=[1.0],
+                     help="test-time scales, e.g. 0.7,1.0,1.2 (default: 1.0)")
+    seg.add_argument("--flip", action="store_true", help="also predict on the mirrored image")
+    seg.add_argument("--fusion", choices=FUSIONS, default="mean",
+                     help="how to combine scales/flips (default: mean of probabilities)")
+    seg.add_argument("--output", choices=OUTPUTS, default="palette",
+                     help="palette PNG, raw class-index PNG, or indices + confidence PNG")
+    seg.add_argument("--overlay", action="store_true",
+                     help="also write the image and the coloured prediction side by side")
+    seg.add_argument("--overwrite", action="store_true", help="redo existing outputs")
+    seg.add_argument("--mean", type=parse_floats, default=list(VISTAS_MEAN),
+                     help="input normalisation mean, RGB in [0, 1] (default: Vistas model's)")
+    seg.add_argument("--std", type=parse_floats, default=list(VISTAS_STD),
+                     help="input normalisation std (default: Vistas model's)")
+    seg.add_argument("--depth", type=int, choices=(16, 20, 38), default=38,
+                     help="WideResNet trunk depth of the snapshot (default: 38)")
+    seg.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    seg.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    seg.set_defaults(handler=_segment)
+
+
+def _segment(args: argparse.Namespace) -> int:
+    from .segment import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``iabn`` argument parser (one subcommand per tool)."""
     parser = argparse.ArgumentParser(
@@ -89,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"iabn {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_bench_parser(subparsers)
+    _add_segment_parser(subparsers)
     return parser
 
 

@@ -1,0 +1,265 @@
+"""``iabn segment``: semantic segmentation of a folder of images with a DeepLabV3 model.
+
+Reads every .png/.jpg/.jpeg of ``IN_DIR`` (``--recursive`` for subfolders), resizes it so its
+longer side is ``--long-side`` pixels, normalises it, runs the model at the ``--scales``
+(and mirrored with ``--flip``), fuses the per-scale predictions (``mean`` of probabilities,
+their elementwise ``max``, or ``voting`` of per-scale argmaxes) and writes, at the input's own
+size (nearest neighbour), a palette PNG, a raw class-index PNG, or class indices plus a
+confidence PNG (``--output``). Existing outputs are kept unless ``--overwrite``, so an
+interrupted run resumes. Unreadable images are reported and skipped; the exit status is 1 when
+any image failed.
+
+Snapshots: the original package's Vistas file (``{"state_dict": {"body", "head", "cls"}}``,
+loaded with :func:`iabn.models.load_original`) or an iabn file holding a
+:class:`~iabn.models.SegmentationNet` ``state_dict`` (keys ``body.*``, ``head.*``, ``cls.*``).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .models import deeplabv3_wider_resnet38, load_original
+
+EXTENSIONS = (".png", ".jpg", ".jpeg")
+#: Input normalisation of the released Vistas model (RGB in [0, 1]).
+VISTAS_MEAN = (0.41738699, 0.45732192, 0.46886091)
+VISTAS_STD = (0.25685097, 0.26509955, 0.29067996)
+FUSIONS = ("mean", "voting", "max")
+OUTPUTS = ("palette", "raw", "prob")
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError as error:  # an optional dependency: say how to get it
+        raise SystemExit(
+            "iabn segment reads and writes images with Pillow: pip install 'iabn[tools]'"
+        ) from error
+    return Image
+
+
+@dataclass
+class SegmentOptions:
+    long_side: int = 2048
+    scales: tuple[float, ...] = (1.0,)
+    flip: bool = False
+    fusion: str = "mean"
+    output: str = "palette"
+    overlay: bool = False
+    overwrite: bool = False
+    recursive: bool = False
+    mean: tuple[float, float, float] = VISTAS_MEAN
+    std: tuple[float, float, float] = VISTAS_STD
+
+
+@dataclass
+class Summary:
+    processed: int = 0
+    skipped: int = 0
+    failed: list[tuple[Path, str]] = field(default_factory=list)
+
+
+def load_segmentation_model(snapshot: str | Path, depth: int = 38,
+                            device: str | torch.device = "cpu") -> torch.nn.Module:
+    """Build the DeepLabV3 + WideResNet-A2 network a snapshot was saved from and load it."""
+    path = Path(snapshot)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise ValueError(f"cannot read snapshot {path}: {error}") from error
+    state = data.get("state_dict", data) if isinstance(data, dict) else None
+    if not isinstance(state, dict):
+        raise ValueError(f"snapshot {path} holds no state_dict")
+    if {"body", "head", "cls"} <= set(state):
+        num_classes = state["cls"]["weight"].shape[0]
+        model = deeplabv3_wider_resnet38(num_classes=num_classes, depth=depth)
+        for section in ("body", "head", "cls"):
+            load_original(getattr(model, section), data, section=section)
+    else:
+        state = {k.removeprefix("module."): v for k, v in state.items()}
+        if "cls.weight" not in state:
+            raise ValueError(f"snapshot {path}: neither the original Vistas layout nor an iabn "
+                             f"segmentation state_dict (no 'cls.weight')")
+        model = deeplabv3_wider_resnet38(num_classes=state["cls.weight"].shape[0], depth=depth)
+        result = model.load_state_dict(state, strict=False)
+        if result.missing_keys or result.unexpected_keys:
+            raise ValueError(f"snapshot {path} does not fit the model: missing "
+                             f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
+    return model.to(device).eval()
+
+
+def find_images(root: Path, recursive: bool) -> list[Path]:
+    pattern = "**/*" if recursive else "*"
+    return sorted(p for p in root.glob(pattern)
+                  if p.is_file() and p.suffix.lower() in EXTENSIONS)
+
+
+def palette() -> list[int]:
+    """A fixed, well-spread RGB colour for each of 256 classes (bit-interleaving, the PASCAL
+    VOC scheme), flattened as PIL's ``putpalette`` wants it."""
+    colours = []
+    for index in range(256):
+        r = g = b = 0
+        c = index
+        for shift in range(7, -1, -1):
+            r |= (c & 1) << shift
+            g |= ((c >> 1) & 1) << shift
+            b |= ((c >> 2) & 1) << shift
+            c >>= 3
+        colours += [r, g, b]
+    return colours
+
+
+@torch.no_grad()
+def predict(
+    model: torch.nn.Module, image: Tensor, options: SegmentOptions
+) -> tuple[Tensor, Tensor]:
+    """Class indices ``(H, W)`` and confidence ``(H, W)`` for a normalised ``(3, H, W)`` image."""
+    height, width = image.shape[-2:]
+    x = image.unsqueeze(0)
+    probabilities, votes = [], []
+    for scale in options.scales:
+        scaled = x if scale == 1.0 else F.interpolate(
+            x, scale_factor=scale, mode="bilinear", align_corners=False)
+        views = [scaled, scaled.flip(-1)] if options.flip else [scaled]
+        for index, view in enumerate(views):
+            logits = model(view)
+            if index == 1:
+                logits = logits.flip(-1)
+            logits = F.interpolate(logits, size=(height, width), mode="bilinear",
+                                   align_corners=False)
+            probs = logits.softmax(1)[0]
+            probabilities.append(probs)
+            votes.append(probs.argmax(0))
+    stacked = torch.stack(probabilities)
+    fused = stacked.max(0).values if options.fusion == "max" else stacked.mean(0)
+    if options.fusion == "voting":
+        counts = F.one_hot(torch.stack(votes), fused.shape[0]).sum(0).permute(2, 0, 1)
+        # ties go to the class with the higher mean probability
+        labels = (counts.to(fused.dtype) + fused / (fused.max() + 1)).argmax(0)
+    else:
+        labels = fused.argmax(0)
+    return labels, fused.gather(0, labels.unsqueeze(0))[0]
+
+
+def _outputs_for(relative: Path, out_dir: Path, options: SegmentOptions) -> list[Path]:
+    base = out_dir / relative.with_suffix("")
+    paths = [base.with_suffix(".png")]
+    if options.output == "prob":
+        paths.append(base.parent / f"{base.name}_confidence.png")
+    if options.overlay:
+        paths.append(base.parent / f"{base.name}_overlay.png")
+    return paths
+
+
+def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
+                   options: SegmentOptions, device: str | torch.device = "cpu",
+                   progress: bool = True) -> Summary:
+    Image = _pil()
+    images = find_images(in_dir, options.recursive)
+    mean = torch.tensor(options.mean).view(3, 1, 1)
+    std = torch.tensor(options.std).view(3, 1, 1)
+    summary = Summary()
+    colours = None
+    for number, path in enumerate(images, 1):
+        relative = path.relative_to(in_dir)
+        targets = _outputs_for(relative, out_dir, options)
+        if not options.overwrite and all(t.exists() for t in targets):
+            summary.skipped += 1
+            continue
+        if progress:
+            print(f"[{number}/{len(images)}] {relative}", file=sys.stderr, flush=True)
+        try:
+            with Image.open(path) as opened:
+                original = opened.convert("RGB")
+        except Exception as error:  # unreadable or corrupt: report, go on with the others
+            summary.failed.append((path, f"{type(error).__name__}: {error}"))
+            print(f"  skipped: cannot read {path}: {error}", file=sys.stderr, flush=True)
+            continue
+        resized = original
+        if options.long_side:
+            factor = options.long_side / max(original.size)
+            size = (max(1, int(original.width * factor)), max(1, int(original.height * factor)))
+            resized = original.resize(size, Image.BILINEAR)
+        pixels = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8)
+        tensor = pixels.view(resized.height, resized.width, 3).permute(2, 0, 1).float() / 255
+        labels, confidence = predict(model, ((tensor - mean) / std).to(device), options)
+        label_image = _grey_image(Image, labels.to(torch.uint8)).resize(original.size,
+                                                                       Image.NEAREST)
+        targets[0].parent.mkdir(parents=True, exist_ok=True)
+        if options.output == "palette":
+            colours = colours or palette()
+            coloured = label_image.convert("P")
+            coloured.putpalette(colours)
+            coloured.save(targets[0])
+        else:
+            label_image.save(targets[0])
+        if options.output == "prob":
+            scaled = (confidence.clamp(0, 1) * 255).round().to(torch.uint8)
+            _grey_image(Image, scaled).resize(original.size, Image.BILINEAR).save(targets[1])
+        if options.overlay:
+            colours = colours or palette()
+            mask = label_image.convert("P")
+            mask.putpalette(colours)
+            blend = Image.blend(original, mask.convert("RGB"), 0.5)
+            side = Image.new("RGB", (original.width * 2, original.height))
+            side.paste(original, (0, 0))
+            side.paste(blend, (original.width, 0))
+            side.save(targets[-1])
+        summary.processed += 1
+    return summary
+
+
+def _grey_image(Image: Any, values: Tensor) -> Any:
+    """A mode-L PIL image from a ``(H, W)`` uint8 tensor (without requiring NumPy)."""
+    height, width = values.shape
+    return Image.frombytes("L", (width, height), bytes(values.cpu().flatten().tolist()))
+
+
+def run(args: Any) -> int:
+    """The ``iabn segment`` command (arguments from :mod:`iabn.cli`)."""
+    start = time.perf_counter()
+    options = SegmentOptions(
+        long_side=args.long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
+        output=args.output, overlay=args.overlay, overwrite=args.overwrite,
+        recursive=args.recursive, mean=tuple(args.mean), std=tuple(args.std),
+    )
+    in_dir, out_dir = Path(args.in_dir), Path(args.out_dir)
+    if not in_dir.is_dir():
+        print(f"iabn segment: error: IN_DIR {in_dir} is not a folder", file=sys.stderr)
+        return 2
+    try:
+        model = load_segmentation_model(args.snapshot, args.depth, args.device)
+    except (ValueError, KeyError) as error:
+        print(f"iabn segment: error: {error}", file=sys.stderr)
+        return 2
+    summary = segment_folder(model, in_dir, out_dir, options, args.device,
+                             progress=not args.quiet)
+    print(f"iabn segment: {summary.processed} segmented, {summary.skipped} already done "
+          f"(kept; --overwrite to redo), {len(summary.failed)} failed, "
+          f"{time.perf_counter() - start:.1f} s")
+    for path, reason in summary.failed:
+        print(f"  failed: {path}: {reason}")
+    return 1 if summary.failed else 0
+
+
+def parse_floats(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+__all__: Sequence[str] = (
+    "SegmentOptions",
+    "load_segmentation_model",
+    "predict",
+    "run",
+    "segment_folder",
+)

@@ -1,0 +1,81 @@
+"""``iabn segment`` on a folder of small images with a snapshot in the original Vistas layout."""
+
+import pytest
+import torch
+
+from iabn.cli import main
+from iabn.models import deeplabv3_wider_resnet38
+
+Image = pytest.importorskip("PIL.Image")
+NUM_CLASSES = 3
+
+
+@pytest.fixture(scope="module")
+def snapshot(tmp_path_factory):
+    torch.manual_seed(0)
+    model = deeplabv3_wider_resnet38(num_classes=NUM_CLASSES, depth=16)
+    path = tmp_path_factory.mktemp("snap") / "vistas_like.pth.tar"
+    torch.save({"state_dict": {s: getattr(model, s).state_dict()
+                               for s in ("body", "head", "cls")}}, path)
+    return path
+
+
+@pytest.fixture()
+def images(tmp_path):
+    root = tmp_path / "in"
+    (root / "sub").mkdir(parents=True)
+    torch.manual_seed(1)
+    for name, size in (("a.png", (40, 30)), ("b.jpg", (24, 36)), ("sub/c.png", (32, 32))):
+        pixels = bytes(torch.randint(0, 256, (size[0] * size[1] * 3,)).tolist())
+        Image.frombytes("RGB", size, pixels).save(root / name)
+    (root / "broken.png").write_bytes(b"not an image")
+    return root
+
+
+def _run(snapshot, images, out, *extra):
+    return main(["segment", str(snapshot), str(images), str(out), "--depth", "16",
+                 "--long-side", "48", "--quiet", *extra])
+
+
+def test_palette_outputs_at_input_size_and_corrupt_image_reported(snapshot, images, tmp_path,
+                                                                   capsys):
+    out = tmp_path / "out"
+    assert _run(snapshot, images, out, "--recursive", "--scales", "0.75,1.0", "--flip") == 1
+    report = capsys.readouterr().out
+    assert "3 segmented" in report and "1 failed" in report and "broken.png" in report
+    for name, size in (("a.png", (40, 30)), ("b.png", (24, 36)), ("sub/c.png", (32, 32))):
+        with Image.open(out / name) as result:
+            assert result.mode == "P" and result.size == size
+            assert max(result.tobytes()) < NUM_CLASSES
+
+
+def test_resume_keeps_existing_outputs_unless_overwrite(snapshot, images, tmp_path, capsys):
+    out = tmp_path / "out"
+    _run(snapshot, images, out)
+    capsys.readouterr()
+    _run(snapshot, images, out)
+    assert "0 segmented, 2 already done" in capsys.readouterr().out
+    _run(snapshot, images, out, "--overwrite")
+    assert "2 segmented" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fusion", ["mean", "voting", "max"])
+def test_raw_and_prob_outputs(snapshot, images, tmp_path, fusion):
+    out = tmp_path / fusion
+    _run(snapshot, images, out, "--output", "prob", "--fusion", fusion, "--scales", "0.5,1",
+         "--overlay")
+    with Image.open(out / "a.png") as labels, Image.open(out / "a_confidence.png") as conf:
+        assert labels.mode == "L" and max(labels.tobytes()) < NUM_CLASSES
+        # confidence of the chosen class: at least 1/NUM_CLASSES of 255 for mean fusion
+        assert conf.size == (40, 30) and min(conf.tobytes()) >= (255 // NUM_CLASSES - 1
+                                                                 if fusion == "mean" else 0)
+    with Image.open(out / "a_overlay.png") as overlay:
+        assert overlay.size == (80, 30)
+
+
+def test_bad_snapshot_and_folder(tmp_path, images, capsys):
+    bad = tmp_path / "bad.pth"
+    bad.write_bytes(b"garbage")
+    assert main(["segment", str(bad), str(images), str(tmp_path / "o")]) == 2
+    assert "cannot read snapshot" in capsys.readouterr().err
+    assert main(["segment", str(bad), str(tmp_path / "nope"), str(tmp_path / "o")]) == 2
