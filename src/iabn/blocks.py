@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from . import activation as act
 from .checks import check_inputs, check_options
-from .kernels.reference import channel_view
+from .kernels.reference import channel_view, scale_and_shift, stat_dtype
 from .modules import ABN, InPlaceABN
-from .scale import SIGNED, effective_scale, gamma_grad
+from .scale import SIGNED, gamma_grad
 
 STRATEGIES = ("standard", "checkpoint", "checkpoint_opt", "inplace_I", "inplace_II")
 
@@ -120,12 +120,8 @@ class _CheckpointBNActConv(torch.autograd.Function):
 
 
 def _scale_shift(weight, bias, cfg, like: Tensor) -> tuple[Tensor, Tensor]:
-    channels = like.shape[1]
-    dtype = weight.dtype if weight is not None else like.dtype
-    g = (effective_scale(weight.detach(), cfg.eps, cfg.gamma_mode) if weight is not None
-         else torch.ones(channels, dtype=dtype, device=like.device))
-    beta = bias.detach() if bias is not None else torch.zeros_like(g)
-    return g, beta
+    return scale_and_shift(weight, bias, cfg.eps, cfg.gamma_mode, like.shape[1],
+                           stat_dtype(like, weight, None), like.device)
 
 
 class BNActConv(nn.Module):

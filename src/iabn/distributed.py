@@ -26,7 +26,7 @@ from .functional import _inplace_abn_unchecked
 from .kernels import reference
 from .kernels import sync_reference as sync
 from .modules import ABN, InPlaceABN
-from .ops import LayerConfig
+from .ops import LayerConfig, refuse_double_backward
 from .scale import SIGNED
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -120,10 +120,7 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
-        if torch.is_grad_enabled():
-            raise RuntimeError(
-                "InPlaceABNSync does not support double backward (create_graph=True)"
-            )
+        refuse_double_backward("InPlaceABNSync")
         z, weight, bias, invstd, scale = ctx.saved_tensors
         c = ctx.config
         y, dy, sums = sync.local_sums(z, dz, bias, scale, c.activation, c.activation_param)

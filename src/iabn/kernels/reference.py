@@ -23,6 +23,8 @@ from . import scratch
 
 #: Input dtypes whose statistics and backward are computed in float32.
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
 def stat_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
     """Dtype of the per-channel statistics: the parameters', else float32 for half inputs."""
     for t in (weight, running_mean):
@@ -47,10 +49,11 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _scale_and_shift(
+def scale_and_shift(
     weight: Tensor | None, bias: Tensor | None, eps: float, gamma_mode: str, channels: int,
     dtype: torch.dtype, device: torch.device,
 ) -> tuple[Tensor, Tensor]:
+    """``(g, beta)`` ``(C,)`` in ``dtype``: ``scale(weight)`` and ``bias``, or 1 and 0."""
     g = (
         effective_scale(_cast(weight, dtype), eps, gamma_mode)
         if weight is not None
@@ -86,7 +89,7 @@ def forward_(
     """
     channels = x.shape[1]
     sdtype = stat_dtype(x, weight, running_mean)
-    g, beta = _scale_and_shift(weight, bias, eps, gamma_mode, channels, sdtype, x.device)
+    g, beta = scale_and_shift(weight, bias, eps, gamma_mode, channels, sdtype, x.device)
     # For other strides the native kernel's ``out=`` write does not follow the input's
     # layout (measured: wrong values), so such inputs go through a dense copy.
     work = x if scratch.is_dense_format(x) else x.contiguous()
@@ -134,12 +137,8 @@ def backward(
     """
     want_dx, want_dgamma, want_dbeta = output_mask
     ndim = z.dim()
-    cdtype = compute_dtype(z.dtype)
-    zc, dzc = _cast(z, cdtype), _cast(dz, cdtype)
-    g, invstd = _cast(scale, cdtype), _cast(invstd, cdtype)
-    beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
-
-    y, dy = recover(zc, dzc, activation, activation_param)
+    y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
+    invstd = _cast(invstd, y.dtype)
     inv_g = g.reciprocal()
     if variant == 1:
         # Variant I: recover xhat = (y - beta) / g explicitly, then standard BN backward.
@@ -164,21 +163,27 @@ def backward(
 
 
 def recover(
-    zc: Tensor, dzc: Tensor, activation: str, activation_param: float
-) -> tuple[Tensor, Tensor]:
-    """``(y, dy)`` from the stored output and its gradient (both in the compute dtype).
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
+    activation_param: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(y, dy, g, beta)`` in the backward's compute dtype from the stored output ``z``, its
+    gradient and the per-channel ``scale`` (``g``) and ``bias`` (``beta``; 0 without one).
 
-    They never leave the backward, so they live in reused scratch memory where the
+    ``y`` and ``dy`` never leave the backward, so they live in reused scratch memory where the
     activation's kernels can write into it (leaky_relu, the layer's default). Valid until the
     next backward on this thread.
     """
+    cdtype = compute_dtype(z.dtype)
+    zc, dzc = _cast(z, cdtype), _cast(dz, cdtype)
+    g = _cast(scale, cdtype)
+    beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
     y_out = dy_out = None
     if activation == act.LEAKY_RELU:
         y_out = scratch.empty_like(zc, scratch.INVERSE)
         dy_out = scratch.empty_like(zc, scratch.GRADIENT)
     y = act.invert(zc, activation, activation_param, y_out)
     dy = act.grad_from_output(dzc, zc, activation, activation_param, dy_out)
-    return y, dy
+    return y, dy, g, beta
 
 
 def finish_grads(

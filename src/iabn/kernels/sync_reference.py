@@ -11,14 +11,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import activation as act
 from .reference import (
     _cast,
-    _scale_and_shift,
     channel_view,
     compute_dtype,
+    forward_,
     recover,
-    scratch,
     stat_dtype,
 )
 
@@ -73,23 +71,11 @@ def normalize_(
     gamma_mode: str,
 ) -> tuple[Tensor, Tensor]:
     """Overwrite ``x`` with ``phi(g * (x - mean) / sqrt(var + eps) + beta)``; return
-    ``(invstd, g)`` in the statistics dtype, as :func:`reference.forward_` does."""
-    channels = x.shape[1]
+    ``(invstd, g)``: the single-process forward in eval mode, with the merged statistics
+    standing in for the running ones."""
     sdtype = stat_dtype(x, weight, None)
-    g, beta = _scale_and_shift(weight, bias, eps, gamma_mode, channels, sdtype, x.device)
-    mean, var = mean.to(sdtype), var.to(sdtype)
-    if x.numel():
-        work = x if scratch.is_dense_format(x) else x.contiguous()
-        # Eval-mode batch norm normalises with the statistics it is given: the merged ones.
-        unused = torch.empty(0, dtype=sdtype, device=x.device)
-        torch.ops.aten.native_batch_norm.out(
-            work, g, beta, mean, var, False, 0.0, eps,
-            out=work, save_mean=unused, save_invstd=unused.clone(),
-        )
-        act.apply_(work, activation, activation_param)
-        if work is not x:
-            x.copy_(work)
-    return (var + eps).rsqrt(), g
+    return forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), False, 0.0, eps,
+                    activation, activation_param, gamma_mode)
 
 
 def update_running_stats_(
@@ -111,12 +97,9 @@ def local_sums(
     ``y`` and ``dy`` are scratch tensors (see :func:`reference.recover`), valid until the next
     backward on this thread.
     """
-    cdtype = compute_dtype(z.dtype)
-    g = _cast(scale, cdtype)
-    beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
-    y, dy = recover(_cast(z, cdtype), _cast(dz, cdtype), activation, activation_param)
+    y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
     if not z.numel():
-        return y, dy, torch.zeros(2, g.shape[0], dtype=cdtype, device=z.device)
+        return y, dy, torch.zeros(2, g.shape[0], dtype=g.dtype, device=z.device)
     # The reductions of the batch-norm backward, with the identity of reference.py.
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         dy, y, g, None, None, beta, g.reciprocal(), True, 0.0, [False, True, True],
