@@ -30,7 +30,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,7 +69,7 @@ class _HostPool:
     def __init__(self, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
         self.buffers: list[Tensor] = []
-        self.owners: list[weakref.ref | None] = []
+        self.owners: list[weakref.ref] = []
         self.next_slot = 0
         self.iterations = 0
 
@@ -82,8 +82,7 @@ class _HostPool:
         slot = self.next_slot
         self.next_slot += 1
         if slot < len(self.buffers):
-            owner_ref = self.owners[slot]
-            free = owner_ref is None or owner_ref() is None
+            free = self.owners[slot]() is None
             if free and self.buffers[slot].numel() >= nbytes:
                 self.owners[slot] = weakref.ref(owner)
                 return self.buffers[slot][:nbytes]
@@ -103,10 +102,6 @@ class _HostPool:
             self.buffers.append(buffer)
             self.owners.append(weakref.ref(owner))
         return buffer
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
 
 
 class _Saved:
@@ -152,19 +147,15 @@ class _Offloaded:
         if self.on_device is not None:
             return
         host, stream = self.host, self.offloader.copy_stream
-        if stream is None:
+        on_copy_stream = torch.cuda.stream(stream) if stream is not None else nullcontext()
+        with on_copy_stream:
             restored = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype,
                                            device=self.device)
-            restored.copy_(host)
+            restored.copy_(host, non_blocking=stream is not None)
             self.on_device = restored.to(self.dtype)
-            return
-        with torch.cuda.stream(stream):
-            restored = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype,
-                                           device=self.device)
-            restored.copy_(host, non_blocking=True)
-            self.on_device = restored.to(self.dtype)
-            self.ready = torch.cuda.Event()
-            self.ready.record(stream)
+            if stream is not None:
+                self.ready = torch.cuda.Event()
+                self.ready.record(stream)
 
     def get(self) -> Tensor:
         self.fetch()

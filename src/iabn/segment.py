@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +118,9 @@ def palette() -> list[int]:
     return colours
 
 
+PALETTE = palette()
+
+
 @torch.no_grad()
 def predict(
     model: torch.nn.Module, image: Tensor, options: SegmentOptions
@@ -169,7 +171,6 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
     mean = torch.tensor(options.mean).view(3, 1, 1)
     std = torch.tensor(options.std).view(3, 1, 1)
     summary = Summary()
-    colours = None
     for number, path in enumerate(images, 1):
         relative = path.relative_to(in_dir)
         targets = _outputs_for(relative, out_dir, options)
@@ -197,9 +198,8 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
                                                                        Image.NEAREST)
         targets[0].parent.mkdir(parents=True, exist_ok=True)
         if options.output == "palette":
-            colours = colours or palette()
             coloured = label_image.convert("P")
-            coloured.putpalette(colours)
+            coloured.putpalette(PALETTE)
             coloured.save(targets[0])
         else:
             label_image.save(targets[0])
@@ -207,9 +207,8 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
             scaled = (confidence.clamp(0, 1) * 255).round().to(torch.uint8)
             _grey_image(Image, scaled).resize(original.size, Image.BILINEAR).save(targets[1])
         if options.overlay:
-            colours = colours or palette()
             mask = label_image.convert("P")
-            mask.putpalette(colours)
+            mask.putpalette(PALETTE)
             blend = Image.blend(original, mask.convert("RGB"), 0.5)
             side = Image.new("RGB", (original.width * 2, original.height))
             side.paste(original, (0, 0))
@@ -256,10 +255,4 @@ def parse_floats(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
 
-__all__: Sequence[str] = (
-    "SegmentOptions",
-    "load_segmentation_model",
-    "predict",
-    "run",
-    "segment_folder",
-)
+__all__ = ["SegmentOptions", "load_segmentation_model", "predict", "run", "segment_folder"]

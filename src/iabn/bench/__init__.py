@@ -16,6 +16,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +43,24 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def training_step(layer: torch.nn.Module, leaf: torch.Tensor, grad: torch.Tensor) -> Step:
-    """A benchmark step: ``layer(leaf.clone()).backward(grad)``, gradients reset to ``None``
-    first (as ``optimizer.zero_grad()`` does) so that every step does the same work. The clone
-    gives in-place layers the non-leaf input they need; every provider pays for it alike."""
+def train_step(model: torch.nn.Module, leaf: torch.Tensor,
+               grad: torch.Tensor) -> torch.Tensor:
+    """One forward and backward: ``model(leaf.clone()).backward(grad)``; returns the output.
 
-    def step() -> None:
-        leaf.grad = None
-        layer.zero_grad(set_to_none=True)
-        layer(leaf.clone()).backward(grad)
+    Gradients are reset to ``None`` first (as ``optimizer.zero_grad()`` does) so that every
+    step does the same work; the input gradient lands in ``leaf.grad``. The clone gives
+    in-place layers the non-leaf input they need, and every provider pays for it alike.
+    """
+    leaf.grad = None
+    model.zero_grad(set_to_none=True)
+    out = model(leaf.clone())
+    out.backward(grad)
+    return out
 
-    return step
+
+def training_step(model: torch.nn.Module, leaf: torch.Tensor, grad: torch.Tensor) -> Step:
+    """:func:`train_step` as a zero-argument step for :func:`time_interleaved`."""
+    return partial(train_step, model, leaf, grad)
 
 
 def write_json(path: Path, report: Mapping[str, Any]) -> None:
@@ -121,6 +129,7 @@ def progress_printer(prefix: str, repeats: int) -> RepeatCallback:
 
 
 __all__ = [
-    "machine_info", "progress_printer", "set_threads", "time_interleaved", "training_step",
+    "machine_info", "progress_printer", "set_threads", "time_interleaved", "train_step",
+    "training_step",
     "write_json",
 ]

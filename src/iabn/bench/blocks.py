@@ -23,7 +23,6 @@ import math
 import sys
 import textwrap
 from dataclasses import asdict, dataclass, field
-from functools import partial
 from statistics import median
 from typing import Any
 
@@ -33,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .. import InPlaceABN
 from ..memory import saved_storages
-from . import machine_info, progress_printer, time_interleaved
+from . import machine_info, progress_printer, time_interleaved, train_step, training_step
 
 STRATEGIES = ("bn", "bn_inplace", "checkpoint", "iabn_I", "iabn_II")
 BASELINE = "bn_inplace"
@@ -170,19 +169,6 @@ def build_models(config: BenchConfig) -> dict[str, nn.Sequential]:
     return models
 
 
-def train_step(model: nn.Module, leaf: Tensor, grad: Tensor) -> Tensor:
-    """Forward and backward of one step; the input gradient lands in ``leaf.grad``.
-
-    Gradients are reset to ``None`` first, as ``optimizer.zero_grad()`` does, so every step
-    does the same work. Returns the model output ``(N, C, H, W)``.
-    """
-    leaf.grad = None
-    model.zero_grad(set_to_none=True)
-    out = model(leaf.clone())
-    out.backward(grad)
-    return out
-
-
 def measure_saved(model: nn.Module, leaf: Tensor) -> list[dict[str, Any]]:
     """Distinct storages the forward saves for backward (parameters and buffers excluded)."""
     return [
@@ -241,7 +227,7 @@ def run_bench(config: BenchConfig, progress: bool = True) -> BenchResult:
     if progress:
         _status(f"timing forward+backward: {config.warmup} warm-up steps, then "
                 f"{config.repeats} interleaved repeats of {config.iters} steps")
-    steps = {name: partial(train_step, m, leaf, grad) for name, m in models.items()}
+    steps = {name: training_step(m, leaf, grad) for name, m in models.items()}
     callback = progress_printer("[iabn bench] ", config.repeats) if progress else None
     samples = time_interleaved(
         steps, config.repeats, iters=config.iters, warmup=config.warmup, on_repeat=callback
@@ -348,5 +334,4 @@ __all__ = [
     "format_table",
     "run_bench",
     "to_json",
-    "train_step",
 ]

@@ -23,47 +23,17 @@ DEPTHS = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3), 101: (3, 4, 23, 
           152: (3, 8, 36, 3)}
 
 
-class BasicBlock(nn.Module):
-    """Two 3x3 convolutions (ResNet-18/34); the first carries the stride."""
+class _ResidualV1(nn.Module):
+    """``act(convs(x) + shortcut)``: the shortcut is ``x``, or ``proj_bn(proj_conv(x))`` when
+    the block changes stride or width. Subclasses build ``convs`` (ending in a norm without
+    activation)."""
 
     expansion = 1
 
-    def __init__(self, in_channels: int, width: int, stride: int, make: NormAct,
-                 activation: str, activation_param: float) -> None:
+    def __init__(self, in_channels: int, out_channels: int, stride: int, make: NormAct,
+                 activation: str, activation_param: float, convs: nn.Sequential) -> None:
         super().__init__()
-        self.convs = nn.Sequential(OrderedDict([
-            ("conv1", nn.Conv2d(in_channels, width, 3, stride, 1, bias=False)),
-            ("bn1", make(width)),
-            ("conv2", nn.Conv2d(width, width, 3, 1, 1, bias=False)),
-            ("bn2", make(width, "identity")),
-        ]))
-        self.proj_conv = self.proj_bn = None
-        if stride != 1 or in_channels != width:
-            self.proj_conv = nn.Conv2d(in_channels, width, 1, stride, bias=False)
-            self.proj_bn = make(width, "identity")
-        self.activation, self.activation_param = activation, activation_param
-
-    def forward(self, x: Tensor) -> Tensor:
-        shortcut = x if self.proj_conv is None else self.proj_bn(self.proj_conv(x))
-        out = self.convs(x) + shortcut
-        return activate_(out, self.activation, self.activation_param)
-
-
-class Bottleneck(nn.Module):
-    expansion = 4
-
-    def __init__(self, in_channels: int, width: int, stride: int, make: NormAct,
-                 activation: str, activation_param: float) -> None:
-        super().__init__()
-        out_channels = width * self.expansion
-        self.convs = nn.Sequential(OrderedDict([
-            ("conv1", nn.Conv2d(in_channels, width, 1, bias=False)),
-            ("bn1", make(width)),
-            ("conv2", nn.Conv2d(width, width, 3, stride, 1, bias=False)),
-            ("bn2", make(width)),
-            ("conv3", nn.Conv2d(width, out_channels, 1, bias=False)),
-            ("bn3", make(out_channels, "identity")),
-        ]))
+        self.convs = convs
         self.proj_conv = self.proj_bn = None
         if stride != 1 or in_channels != out_channels:
             self.proj_conv = nn.Conv2d(in_channels, out_channels, 1, stride, bias=False)
@@ -74,6 +44,40 @@ class Bottleneck(nn.Module):
         shortcut = x if self.proj_conv is None else self.proj_bn(self.proj_conv(x))
         out = self.convs(x) + shortcut
         return activate_(out, self.activation, self.activation_param)
+
+
+class BasicBlock(_ResidualV1):
+    """Two 3x3 convolutions (ResNet-18/34); the first carries the stride."""
+
+    def __init__(self, in_channels: int, width: int, stride: int, make: NormAct,
+                 activation: str, activation_param: float) -> None:
+        convs = nn.Sequential(OrderedDict([
+            ("conv1", nn.Conv2d(in_channels, width, 3, stride, 1, bias=False)),
+            ("bn1", make(width)),
+            ("conv2", nn.Conv2d(width, width, 3, 1, 1, bias=False)),
+            ("bn2", make(width, "identity")),
+        ]))
+        super().__init__(in_channels, width, stride, make, activation, activation_param, convs)
+
+
+class Bottleneck(_ResidualV1):
+    """1x1 -> 3x3 (carries the stride) -> 1x1 expanding to ``4 * width`` (ResNet-50+)."""
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, width: int, stride: int, make: NormAct,
+                 activation: str, activation_param: float) -> None:
+        out_channels = width * self.expansion
+        convs = nn.Sequential(OrderedDict([
+            ("conv1", nn.Conv2d(in_channels, width, 1, bias=False)),
+            ("bn1", make(width)),
+            ("conv2", nn.Conv2d(width, width, 3, stride, 1, bias=False)),
+            ("bn2", make(width)),
+            ("conv3", nn.Conv2d(width, out_channels, 1, bias=False)),
+            ("bn3", make(out_channels, "identity")),
+        ]))
+        super().__init__(in_channels, out_channels, stride, make, activation, activation_param,
+                         convs)
 
 
 class ResNet(nn.Module):
