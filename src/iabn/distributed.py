@@ -59,6 +59,17 @@ def _warn_single_process() -> None:
         )
 
 
+def _group_to_sync(group: Any, training: bool) -> Any | None:
+    """The group a step synchronises over: none in eval mode; in training, none (with the
+    one-time warning) when there is no multi-rank process group."""
+    if not training:
+        return None
+    resolved = resolve_group(group)
+    if resolved is None:
+        _warn_single_process()
+    return resolved
+
+
 def check_across_ranks(x: Tensor, group: Any) -> None:
     """Fail clearly, on every rank, when ranks disagree on channel count, rank or dtype.
 
@@ -161,12 +172,10 @@ def inplace_abn_sync(
     :func:`check_across_ranks` can be called once beforehand.
     """
     check_options(activation, activation_param, gamma_mode, in_place=True)
-    synced_group = resolve_group(group) if training else None
+    synced_group = _group_to_sync(group, training)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True,
                  synchronised=synced_group is not None)
     if synced_group is None:
-        if training:
-            _warn_single_process()
         return _inplace_abn_unchecked(
             input, running_mean, running_var, weight, bias, training, momentum, eps,
             activation, activation_param, 2, gamma_mode,
@@ -210,10 +219,8 @@ class InPlaceABNSync(InPlaceABN):
         self._ranks_checked = False
 
     def forward(self, input: Tensor) -> Tensor:
-        group = resolve_group(self.group) if self.training else None
+        group = _group_to_sync(self.group, self.training)
         if group is None:
-            if self.training:
-                _warn_single_process()
             return super().forward(input)
         _, running_mean, running_var = self._normalisation()
         check_inputs(input, running_mean, running_var, self.weight, self.bias, True,
