@@ -29,14 +29,12 @@ EXPECTED = {
 }
 
 
+# (The backward variant does not change what forward saves, so it is not a parameter here.)
 @pytest.mark.parametrize("kind", EXPECTED)
-@pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_bn_act_conv_block_saved_bytes_are_exact(kind, variant, dtype, channels_last):
+def test_bn_act_conv_block_saved_bytes_are_exact(kind, dtype, channels_last):
     block = _block(kind)
-    if kind == "iabn":
-        block[0].variant = variant
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(N, C, H, W, requires_grad=True).to(dtype).contiguous(memory_format=fmt)
     x = x.clone()  # the block's input is an intermediate, as in a network
