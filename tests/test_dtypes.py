@@ -55,7 +55,8 @@ NAMES = ("output", "input grad", "weight grad", "bias grad", "running_mean", "ru
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_low_precision_within_twice_torch_error(dtype, activation, variant, channels_last):
+def test_low_precision_within_twice_torch_error(dtype, activation, variant, channels_last,
+                                                backend):
     bn, layer, act = _setup(activation, variant)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = (torch.randn(4, 6, 7, 5) * 3 + 1).to(dtype).contiguous(memory_format=fmt)
@@ -93,7 +94,7 @@ def _weight_grad_from_stored_output(z, grad, bn, activation):
 
 
 @pytest.mark.parametrize("variant", [1, 2])
-def test_float32_is_tight(variant):
+def test_float32_is_tight(variant, backend):
     bn, layer, act = _setup("leaky_relu", variant, shape=(8, 16, 9, 9))
     x = torch.randn(8, 16, 9, 9) * 3 + 1
     grad = torch.randn_like(x)

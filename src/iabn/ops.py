@@ -9,6 +9,9 @@ Two operators, so that ``torch.compile`` sees them as opaque nodes with known ef
 ``iabn::inplace_abn_backward``
     pure: ``(z, dz, ...) -> (dx, dgamma, dbeta)``.
 
+Both run the kernels :func:`iabn.kernels.dispatch.backend_for` picks for the tensor (Triton
+for CUDA tensors, the PyTorch reference otherwise, ``IABN_BACKEND`` to force one).
+
 In eager mode :class:`InPlaceABNFunction` calls the kernels directly: going through the
 Python custom-op dispatcher costs about 60 µs per layer and step (measured on CPU, float32,
 tiny tensors), as much as a whole small batch-norm layer. Under ``torch.compile`` it calls the
@@ -29,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .kernels import reference
+from .kernels.dispatch import backend_for
 
 _EMPTY_SHAPE = (0,)
 
@@ -61,7 +65,7 @@ def inplace_abn_forward_(
     activation_param: float,
     gamma_mode: str,
 ) -> tuple[Tensor, Tensor]:
-    return reference.forward_(
+    return backend_for(x).forward_(
         x, weight, bias, running_mean, running_var, training, momentum, eps,
         activation, activation_param, gamma_mode,
     )
@@ -91,7 +95,7 @@ def inplace_abn_backward(
     variant: int,
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
-    dx, dgamma, dbeta = reference.backward(
+    dx, dgamma, dbeta = backend_for(z).backward(
         z, dz, weight, bias, invstd, scale, training, eps, activation, activation_param,
         gamma_mode, variant, output_mask,
     )
@@ -121,7 +125,7 @@ def forward_(
     running_var: Tensor | None, config: LayerConfig,
 ) -> tuple[Tensor, Tensor]:
     """Run the forward kernel in place: the registered operator when compiling, else direct."""
-    kernel = inplace_abn_forward_ if torch.compiler.is_compiling() else reference.forward_
+    kernel = inplace_abn_forward_ if torch.compiler.is_compiling() else backend_for(x).forward_
     return kernel(
         x, weight, bias, running_mean, running_var, config.training, config.momentum,
         config.eps, config.activation, config.activation_param, config.gamma_mode,
@@ -168,7 +172,9 @@ class InPlaceABNFunction(torch.autograd.Function):
             weight is not None and ctx.needs_input_grad[1],
             bias is not None and ctx.needs_input_grad[2],
         ]
-        kernel = inplace_abn_backward if torch.compiler.is_compiling() else reference.backward
+        kernel = (
+            inplace_abn_backward if torch.compiler.is_compiling() else backend_for(z).backward
+        )
         dx, dgamma, dbeta = kernel(
             z, dz, weight, bias, invstd, scale, c.training, c.eps, c.activation,
             c.activation_param, c.gamma_mode, c.variant, mask,

@@ -1,0 +1,294 @@
+"""Launches of the Triton kernels: the same ``forward_`` and ``backward`` as :mod:`.reference`.
+
+Forward is three launches: per-channel partial moments, a ``finalize`` that merges them (and
+updates the running statistics, and computes ``invstd``, ``g`` and the normalisation's
+coefficients), and the in-place normalise + activate pass. Backward is three as well: partial
+sums with the activation's inversion fused in (reads ``z`` and ``dz`` once), ``finalize``
+(parameter gradients and the coefficients of ``dx``), and the elementwise ``dx`` pass. That is
+the traffic of DESIGN §4: about 3 tensor-sizes forward and 5 backward.
+
+Both variants of the paper compute the same quantities; the kernels implement them with one
+formulation (``sum(dy * (y - beta))`` for ``dg``, which does not cancel when ``|beta|`` is
+large), so ``variant`` only selects the reference path's arithmetic.
+
+``dx`` always gets its own buffer. Writing it into ``dz`` would save an allocation, but the
+incoming gradient may be shared (``a + b`` hands the same tensor to both branches) or expanded
+(``x.sum().backward()``), and overwriting it corrupts other gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import activation as act
+from ..scale import ABS
+from . import reference
+from . import triton_kernels as k
+
+_ACTIVATION_CODES = {act.IDENTITY: k.IDENTITY, act.LEAKY_RELU: k.LEAKY_RELU, act.ELU: k.ELU}
+
+#: Elements per tile of every kernel; with 4 warps, 16 per thread.
+_TILE = 2048
+#: Cap on the number of partial results per channel (the finalize kernels merge them serially).
+_MAX_PARTIALS = 1024
+_FINALIZE_BLOCK = 128
+#: Launch options: fused multiply-adds, asked for explicitly (Triton 3.9 warns when a launch
+#: relies on its default, which is to change).
+_LAUNCH = {"enable_fp_fusion": True}
+
+
+class Layout(NamedTuple):
+    """A dense ``(N, C, *spatial)`` tensor as an ``R x K`` row-major matrix (see
+    :mod:`.triton_kernels`). ``channel_on_rows``: contiguous NCS; else channels-last."""
+
+    channel_on_rows: bool
+    n: int
+    c: int
+    s: int
+
+    @property
+    def rows(self) -> int:
+        return self.n * self.c if self.channel_on_rows else self.n * self.s
+
+    @property
+    def cols(self) -> int:
+        return self.s if self.channel_on_rows else self.c
+
+
+def layout_of(x: Tensor) -> Layout | None:
+    """The kernels' view of ``x``, or ``None`` when ``x`` is not densely packed in one of the
+    two layouts (then a dense copy is used)."""
+    n, c = x.shape[0], x.shape[1]
+    s = x.numel() // (n * c) if n * c else 0
+    if x.is_contiguous():
+        # With one value per (sample, channel) the contiguous layout is also channels-last,
+        # whose rows are long (C) instead of one element.
+        return Layout(s != 1, n, c, s)
+    if x.dim() > 2 and x.movedim(1, -1).is_contiguous():
+        return Layout(False, n, c, s)
+    return None
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float64: tl.float64}
+
+
+@functools.cache
+def _target_programs(device: torch.device) -> int:
+    """Programs a reduction should spread over: a few waves of the device's multiprocessors
+    (the interpreter runs programs one by one, so few and large ones are best there)."""
+    if device.type == "cuda":
+        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def _elementwise_config(layout: Layout) -> tuple[int, int]:
+    """``(BLOCK_R, BLOCK_K)``: long rows get wide tiles, short rows many rows per tile."""
+    cap = 1024 if layout.channel_on_rows else 256
+    block_k = min(_pow2(layout.cols), cap)
+    block_r = min(max(1, _TILE // block_k), _pow2(layout.rows))
+    return block_r, block_k
+
+
+def _elementwise_grid(layout: Layout) -> tuple[int, int, int, int]:
+    """``(grid, k_blocks, BLOCK_R, BLOCK_K)`` of a 1-D grid over all tiles (the second and third
+    grid axes of CUDA are limited to 65535, the first is not)."""
+    block_r, block_k = _elementwise_config(layout)
+    k_blocks = triton.cdiv(layout.cols, block_k)
+    return triton.cdiv(layout.rows, block_r) * k_blocks, k_blocks, block_r, block_k
+
+
+class _Reduction(NamedTuple):
+    """Launch configuration of the per-channel partial reductions."""
+
+    grid: tuple[int, int]
+    programs: int
+    per_program: int
+    block_a: int
+    block_b: int
+
+
+def _reduction_config(layout: Layout, device: torch.device) -> _Reduction:
+    target = _target_programs(device)
+    if layout.channel_on_rows:
+        # grid (C, P); tiles of BLOCK_N samples x BLOCK_S spatial positions of one channel
+        block_s = min(_pow2(layout.s), 1024)
+        block_n = min(max(1, _TILE // block_s), _pow2(layout.n))
+        tiles = triton.cdiv(layout.n, block_n) * triton.cdiv(layout.s, block_s)
+        wanted = min(triton.cdiv(target, layout.c), tiles, _MAX_PARTIALS)
+        per_program = triton.cdiv(tiles, wanted)
+        programs = triton.cdiv(tiles, per_program)
+        return _Reduction((layout.c, programs), programs, per_program, block_n, block_s)
+    # grid (C blocks, P); tiles of BLOCK_R rows x BLOCK_C channels
+    block_c = min(_pow2(layout.c), 64)
+    block_r = min(max(1, _TILE // block_c), _pow2(layout.rows))
+    c_blocks = triton.cdiv(layout.c, block_c)
+    row_tiles = triton.cdiv(layout.rows, block_r)
+    wanted = min(triton.cdiv(target, c_blocks), row_tiles, _MAX_PARTIALS)
+    per_program = triton.cdiv(row_tiles, wanted) * block_r
+    programs = triton.cdiv(layout.rows, per_program)
+    return _Reduction((c_blocks, programs), programs, per_program, block_r, block_c)
+
+
+def _dense(x: Tensor) -> tuple[Tensor, Layout]:
+    layout = layout_of(x)
+    if layout is not None:
+        return x, layout
+    dense = x.contiguous()
+    return dense, layout_of(dense)  # type: ignore[return-value]
+
+
+def forward_(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool,
+    momentum: float,
+    eps: float,
+    activation: str,
+    activation_param: float,
+    gamma_mode: str,
+) -> tuple[Tensor, Tensor]:
+    """As :func:`.reference.forward_`: overwrite ``x`` with the layer's output, update the
+    running statistics in training, return ``(invstd, g)``."""
+    if x.numel() == 0:
+        return reference.forward_(x, weight, bias, running_mean, running_var, training,
+                                  momentum, eps, activation, activation_param, gamma_mode)
+    work, layout = _dense(x)
+    channels = layout.c
+    sdtype = reference.stat_dtype(x, weight, running_mean)
+    adtype = accumulation_dtype(x.dtype)
+    acc = _TL_DTYPES[adtype]
+    device = x.device
+    invstd = torch.empty(channels, dtype=sdtype, device=device)
+    scale = torch.empty(channels, dtype=sdtype, device=device)
+    coeffs = torch.empty(2, channels, dtype=adtype, device=device)
+    parts, programs = coeffs, 0  # unread placeholders in eval mode
+    if training:
+        config = _reduction_config(layout, device)
+        programs = config.programs
+        parts = torch.empty(3, programs, channels, dtype=adtype, device=device)
+        if layout.channel_on_rows:
+            k.moments_ncs_kernel[config.grid](
+                work, parts, layout.n, channels, layout.s, config.per_program,
+                BLOCK_N=config.block_a, BLOCK_S=config.block_b, ACC=acc, **_LAUNCH,
+            )
+        else:
+            k.moments_mc_kernel[config.grid](
+                work, parts, layout.rows, channels, config.per_program,
+                BLOCK_R=config.block_a, BLOCK_C=config.block_b, ACC=acc, **_LAUNCH,
+            )
+    update_running = training and running_mean is not None
+    dummy = invstd
+    k.finalize_forward_kernel[(triton.cdiv(channels, _FINALIZE_BLOCK),)](
+        parts, programs, work, layout.s if layout.channel_on_rows else 1,
+        weight if weight is not None else dummy, bias if bias is not None else dummy,
+        running_mean if running_mean is not None else dummy,
+        running_var if running_var is not None else dummy,
+        invstd, scale, coeffs, channels, float(momentum), float(eps),
+        TRAINING=training, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        UPDATE_RUNNING=update_running, GAMMA_ABS=gamma_mode == ABS,
+        BLOCK_C=_FINALIZE_BLOCK, ACC=acc, **_LAUNCH,
+    )
+    grid, k_blocks, block_r, block_k = _elementwise_grid(layout)
+    k.normalize_act_kernel[(grid,)](
+        work, coeffs, layout.rows, layout.cols, channels, k_blocks, float(activation_param),
+        CHANNEL_ON_ROWS=layout.channel_on_rows, ACT=_ACTIVATION_CODES[activation],
+        BLOCK_R=block_r, BLOCK_K=block_k, ACC=acc, **_LAUNCH,
+    )
+    if work is not x:
+        x.copy_(work)
+    return invstd, scale
+
+
+def backward(
+    z: Tensor,
+    dz: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    invstd: Tensor,
+    scale: Tensor,
+    training: bool,
+    eps: float,
+    activation: str,
+    activation_param: float,
+    gamma_mode: str,
+    variant: int,
+    output_mask: list[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """As :func:`.reference.backward` (``variant`` does not change the kernels' arithmetic)."""
+    if z.numel() == 0:
+        return reference.backward(z, dz, weight, bias, invstd, scale, training, eps,
+                                  activation, activation_param, gamma_mode, variant,
+                                  output_mask)
+    want_dx = output_mask[0]
+    want_dgamma = output_mask[1] and weight is not None
+    want_dbeta = output_mask[2] and bias is not None
+    z, layout = _dense(z)
+    if dz.stride() != z.stride():
+        # Expanded, transposed or otherwise differently laid-out gradients are read through
+        # a copy in z's layout; they are never written.
+        dz = torch.empty_like(z).copy_(dz)
+    channels = layout.c
+    device = z.device
+    adtype = accumulation_dtype(z.dtype)
+    acc = _TL_DTYPES[adtype]
+    code = _ACTIVATION_CODES[activation]
+    param = float(activation_param)
+    tiny = torch.finfo(adtype).eps
+    coeffs = torch.empty(3, channels, dtype=adtype, device=device)
+    parts, programs = coeffs, 0
+    if want_dgamma or want_dbeta or (want_dx and training):
+        config = _reduction_config(layout, device)
+        programs = config.programs
+        parts = torch.empty(2, programs, channels, dtype=adtype, device=device)
+        bias_arg = bias if bias is not None else coeffs
+        if layout.channel_on_rows:
+            k.grad_sums_ncs_kernel[config.grid](
+                z, dz, bias_arg, parts, layout.n, channels, layout.s, config.per_program,
+                param, tiny, HAS_BIAS=bias is not None, ACT=code,
+                BLOCK_N=config.block_a, BLOCK_S=config.block_b, ACC=acc, **_LAUNCH,
+            )
+        else:
+            k.grad_sums_mc_kernel[config.grid](
+                z, dz, bias_arg, parts, layout.rows, channels, config.per_program,
+                param, tiny, HAS_BIAS=bias is not None, ACT=code,
+                BLOCK_R=config.block_a, BLOCK_C=config.block_b, ACC=acc, **_LAUNCH,
+            )
+    dgamma = torch.empty_like(weight) if want_dgamma else None
+    dbeta = torch.empty_like(bias) if want_dbeta else None
+    k.finalize_backward_kernel[(triton.cdiv(channels, _FINALIZE_BLOCK),)](
+        parts, programs,
+        weight if weight is not None else coeffs, bias if bias is not None else coeffs,
+        invstd, scale,
+        dgamma if dgamma is not None else coeffs, dbeta if dbeta is not None else coeffs,
+        coeffs, channels, float(layout.n * layout.s),
+        TRAINING=training, HAS_BIAS=bias is not None, WANT_DGAMMA=want_dgamma,
+        WANT_DBETA=want_dbeta, GAMMA_ABS=gamma_mode == ABS,
+        BLOCK_C=_FINALIZE_BLOCK, ACC=acc, **_LAUNCH,
+    )
+    dx = None
+    if want_dx:
+        dx = torch.empty_like(z)
+        grid, k_blocks, block_r, block_k = _elementwise_grid(layout)
+        k.input_grad_kernel[(grid,)](
+            z, dz, dx, coeffs, layout.rows, layout.cols, channels, k_blocks, param, tiny,
+            CHANNEL_ON_ROWS=layout.channel_on_rows, ACT=code,
+            BLOCK_R=block_r, BLOCK_K=block_k, ACC=acc, **_LAUNCH,
+        )
+    return dx, dgamma, dbeta

@@ -1,0 +1,381 @@
+"""Triton kernels of In-Place ABN (math only; the launches are in :mod:`.triton_backend`).
+
+A layer's tensor is seen as a dense matrix of ``R`` rows by ``K`` columns, row stride ``K``:
+
+``NCS`` (contiguous ``(N, C, *spatial)``)
+    ``R = N * C`` rows of ``K = S`` spatial values; the channel of row ``r`` is ``r % C``.
+``MC`` (channels-last, and ``(N, C)``)
+    ``R = N * S`` rows of ``K = C`` channels; the channel of column ``k`` is ``k``.
+
+Per-channel reductions write one partial result per (program, channel) into float32 (float64
+for float64 inputs) buffers; a ``finalize`` kernel merges the partials in a fixed order. So the
+result does not depend on scheduling (deterministic, no atomics, no locks). Mean and variance
+are merged with Chan's formula from per-tile (count, mean, M2), never from sum and sum of
+squares, which cancel catastrophically when ``|mean| >> std``; and every value is first shifted
+by a pivot, its channel's first value, so that the tile sums add numbers of the spread's size
+rather than the mean's (without it, float32 tile means of values near 1000 are off by 1e-4).
+
+Row offsets are computed in 64 bits, so tensors of more than 2**31 elements are addressed
+correctly. Elementwise math runs in the accumulation dtype (float32 for half inputs).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+#: Activation codes (``constexpr`` arguments).
+IDENTITY, LEAKY_RELU, ELU = 0, 1, 2
+
+
+@triton.jit
+def _activate(y, ACT: tl.constexpr, param):
+    if ACT == 1:
+        y = tl.where(y >= 0, y, y * param)
+    elif ACT == 2:
+        # exp of the clamped value: the positive branch is discarded, and must not overflow.
+        y = tl.where(y >= 0, y, param * (tl.exp(tl.minimum(y, 0.0)) - 1.0))
+    return y
+
+
+@triton.jit
+def _recover(z, dz, ACT: tl.constexpr, param, tiny):
+    """``(y, dy)``: the activation's input and gradient, from its output ``z`` and ``dz``."""
+    if ACT == 1:
+        y = tl.where(z >= 0, z, z / param)
+        dy = tl.where(z >= 0, dz, dz * param)
+    elif ACT == 2:
+        # log(1 + z/alpha), kept finite where exp underflowed in forward (z == -alpha); the
+        # gradient there, dz * (z + alpha), is 0, so the clamp changes no gradient.
+        ratio = tl.maximum(tl.minimum(z, 0.0) / param, -1.0 + tiny)
+        y = tl.where(z >= 0, z, tl.log(1.0 + ratio))
+        dy = tl.where(z >= 0, dz, dz * (z + param))
+    else:
+        y = z
+        dy = dz
+    return y, dy
+
+
+@triton.jit
+def _merge(count, mean, m2, tile_count, tile_mean, tile_m2):
+    """Chan's parallel merge of two (count, mean, M2) summaries."""
+    total = count + tile_count
+    delta = tile_mean - mean
+    share = tile_count / tl.maximum(total, 1.0)
+    return total, mean + delta * share, m2 + tile_m2 + delta * delta * count * share
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward statistics: partial (count, mean, M2) per program and channel -> parts[3, P, C].
+
+
+@triton.jit
+def moments_ncs_kernel(
+    x_ptr, parts_ptr, N, C, S, tiles_per_program,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ACC: tl.constexpr,
+):
+    """Grid ``(C, P)``: program ``(c, p)`` summarises its share of channel ``c``'s tiles."""
+    c = tl.program_id(0)
+    p = tl.program_id(1)
+    programs = tl.num_programs(1)
+    s_blocks = tl.cdiv(S, BLOCK_S)
+    tiles = tl.cdiv(N, BLOCK_N) * s_blocks
+    pivot = tl.load(x_ptr + c.to(tl.int64) * S).to(ACC)
+    count = tl.zeros([1], ACC)
+    mean = tl.zeros([1], ACC)
+    m2 = tl.zeros([1], ACC)
+    start = p * tiles_per_program
+    for t in range(start, tl.minimum(start + tiles_per_program, tiles)):
+        n = (t // s_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = (t % s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+        mask = (n < N)[:, None] & (s < S)[None, :]
+        rows = n.to(tl.int64) * C + c
+        x = tl.load(x_ptr + rows[:, None] * S + s[None, :], mask=mask, other=0.0).to(ACC)
+        x = tl.where(mask, x - pivot, 0.0)
+        tile_count = tl.sum(tl.sum(mask.to(ACC), axis=1), axis=0)
+        tile_mean = tl.sum(tl.sum(x, axis=1), axis=0) / tile_count
+        centred = tl.where(mask, x - tile_mean, 0.0)
+        tile_m2 = tl.sum(tl.sum(centred * centred, axis=1), axis=0)
+        count, mean, m2 = _merge(count, mean, m2, tile_count, tile_mean, tile_m2)
+    plane = programs * C
+    out = parts_ptr + p * C + c + tl.arange(0, 1)
+    tl.store(out, count)
+    tl.store(out + plane, mean)
+    tl.store(out + 2 * plane, m2)
+
+
+@triton.jit
+def moments_mc_kernel(
+    x_ptr, parts_ptr, R, C, rows_per_program,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr,
+):
+    """Grid ``(cdiv(C, BLOCK_C), P)``: program ``(b, p)`` summarises rows
+    ``[p * rows_per_program, ...)`` of channels ``[b * BLOCK_C, ...)``."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    p = tl.program_id(1)
+    programs = tl.num_programs(1)
+    c_mask = c < C
+    pivot = tl.load(x_ptr + c, mask=c_mask, other=0.0).to(ACC)
+    count = tl.zeros([BLOCK_C], ACC)
+    mean = tl.zeros([BLOCK_C], ACC)
+    m2 = tl.zeros([BLOCK_C], ACC)
+    start = p * rows_per_program
+    stop = tl.minimum(start + rows_per_program, R)
+    for first in range(start, stop, BLOCK_R):
+        r = first + tl.arange(0, BLOCK_R)
+        r_mask = r < stop
+        mask = r_mask[:, None] & c_mask[None, :]
+        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
+        x = tl.where(mask, x.to(ACC) - pivot[None, :], 0.0)
+        tile_count = tl.sum(mask.to(ACC), axis=0)
+        tile_mean = tl.sum(x, axis=0) / tl.maximum(tile_count, 1.0)
+        centred = tl.where(mask, x - tile_mean[None, :], 0.0)
+        tile_m2 = tl.sum(centred * centred, axis=0)
+        count, mean, m2 = _merge(count, mean, m2, tile_count, tile_mean, tile_m2)
+    plane = programs * C
+    out = parts_ptr + p * C + c
+    tl.store(out, count, mask=c_mask)
+    tl.store(out + plane, mean, mask=c_mask)
+    tl.store(out + 2 * plane, m2, mask=c_mask)
+
+
+@triton.jit
+def finalize_forward_kernel(
+    parts_ptr, programs, x_ptr, pivot_stride, weight_ptr, bias_ptr, running_mean_ptr,
+    running_var_ptr, invstd_ptr, scale_ptr, coeffs_ptr, C, momentum, eps,
+    TRAINING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    UPDATE_RUNNING: tl.constexpr, GAMMA_ABS: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Per channel: merge the partials (training; their means are relative to the pivot
+    ``x[c * pivot_stride]``) or read the running statistics (eval);
+    write ``invstd`` and ``g`` (saved for backward), the coefficients ``a = g * invstd`` and
+    ``b = beta - mean * a`` of the normalisation (``coeffs[2, C]``), and update the running
+    statistics as ``nn.BatchNorm`` does (unbiased variance)."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    if TRAINING:
+        count = tl.zeros([BLOCK_C], ACC)
+        mean = tl.zeros([BLOCK_C], ACC)
+        m2 = tl.zeros([BLOCK_C], ACC)
+        plane = programs * C
+        for p in range(0, programs):
+            part = parts_ptr + p * C + c
+            count, mean, m2 = _merge(
+                count, mean, m2,
+                tl.load(part, mask=c_mask, other=0.0),
+                tl.load(part + plane, mask=c_mask, other=0.0),
+                tl.load(part + 2 * plane, mask=c_mask, other=0.0),
+            )
+        mean += tl.load(x_ptr + c.to(tl.int64) * pivot_stride, mask=c_mask, other=0.0).to(ACC)
+        var = m2 / tl.maximum(count, 1.0)
+        if UPDATE_RUNNING:
+            old_mean = tl.load(running_mean_ptr + c, mask=c_mask, other=0.0)
+            old_var = tl.load(running_var_ptr + c, mask=c_mask, other=0.0)
+            unbiased = m2 / tl.maximum(count - 1.0, 1.0)
+            new_mean = old_mean.to(ACC) * (1.0 - momentum) + mean * momentum
+            new_var = old_var.to(ACC) * (1.0 - momentum) + unbiased * momentum
+            tl.store(running_mean_ptr + c, new_mean.to(old_mean.dtype), mask=c_mask)
+            tl.store(running_var_ptr + c, new_var.to(old_var.dtype), mask=c_mask)
+    else:
+        mean = tl.load(running_mean_ptr + c, mask=c_mask, other=0.0).to(ACC)
+        var = tl.load(running_var_ptr + c, mask=c_mask, other=1.0).to(ACC)
+    if tl.float64 == ACC:
+        invstd = 1.0 / tl.sqrt(var + eps)
+    else:
+        # IEEE-rounded, as PyTorch's kernels: tl.sqrt and '/' are approximate in float32.
+        invstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+    if HAS_WEIGHT:
+        gamma = tl.load(weight_ptr + c, mask=c_mask, other=1.0).to(ACC)
+        if GAMMA_ABS:
+            g = tl.abs(gamma) + eps
+        else:
+            # sign(gamma) * max(|gamma|, eps), with sign(+0.0) = +1 and sign(-0.0) = -1
+            negative = (gamma < 0) | ((gamma == 0) & (1.0 / gamma < 0))
+            magnitude = tl.maximum(tl.abs(gamma), eps)
+            g = tl.where(negative, -magnitude, magnitude)
+    else:
+        g = tl.full([BLOCK_C], 1.0, ACC)
+    if HAS_BIAS:
+        beta = tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(ACC)
+    else:
+        beta = tl.zeros([BLOCK_C], ACC)
+    a = g * invstd
+    tl.store(invstd_ptr + c, invstd.to(invstd_ptr.dtype.element_ty), mask=c_mask)
+    tl.store(scale_ptr + c, g.to(scale_ptr.dtype.element_ty), mask=c_mask)
+    tl.store(coeffs_ptr + c, a, mask=c_mask)
+    tl.store(coeffs_ptr + C + c, beta - mean * a, mask=c_mask)
+
+
+@triton.jit
+def normalize_act_kernel(
+    x_ptr, coeffs_ptr, R, K, C, k_blocks, param,
+    CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+):
+    """In place: ``x = phi(a[c] * x + b[c])``. 1-D grid over ``(row block, column block)``."""
+    pid = tl.program_id(0)
+    r = (pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (r < R)[:, None] & (k < K)[None, :]
+    if CHANNEL_ON_ROWS:
+        c = r % C
+        a = tl.load(coeffs_ptr + c, mask=r < R, other=0.0)[:, None]
+        b = tl.load(coeffs_ptr + C + c, mask=r < R, other=0.0)[:, None]
+    else:
+        a = tl.load(coeffs_ptr + k, mask=k < K, other=0.0)[None, :]
+        b = tl.load(coeffs_ptr + C + k, mask=k < K, other=0.0)[None, :]
+    offsets = r.to(tl.int64)[:, None] * K + k[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    z = _activate(x * a + b, ACT, param)
+    tl.store(x_ptr + offsets, z.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: partial sums (sum(dy), sum(dy * (y - beta))) -> parts[2, P, C], then
+# dx = k1[c] * dy + k2[c] * y + k3[c].
+
+
+@triton.jit
+def grad_sums_ncs_kernel(
+    z_ptr, dz_ptr, bias_ptr, parts_ptr, N, C, S, tiles_per_program, param, tiny,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ACC: tl.constexpr,
+):
+    """Grid ``(C, P)``, tiles as :func:`moments_ncs_kernel`."""
+    c = tl.program_id(0)
+    p = tl.program_id(1)
+    programs = tl.num_programs(1)
+    beta = 0.0
+    if HAS_BIAS:
+        beta = tl.load(bias_ptr + c).to(ACC)
+    s_blocks = tl.cdiv(S, BLOCK_S)
+    tiles = tl.cdiv(N, BLOCK_N) * s_blocks
+    sum_dy = tl.zeros([BLOCK_N, BLOCK_S], ACC)
+    sum_dy_y = tl.zeros([BLOCK_N, BLOCK_S], ACC)
+    start = p * tiles_per_program
+    for t in range(start, tl.minimum(start + tiles_per_program, tiles)):
+        n = (t // s_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = (t % s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+        mask = (n < N)[:, None] & (s < S)[None, :]
+        offsets = (n.to(tl.int64) * C + c)[:, None] * S + s[None, :]
+        z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
+        dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
+        y, dy = _recover(z, dz, ACT, param, tiny)
+        sum_dy += dy
+        sum_dy_y += tl.where(mask, dy * (y - beta), 0.0)
+    plane = programs * C
+    out = parts_ptr + p * C + c + tl.arange(0, 1)
+    tl.store(out, tl.sum(tl.sum(sum_dy, axis=1), axis=0))
+    tl.store(out + plane, tl.sum(tl.sum(sum_dy_y, axis=1), axis=0))
+
+
+@triton.jit
+def grad_sums_mc_kernel(
+    z_ptr, dz_ptr, bias_ptr, parts_ptr, R, C, rows_per_program, param, tiny,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr,
+):
+    """Grid ``(cdiv(C, BLOCK_C), P)``, rows as :func:`moments_mc_kernel`."""
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    p = tl.program_id(1)
+    programs = tl.num_programs(1)
+    c_mask = c < C
+    if HAS_BIAS:
+        beta = tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(ACC)[None, :]
+    else:
+        beta = tl.zeros([1, BLOCK_C], ACC)
+    sum_dy = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    sum_dy_y = tl.zeros([BLOCK_R, BLOCK_C], ACC)
+    start = p * rows_per_program
+    stop = tl.minimum(start + rows_per_program, R)
+    for first in range(start, stop, BLOCK_R):
+        r = first + tl.arange(0, BLOCK_R)
+        mask = (r < stop)[:, None] & c_mask[None, :]
+        offsets = r.to(tl.int64)[:, None] * C + c[None, :]
+        z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
+        dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
+        y, dy = _recover(z, dz, ACT, param, tiny)
+        sum_dy += dy
+        sum_dy_y += tl.where(mask, dy * (y - beta), 0.0)
+    plane = programs * C
+    out = parts_ptr + p * C + c
+    tl.store(out, tl.sum(sum_dy, axis=0), mask=c_mask)
+    tl.store(out + plane, tl.sum(sum_dy_y, axis=0), mask=c_mask)
+
+
+@triton.jit
+def finalize_backward_kernel(
+    parts_ptr, programs, weight_ptr, bias_ptr, invstd_ptr, scale_ptr,
+    dgamma_ptr, dbeta_ptr, coeffs_ptr, C, count,
+    TRAINING: tl.constexpr, HAS_BIAS: tl.constexpr, WANT_DGAMMA: tl.constexpr,
+    WANT_DBETA: tl.constexpr, GAMMA_ABS: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACC: tl.constexpr,
+):
+    """Per channel: sum the partials in order, ``dbeta = sum(dy)``,
+    ``dg = sum(dy * (y - beta)) / g`` (= ``sum(dy * xhat)``), ``dgamma`` from ``dg``, and the
+    coefficients ``k1, k2, k3`` of ``dx`` (``coeffs[3, C]``; DESIGN §2, variant II):
+    training ``dx = g*invstd*(dy - (y - beta)/g * dg/m - dbeta/m)``, eval ``dx = g*invstd*dy``.
+    """
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = c < C
+    sum_dy = tl.zeros([BLOCK_C], ACC)
+    sum_dy_y = tl.zeros([BLOCK_C], ACC)
+    plane = programs * C
+    for p in range(0, programs):
+        sum_dy += tl.load(parts_ptr + p * C + c, mask=c_mask, other=0.0)
+        sum_dy_y += tl.load(parts_ptr + plane + p * C + c, mask=c_mask, other=0.0)
+    g = tl.load(scale_ptr + c, mask=c_mask, other=1.0).to(ACC)
+    invstd = tl.load(invstd_ptr + c, mask=c_mask, other=0.0).to(ACC)
+    dg = sum_dy_y / g
+    if WANT_DGAMMA:
+        dgamma = dg
+        if GAMMA_ABS:
+            gamma = tl.load(weight_ptr + c, mask=c_mask, other=0.0).to(ACC)
+            dgamma = tl.where(gamma > 0, dg, tl.where(gamma < 0, -dg, 0.0))
+        tl.store(dgamma_ptr + c, dgamma.to(dgamma_ptr.dtype.element_ty), mask=c_mask)
+    if WANT_DBETA:
+        tl.store(dbeta_ptr + c, sum_dy.to(dbeta_ptr.dtype.element_ty), mask=c_mask)
+    k1 = g * invstd
+    if TRAINING:
+        if HAS_BIAS:
+            beta = tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(ACC)
+        else:
+            beta = tl.zeros([BLOCK_C], ACC)
+        k2 = -invstd * dg / count
+        k3 = invstd * (beta * dg - g * sum_dy) / count
+    else:
+        k2 = tl.zeros([BLOCK_C], ACC)
+        k3 = tl.zeros([BLOCK_C], ACC)
+    tl.store(coeffs_ptr + c, k1, mask=c_mask)
+    tl.store(coeffs_ptr + C + c, k2, mask=c_mask)
+    tl.store(coeffs_ptr + 2 * C + c, k3, mask=c_mask)
+
+
+@triton.jit
+def input_grad_kernel(
+    z_ptr, dz_ptr, dx_ptr, coeffs_ptr, R, K, C, k_blocks, param, tiny,
+    CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
+):
+    """``dx = k1[c] * dy + k2[c] * y + k3[c]`` with ``y, dy`` recovered from ``z, dz``.
+    Grid as :func:`normalize_act_kernel`; ``dx`` is a separate buffer (never ``dz``)."""
+    pid = tl.program_id(0)
+    r = (pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (r < R)[:, None] & (k < K)[None, :]
+    if CHANNEL_ON_ROWS:
+        c = r % C
+        k1 = tl.load(coeffs_ptr + c, mask=r < R, other=0.0)[:, None]
+        k2 = tl.load(coeffs_ptr + C + c, mask=r < R, other=0.0)[:, None]
+        k3 = tl.load(coeffs_ptr + 2 * C + c, mask=r < R, other=0.0)[:, None]
+    else:
+        k1 = tl.load(coeffs_ptr + k, mask=k < K, other=0.0)[None, :]
+        k2 = tl.load(coeffs_ptr + C + k, mask=k < K, other=0.0)[None, :]
+        k3 = tl.load(coeffs_ptr + 2 * C + k, mask=k < K, other=0.0)[None, :]
+    offsets = r.to(tl.int64)[:, None] * K + k[None, :]
+    z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    y, dy = _recover(z, dz, ACT, param, tiny)
+    dx = k1 * dy + k2 * y + k3
+    tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
