@@ -26,7 +26,7 @@ def _forward_samples():
 
 
 @pytest.mark.parametrize("args", list(_forward_samples()), ids=lambda a: str(tuple(a[0].shape)))
-def test_opcheck_forward(args):
+def test_opcheck_forward(args, backend):
     torch.library.opcheck(ops.inplace_abn_forward_, args)
 
 
@@ -45,7 +45,7 @@ def _backward_samples():
 
 
 @pytest.mark.parametrize("args", list(_backward_samples()))
-def test_opcheck_backward(args):
+def test_opcheck_backward(args, backend):
     torch.library.opcheck(ops.inplace_abn_backward, args)
 
 
@@ -69,7 +69,7 @@ def _train(model, forward, batches):
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_compiled_training_matches_eager(channels_last):
+def test_compiled_training_matches_eager(channels_last, backend):
     torch._dynamo.reset()
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     eager = _model(lambda c: iabn.InPlaceABN(c)).to(memory_format=fmt)

@@ -24,7 +24,7 @@ def _spawn(world: int, scenario: str) -> None:
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_matches_single_process_on_the_whole_batch(world):
+def test_matches_single_process_on_the_whole_batch(world, backend):
     _spawn(world, "matches_single_process")
 
 

@@ -25,6 +25,7 @@ from .checks import check_inputs, check_options
 from .functional import _inplace_abn_unchecked
 from .kernels import reference
 from .kernels import sync_reference as sync
+from .kernels.dispatch import sync_backend_for
 from .modules import ABN, InPlaceABN
 from .ops import LayerConfig, refuse_double_backward
 from .scale import SIGNED
@@ -134,12 +135,13 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         refuse_double_backward("InPlaceABNSync")
         z, weight, bias, invstd, scale = ctx.saved_tensors
         c = ctx.config
-        y, dy, sums = sync.local_sums(z, dz, bias, scale, c.activation, c.activation_param)
+        kernels = sync_backend_for(z)
+        saved, sums = kernels.local_sums(z, dz, bias, scale, c.activation, c.activation_param)
         global_sums = sums.clone()
         dist.all_reduce(global_sums, group=ctx.group)
         dx = None
         if ctx.needs_input_grad[0]:
-            dx = sync.input_grad(y, dy, bias, scale, invstd, global_sums, ctx.total, z.dtype)
+            dx = kernels.input_grad(saved, bias, scale, invstd, global_sums, ctx.total, z.dtype)
         mask = [dx is not None, ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
         # Parameter gradients are this rank's own sums: DDP averages them across ranks.
         dx, dgamma, dbeta = reference.finish_grads(

@@ -90,3 +90,14 @@ def backend_for(x: Tensor) -> ModuleType:
             f"or set {ENV}=reference"
         )
     return _triton_backend()
+
+
+def sync_backend_for(x: Tensor) -> ModuleType:
+    """The module with ``local_sums`` and ``input_grad``, the two halves of the synchronised
+    layer's backward around its all-reduce, for the backend :func:`backend_for` picks."""
+    kernels = backend_for(x)
+    if kernels is reference:
+        from . import sync_reference
+
+        return sync_reference
+    return kernels

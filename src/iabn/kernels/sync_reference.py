@@ -1,9 +1,11 @@
 """Math of the synchronised layer, split around its two collectives (no communication here).
 
 Forward: :func:`local_moments` -> (all-gather) -> :func:`merge_moments` ->
-:func:`normalize_` with the merged statistics. Backward: :func:`local_sums` -> (all-reduce) ->
-:func:`input_grad`. Per-channel tensors are ``(C,)``; merged statistics are float64 so that the
-merge of many ranks' moments loses nothing (DESIGN §2, "Sync").
+:func:`normalize_` with the merged statistics (on the kernels :mod:`.dispatch` picks).
+Backward: :func:`local_sums` -> (all-reduce) -> :func:`input_grad`; the Triton backend has both
+with the same interface (:mod:`.triton_backend`). Per-channel tensors are ``(C,)``; merged
+statistics are float64 so that the merge of many ranks' moments loses nothing (DESIGN §2,
+"Sync").
 """
 
 from __future__ import annotations
@@ -11,14 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .reference import (
-    _cast,
-    channel_view,
-    compute_dtype,
-    forward_,
-    recover,
-    stat_dtype,
-)
+from .dispatch import backend_for
+from .reference import _cast, channel_view, compute_dtype, recover, stat_dtype
 
 MERGE_DTYPE = torch.float64
 
@@ -74,8 +70,8 @@ def normalize_(
     ``(invstd, g)``: the single-process forward in eval mode, with the merged statistics
     standing in for the running ones."""
     sdtype = stat_dtype(x, weight, None)
-    return forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), False, 0.0, eps,
-                    activation, activation_param, gamma_mode)
+    return backend_for(x).forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), False,
+                                   0.0, eps, activation, activation_param, gamma_mode)
 
 
 def update_running_stats_(
@@ -91,35 +87,46 @@ def update_running_stats_(
 def local_sums(
     z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
     activation_param: float,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``(y, dy, sums)`` with ``sums = [sum(dy * xhat), sum(dy)]`` stacked ``(2, C)``.
-
-    ``y`` and ``dy`` are scratch tensors (see :func:`reference.recover`), valid until the next
-    backward on this thread.
+) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """``(saved, sums)`` with ``sums = [sum(dy * xhat), sum(dy)]`` stacked ``(2, C)`` and
+    ``saved = (y, dy)`` for :func:`input_grad`: scratch tensors (see
+    :func:`reference.recover`), valid until the next backward on this thread.
     """
     y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
     if not z.numel():
-        return y, dy, torch.zeros(2, g.shape[0], dtype=g.dtype, device=z.device)
+        return (y, dy), torch.zeros(2, g.shape[0], dtype=g.dtype, device=z.device)
     # The reductions of the batch-norm backward, with the identity of reference.py.
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         dy, y, g, None, None, beta, g.reciprocal(), True, 0.0, [False, True, True],
     )
-    return y, dy, torch.stack([sum_dy_xhat, sum_dy])
+    return (y, dy), torch.stack([sum_dy_xhat, sum_dy])
+
+
+def dx_coefficients(
+    scale: Tensor, invstd: Tensor, bias: Tensor | None, global_sums: Tensor, total: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """``(k1, k2, k3)`` ``(3, C)`` of ``dx = k1 * dy + k2 * y + k3``, which is
+    ``g * invstd * (dy - xhat * sum(dy * xhat) / n - sum(dy) / n)`` with the sums and ``n``
+    over all ranks."""
+    g, invstd = _cast(scale, dtype), _cast(invstd, dtype)
+    beta = _cast(bias, dtype) if bias is not None else torch.zeros_like(g)
+    sum_dy_xhat, sum_dy = _cast(global_sums, dtype)
+    return torch.stack([
+        g * invstd,
+        -invstd * sum_dy_xhat / total,
+        invstd * (beta * sum_dy_xhat - g * sum_dy) / total,
+    ])
 
 
 def input_grad(
-    y: Tensor, dy: Tensor, bias: Tensor | None, scale: Tensor, invstd: Tensor,
+    saved: tuple[Tensor, Tensor], bias: Tensor | None, scale: Tensor, invstd: Tensor,
     global_sums: Tensor, total: int, out_dtype: torch.dtype,
 ) -> Tensor:
-    """``dx = g * invstd * (dy - xhat * sum(dy * xhat) / n - sum(dy) / n)`` with the sums and
-    ``n`` over all ranks, written as ``k1 * dy + k2 * y + k3`` with per-channel ``k``."""
+    """``dx`` from :func:`local_sums`' ``saved`` and the sums over all ranks."""
+    y, dy = saved
     ndim = y.dim()
-    g, invstd = _cast(scale, y.dtype), _cast(invstd, y.dtype)
-    beta = _cast(bias, y.dtype) if bias is not None else torch.zeros_like(g)
-    sum_dy_xhat, sum_dy = _cast(global_sums, y.dtype)
-    k1 = g * invstd
-    k2 = -invstd * sum_dy_xhat / total
-    k3 = invstd * (beta * sum_dy_xhat - g * sum_dy) / total
+    k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total, y.dtype)
     dx = torch.addcmul(channel_view(k3, ndim), dy, channel_view(k1, ndim))
     dx.addcmul_(y, channel_view(k2, ndim))
     return _cast(dx, out_dtype)

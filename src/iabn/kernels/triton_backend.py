@@ -30,6 +30,7 @@ from .. import activation as act
 from ..scale import ABS
 from . import reference
 from . import triton_kernels as k
+from .sync_reference import dx_coefficients
 
 _ACTIVATION_CODES = {act.IDENTITY: k.IDENTITY, act.LEAKY_RELU: k.LEAKY_RELU, act.ELU: k.ELU}
 
@@ -216,6 +217,56 @@ def forward_(
     return invstd, scale
 
 
+def _grad_partials(z: Tensor, dz: Tensor, bias: Tensor | None, layout: Layout,
+                   activation: str, activation_param: float) -> tuple[Tensor, int]:
+    """``(parts, P)``: per-program partial ``[sum(dy), sum(dy * (y - beta))]``, ``(2, P, C)``."""
+    channels = layout.c
+    adtype = accumulation_dtype(z.dtype)
+    config = _reduction_config(layout, z.device)
+    parts = torch.empty(2, config.programs, channels, dtype=adtype, device=z.device)
+    common = dict(HAS_BIAS=bias is not None, ACT=_ACTIVATION_CODES[activation],
+                  BLOCK_R=config.block_a, BLOCK_C=config.block_b, ACC=_TL_DTYPES[adtype],
+                  **_LAUNCH)
+    bias_arg = bias if bias is not None else parts
+    tiny = torch.finfo(adtype).eps
+    if layout.channel_on_rows:
+        common["BLOCK_N"], common["BLOCK_S"] = common.pop("BLOCK_R"), common.pop("BLOCK_C")
+        k.grad_sums_ncs_kernel[config.grid](
+            z, dz, bias_arg, parts, layout.n, channels, layout.s, config.per_program,
+            float(activation_param), tiny, **common,
+        )
+    else:
+        k.grad_sums_mc_kernel[config.grid](
+            z, dz, bias_arg, parts, layout.rows, channels, config.per_program,
+            float(activation_param), tiny, **common,
+        )
+    return parts, config.programs
+
+
+def _input_grad(z: Tensor, dz: Tensor, coeffs: Tensor, layout: Layout, activation: str,
+                activation_param: float) -> Tensor:
+    """``dx = k1 * dy + k2 * y + k3`` with ``coeffs = (k1, k2, k3)``, ``(3, C)``."""
+    dx = torch.empty_like(z)
+    grid, k_blocks, block_r, block_k = _elementwise_grid(layout)
+    k.input_grad_kernel[(grid,)](
+        z, dz, dx, coeffs, layout.rows, layout.cols, layout.c, k_blocks,
+        float(activation_param), torch.finfo(coeffs.dtype).eps,
+        CHANNEL_ON_ROWS=layout.channel_on_rows, ACT=_ACTIVATION_CODES[activation],
+        BLOCK_R=block_r, BLOCK_K=block_k, ACC=_TL_DTYPES[coeffs.dtype], **_LAUNCH,
+    )
+    return dx
+
+
+def dense_pair(z: Tensor, dz: Tensor) -> tuple[Tensor, Tensor, Layout]:
+    """``z`` and ``dz`` densely packed in the same layout (copies only where needed)."""
+    z, layout = _dense(z)
+    if dz.stride() != z.stride():
+        # Expanded, transposed or otherwise differently laid-out gradients are read through
+        # a copy in z's layout; they are never written.
+        dz = torch.empty_like(z).copy_(dz)
+    return z, dz, layout
+
+
 def backward(
     z: Tensor,
     dz: Tensor,
@@ -239,37 +290,13 @@ def backward(
     want_dx = output_mask[0]
     want_dgamma = output_mask[1] and weight is not None
     want_dbeta = output_mask[2] and bias is not None
-    z, layout = _dense(z)
-    if dz.stride() != z.stride():
-        # Expanded, transposed or otherwise differently laid-out gradients are read through
-        # a copy in z's layout; they are never written.
-        dz = torch.empty_like(z).copy_(dz)
+    z, dz, layout = dense_pair(z, dz)
     channels = layout.c
-    device = z.device
     adtype = accumulation_dtype(z.dtype)
-    acc = _TL_DTYPES[adtype]
-    code = _ACTIVATION_CODES[activation]
-    param = float(activation_param)
-    tiny = torch.finfo(adtype).eps
-    coeffs = torch.empty(3, channels, dtype=adtype, device=device)
-    parts, programs = coeffs, 0
+    coeffs = torch.empty(3, channels, dtype=adtype, device=z.device)
+    parts, programs = coeffs, 0  # no reductions needed: finalize only forms k1 = g * invstd
     if want_dgamma or want_dbeta or (want_dx and training):
-        config = _reduction_config(layout, device)
-        programs = config.programs
-        parts = torch.empty(2, programs, channels, dtype=adtype, device=device)
-        bias_arg = bias if bias is not None else coeffs
-        if layout.channel_on_rows:
-            k.grad_sums_ncs_kernel[config.grid](
-                z, dz, bias_arg, parts, layout.n, channels, layout.s, config.per_program,
-                param, tiny, HAS_BIAS=bias is not None, ACT=code,
-                BLOCK_N=config.block_a, BLOCK_S=config.block_b, ACC=acc, **_LAUNCH,
-            )
-        else:
-            k.grad_sums_mc_kernel[config.grid](
-                z, dz, bias_arg, parts, layout.rows, channels, config.per_program,
-                param, tiny, HAS_BIAS=bias is not None, ACT=code,
-                BLOCK_R=config.block_a, BLOCK_C=config.block_b, ACC=acc, **_LAUNCH,
-            )
+        parts, programs = _grad_partials(z, dz, bias, layout, activation, activation_param)
     dgamma = torch.empty_like(weight) if want_dgamma else None
     dbeta = torch.empty_like(bias) if want_dbeta else None
     k.finalize_backward_kernel[(triton.cdiv(channels, _FINALIZE_BLOCK),)](
@@ -280,15 +307,39 @@ def backward(
         coeffs, channels, float(layout.n * layout.s),
         TRAINING=training, HAS_BIAS=bias is not None, WANT_DGAMMA=want_dgamma,
         WANT_DBETA=want_dbeta, GAMMA_ABS=gamma_mode == ABS,
-        BLOCK_C=_FINALIZE_BLOCK, ACC=acc, **_LAUNCH,
+        BLOCK_C=_FINALIZE_BLOCK, ACC=_TL_DTYPES[adtype], **_LAUNCH,
     )
-    dx = None
-    if want_dx:
-        dx = torch.empty_like(z)
-        grid, k_blocks, block_r, block_k = _elementwise_grid(layout)
-        k.input_grad_kernel[(grid,)](
-            z, dz, dx, coeffs, layout.rows, layout.cols, channels, k_blocks, param, tiny,
-            CHANNEL_ON_ROWS=layout.channel_on_rows, ACT=code,
-            BLOCK_R=block_r, BLOCK_K=block_k, ACC=acc, **_LAUNCH,
-        )
+    dx = _input_grad(z, dz, coeffs, layout, activation, activation_param) if want_dx else None
     return dx, dgamma, dbeta
+
+
+# --- the synchronised layer's backward (same interface as :mod:`.sync_reference`) ----------
+
+
+def local_sums(
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
+    activation_param: float,
+) -> tuple[tuple, Tensor]:
+    """``(saved, sums)``: this rank's ``sums = [sum(dy * xhat), sum(dy)]`` ``(2, C)``, and
+    what :func:`input_grad` needs (``z`` and ``dz``, read again there; nothing full-size is
+    materialised)."""
+    if z.numel() == 0:  # a rank without samples contributes zeros
+        sums = torch.zeros(2, z.shape[1], dtype=accumulation_dtype(z.dtype), device=z.device)
+        return (z, dz, None, activation, activation_param), sums
+    z, dz, layout = dense_pair(z, dz)
+    parts, _ = _grad_partials(z, dz, bias, layout, activation, activation_param)
+    sum_dy, sum_dy_centred = parts.sum(1)
+    sums = torch.stack([sum_dy_centred / scale.to(parts.dtype), sum_dy])
+    return (z, dz, layout, activation, activation_param), sums
+
+
+def input_grad(
+    saved: tuple, bias: Tensor | None, scale: Tensor, invstd: Tensor, global_sums: Tensor,
+    total: int, out_dtype: torch.dtype,
+) -> Tensor:
+    """``dx`` from the sums over all ranks (see :func:`.sync_reference.input_grad`)."""
+    z, dz, layout, activation, activation_param = saved
+    if layout is None:
+        return torch.empty_like(z, dtype=out_dtype)
+    coeffs = dx_coefficients(scale, invstd, bias, global_sums, total, global_sums.dtype)
+    return _input_grad(z, dz, coeffs, layout, activation, activation_param).to(out_dtype)
