@@ -1,7 +1,8 @@
 """The ``iabn`` command line (also ``python -m iabn``).
 
 ``iabn bench`` compares the activation memory and speed of standard BatchNorm, checkpointing
-and InPlace-ABN on a small stack of blocks; see :mod:`iabn.bench.blocks`.
+and InPlace-ABN on a small stack of blocks; see :mod:`iabn.bench.blocks`. ``iabn train`` and
+``iabn test`` train and evaluate image classifiers; see :mod:`iabn.training`.
 """
 
 from __future__ import annotations
@@ -117,6 +118,96 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
     seg.set_defaults(handler=_segment)
 
 
+def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
+    from .training.commands import RESUME_LAST
+
+    train = subparsers.add_parser(
+        "train", help="train an image classifier (ImageFolder data, or the embedded digits)",
+        description="Train the model CONFIG describes (JSON; every key has a documented "
+        "default, see iabn.training.config and .classification) on DATA_ROOT/train and "
+        "validate on DATA_ROOT/val after every epoch. Without DATA_ROOT: scikit-learn's "
+        "handwritten digits. Run under torchrun for several processes (the batch is split "
+        "over the ranks). Writes LOG_DIR/last.pth every epoch, best.pth, logs/rank*.log and "
+        "TensorBoard scalars.",
+        epilog="Exit status: 0 finished, 2 bad arguments, config, data or snapshot (nothing "
+        "written), 3 stopped by SIGINT/SIGTERM with LOG_DIR/last.pth written (--resume "
+        "continues it).",
+    )
+    train.add_argument("config", help="JSON config file (e.g. configs/digits.json)")
+    train.add_argument("data_root", nargs="?", default=None,
+                       help="folder with train/CLASS/* and val/CLASS/* images "
+                       "(default: the config's data.root, else the embedded digits)")
+    train.add_argument("--log-dir", type=Path, default=None,
+                       help="folder for snapshots and logs (default: runs/<config name>)")
+    train.add_argument("--resume", nargs="?", const=RESUME_LAST, default=None,
+                       metavar="SNAPSHOT",
+                       help=f"continue a run from SNAPSHOT (default: {RESUME_LAST})")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override a config value (JSON or text), e.g. --set "
+                       "schedule.epochs=2; repeatable")
+    train.add_argument("--device", default=None,
+                       help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when available)")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the complete merged config and exit")
+    # Testing only (documented in iabn.training.engine): behave as if interrupted after this
+    # global step, to check that --resume continues exactly.
+    train.add_argument("--stop-after-steps", type=_positive_int, default=None,
+                       help=argparse.SUPPRESS)
+    train.set_defaults(handler=_train)
+
+
+def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
+    test = subparsers.add_parser(
+        "test", help="top-1/top-5 of a classifier checkpoint (single or ten crops)",
+        description="Evaluate CHECKPOINT (an iabn train snapshot or a state_dict) with the "
+        "model CONFIG describes on DATA_ROOT/val (default: the config's data, else the "
+        "embedded digits). The network may differ from the trained one where the weights "
+        "fit (norm_act bn/abn/iabn/iabn_sync, activation). Run under torchrun to split the "
+        "images over processes; every image is counted once.",
+        epilog="Exit status: 0 done, 2 bad arguments, config, data or checkpoint.",
+    )
+    test.add_argument("config", help="JSON config file the model is built from")
+    test.add_argument("checkpoint", help="snapshot or state_dict file (.pth)")
+    test.add_argument("data_root", nargs="?", default=None,
+                      help="folder with val/CLASS/* images (default: as iabn train)")
+    test.add_argument("--crop", type=_positive_int, default=None,
+                      help="crop side (default: the config's input.crop_val)")
+    test.add_argument("--scale", type=_positive_int, default=None,
+                      help="shorter side before cropping (default: input.scale_val)")
+    test.add_argument("--ten-crops", action="store_true",
+                      help="average the softmax of 4 corner + centre crops and their mirrors")
+    test.add_argument("--original", action="store_true",
+                      help="CHECKPOINT is from the original inplace_abn package "
+                      "(|gamma| + eps scale)")
+    test.add_argument("--non-strict", action="store_true",
+                      help="load the keys that fit and report the rest, instead of stopping")
+    test.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override a config value, e.g. --set network.activation=relu")
+    test.add_argument("--batch-size", type=_positive_int, default=None,
+                      help="images per global batch (default: the config's validation batch, "
+                      "/10 with --ten-crops)")
+    test.add_argument("--workers", type=_non_negative_int, default=None,
+                      help="data-loading workers per rank (default: data.workers)")
+    test.add_argument("--device", default=None,
+                      help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when available)")
+    test.add_argument("--json", type=Path, default=None, metavar="PATH",
+                      help="also write the metrics and settings as JSON to PATH")
+    test.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    test.set_defaults(handler=_test)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .training.commands import train_command
+
+    return train_command(args)
+
+
+def _test(args: argparse.Namespace) -> int:
+    from .training.commands import test_command
+
+    return test_command(args)
+
+
 def _segment(args: argparse.Namespace) -> int:
     from .segment import run
 
@@ -133,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_bench_parser(subparsers)
     _add_segment_parser(subparsers)
+    _add_train_parser(subparsers)
+    _add_test_parser(subparsers)
     return parser
 
 

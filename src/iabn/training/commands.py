@@ -1,0 +1,94 @@
+"""``iabn train`` and ``iabn test``: arguments from :mod:`iabn.cli` to the engine.
+
+Exit status: 0 done, 2 bad arguments/config/data/snapshot (reported before anything is
+written), 3 training stopped early with a snapshot (``--resume`` continues it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from ..data.imagefolder import DataLayoutError
+from .classification import ClassificationTask
+from .config import (
+    ENGINE_SCHEMA,
+    Config,
+    ConfigError,
+    check_engine_config,
+    combine,
+    load_config,
+)
+from .engine import TrainOptions, train
+from .evaluate import TestOptions, run_test, write_json
+from .snapshot import LAST, SnapshotError
+
+TASK = ClassificationTask()
+SCHEMA = combine(ENGINE_SCHEMA, TASK.schema)
+#: What ``--resume`` without a value means.
+RESUME_LAST = f"LOG_DIR/{LAST}"
+USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, ImportError)
+
+
+def load_run_config(path: str | Path, data_root: str | None, overrides: list[str]) -> Config:
+    """The checked configuration: defaults, the file, ``--set`` overrides, then DATA_ROOT."""
+    config = load_config(path, SCHEMA, overrides)
+    if data_root is not None:
+        config["data"]["root"] = str(data_root)
+    check_engine_config(config, str(path))
+    TASK.check_config(config, str(path))
+    return config
+
+
+def default_log_dir(config_path: str | Path) -> Path:
+    """``runs/<config file name without .json>``."""
+    return Path("runs") / Path(config_path).stem
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """``iabn train CONFIG [DATA_ROOT]`` (see :func:`iabn.cli.build_parser`)."""
+    try:
+        config = load_run_config(args.config, args.data_root, args.set)
+        if args.print_config:
+            print(json.dumps(config, indent=2))
+            return 0
+        log_dir = args.log_dir or default_log_dir(args.config)
+        resume = None
+        if args.resume is not None:
+            resume = log_dir / LAST if args.resume == RESUME_LAST else Path(args.resume)
+        options = TrainOptions(log_dir=log_dir, resume=resume, device=args.device,
+                               stop_after_steps=args.stop_after_steps)
+        return train(TASK, config, options)
+    except USER_ERRORS as error:
+        print(f"iabn train: error: {error}", file=sys.stderr)
+        return 2
+
+
+def test_command(args: argparse.Namespace) -> int:
+    """``iabn test CONFIG CHECKPOINT [DATA_ROOT]`` (see :func:`iabn.cli.build_parser`)."""
+    try:
+        config = load_run_config(args.config, args.data_root, args.set)
+        scale = args.scale or config["input"]["scale_val"]
+        crop = args.crop or config["input"]["crop_val"]
+        if crop > scale:
+            raise ConfigError(f"--crop {crop} is larger than --scale {scale} (or the config's "
+                              f"input.crop_val/scale_val): the crop must fit the resized image")
+        options = TestOptions(
+            checkpoint=Path(args.checkpoint), scale=args.scale, crop=args.crop,
+            ten_crops=args.ten_crops, original=args.original, strict=not args.non_strict,
+            device=args.device, batch_size=args.batch_size, workers=args.workers,
+            progress=not args.quiet)
+        result = run_test(config, options)
+    except USER_ERRORS as error:
+        print(f"iabn test: error: {error}", file=sys.stderr)
+        return 2
+    if args.json is not None and int(os.environ.get("RANK", "0")) == 0:
+        write_json(result, args.json)
+    return 0
+
+
+__all__ = ["RESUME_LAST", "SCHEMA", "TASK", "default_log_dir", "load_run_config",
+           "test_command", "train_command"]

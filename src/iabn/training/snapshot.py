@@ -1,0 +1,129 @@
+"""Training snapshots: written atomically, read back with checks that name file and mismatch.
+
+A snapshot is a ``torch.save``d dict holding ``format``/``version``, the ``task`` name, the
+full ``config``, ``world_size``, the position (``epoch``, ``batches_done`` in that epoch,
+``global_step``), the ``model``/``optimizer``/``scheduler``/``scaler`` state dicts, the best
+validation result so far, the last validation metrics, and per rank the RNG states and the
+running training sums of a partial epoch. Only tensors, numbers, strings and containers, so
+it loads with ``weights_only=True``.
+
+Writing goes to a temporary file in the same folder, flushed to disk, then renamed over the
+target: a run killed at any moment leaves either the old snapshot or the new one, never a
+truncated file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import Config, differences
+
+FORMAT = "iabn-training-snapshot"
+VERSION = 1
+LAST, BEST = "last.pth", "best.pth"
+# Keys that may change between a run and its resumption: they do not alter the training.
+RESUME_MAY_CHANGE = ("logging", "data.workers", "data.val_batch_size")
+
+
+class SnapshotError(ValueError):
+    """A snapshot that cannot be read or does not fit the run (the message says why)."""
+
+
+def _temporary(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def _replace_durably(temporary: Path, path: Path) -> None:
+    os.replace(temporary, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power cut
+    finally:
+        os.close(directory)
+
+
+def save_atomic(payload: dict[str, Any], path: str | Path) -> None:
+    """``torch.save(payload)`` to ``path`` via a temporary file and a rename."""
+    path = Path(path)
+    temporary = _temporary(path)
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(payload, file)
+            file.flush()
+            os.fsync(file.fileno())
+        _replace_durably(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def copy_atomic(source: str | Path, path: str | Path) -> None:
+    """Copy ``source`` to ``path`` via a temporary file and a rename."""
+    path = Path(path)
+    temporary = _temporary(path)
+    try:
+        shutil.copyfile(source, temporary)
+        with open(temporary, "rb+") as file:
+            os.fsync(file.fileno())
+        _replace_durably(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def read_snapshot(path: str | Path) -> dict[str, Any]:
+    """Load a training snapshot (CPU tensors), or raise :class:`SnapshotError` naming the file
+    and what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise SnapshotError(f"snapshot {path} does not exist")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # whatever torch raised, say which file and what to do
+        raise SnapshotError(
+            f"cannot read snapshot {path} (corrupt, truncated or not a torch file): "
+            f"{type(error).__name__}: {error}") from error
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise SnapshotError(
+            f"{path} is not an iabn training snapshot (no format={FORMAT!r} marker); plain "
+            f"weights can be evaluated with 'iabn test' but not resumed")
+    if payload.get("version") != VERSION:
+        raise SnapshotError(f"snapshot {path} has format version {payload.get('version')}; "
+                            f"this iabn reads version {VERSION}")
+    return payload
+
+
+def check_resumable(snapshot: dict[str, Any], path: str | Path, task: str, config: Config,
+                    world_size: int, may_change: Sequence[str] = RESUME_MAY_CHANGE) -> None:
+    """Refuse to resume from a snapshot of another task, configuration or world size."""
+    if snapshot["task"] != task:
+        raise SnapshotError(f"snapshot {path} is from a {snapshot['task']!r} run, not "
+                            f"{task!r}")
+    changed = differences(snapshot["config"], config, ignore=may_change)
+    if changed:
+        raise SnapshotError(
+            f"snapshot {path} was written with a different configuration ("
+            + "; ".join(changed) + "): resume with the same config and DATA_ROOT (only "
+            + ", ".join(may_change) + " may change), or start a new --log-dir")
+    if snapshot["world_size"] != world_size:
+        raise SnapshotError(
+            f"snapshot {path} was written by {snapshot['world_size']} rank(s), this run has "
+            f"{world_size}: resume with the same number of processes (its batch split and "
+            f"random states are per rank)")
+
+
+def load_state(target: Any, state: dict[str, Any], what: str, path: str | Path) -> None:
+    """``target.load_state_dict(state)``, errors re-raised as :class:`SnapshotError` naming
+    the snapshot and the part (``what``) that does not fit."""
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError) as error:
+        raise SnapshotError(f"snapshot {path}: the {what} state does not fit: {error}"
+                            ) from error
+
+__all__ = ["BEST", "FORMAT", "LAST", "RESUME_MAY_CHANGE", "VERSION", "SnapshotError",
+           "check_resumable", "copy_atomic", "load_state", "read_snapshot", "save_atomic"]
