@@ -28,11 +28,7 @@ def _inputs(shape, channels_last):
     return [t.requires_grad_() for t in (x, weight, bias)]
 
 
-@pytest.mark.parametrize("shape,channels_last", CASES, ids=str)
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
-@pytest.mark.parametrize("variant", [1, 2])
-@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_gradcheck(shape, channels_last, activation, variant, training):
+def _gradcheck_layer(shape, channels_last, activation, training, variant=2, fast_mode=False):
     x, weight, bias = _inputs(shape, channels_last)
     channels = shape[1]
     running_mean = torch.randn(channels, dtype=torch.float64)
@@ -46,7 +42,28 @@ def test_gradcheck(shape, channels_last, activation, variant, training):
             0.1, 1e-5, activation, param, variant=variant,
         )
 
-    assert torch.autograd.gradcheck(fn, (x, weight, bias), eps=1e-6, atol=1e-7, rtol=1e-5)
+    return torch.autograd.gradcheck(fn, (x, weight, bias), eps=1e-6, atol=1e-7, rtol=1e-5,
+                                    fast_mode=fast_mode)
+
+
+@pytest.mark.parametrize("shape,channels_last", CASES, ids=str)
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_gradcheck(shape, channels_last, activation, variant, training):
+    assert _gradcheck_layer(shape, channels_last, activation, training, variant)
+
+
+@pytest.mark.parametrize("shape,channels_last", CASES, ids=str)
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_gradcheck_triton_kernels(shape, channels_last, activation, training, monkeypatch):
+    """The Triton kernels' backward in float64 (under the interpreter on CPU). fast_mode
+    checks random vector-Jacobian products instead of every column, which keeps the
+    interpreted run short; a wrong gradient still fails it."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("IABN_BACKEND", "triton")
+    assert _gradcheck_layer(shape, channels_last, activation, training, fast_mode=True)
 
 
 @pytest.mark.parametrize("gamma_mode", ["signed", "abs"])
@@ -93,25 +110,3 @@ def test_double_backward_is_refused_with_a_pointer_to_abn():
     with pytest.raises(RuntimeError, match=r"double backward.*iabn\.ABN"):
         torch.autograd.grad(out.square().sum(), x, create_graph=True)
 
-
-@pytest.mark.parametrize("shape,channels_last", CASES, ids=str)
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
-@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_gradcheck_triton_kernels(shape, channels_last, activation, training, monkeypatch):
-    """The Triton kernels' backward in float64 (under the interpreter on CPU). fast_mode
-    checks random vector-Jacobian products instead of every column, which keeps the
-    interpreted run short; a wrong gradient still fails it."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("IABN_BACKEND", "triton")
-    x, weight, bias = _inputs(shape, channels_last)
-    channels = shape[1]
-    running_mean = torch.randn(channels, dtype=torch.float64)
-    running_var = torch.rand(channels, dtype=torch.float64) + 0.5
-    param = ACTIVATION_PARAMS[activation] or 0.01
-
-    def fn(x, weight, bias):
-        return inplace_abn(x.clone(), running_mean.clone(), running_var.clone(), weight, bias,
-                           training, 0.1, 1e-5, activation, param)
-
-    assert torch.autograd.gradcheck(fn, (x, weight, bias), eps=1e-6, atol=1e-7, rtol=1e-5,
-                                    fast_mode=True)

@@ -208,24 +208,36 @@ def finalize_forward_kernel(
 
 
 @triton.jit
+def _elementwise_tile(pid, k_blocks, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Rows ``r``, columns ``k``, mask and offsets of tile ``pid`` of a 1-D grid over tiles."""
+    r = (pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (r < R)[:, None] & (k < K)[None, :]
+    offsets = r.to(tl.int64)[:, None] * K + k[None, :]
+    return mask, offsets, r, k
+
+
+@triton.jit
+def _per_channel(ptr, r, k, R, K, C, CHANNEL_ON_ROWS: tl.constexpr):
+    """A ``(C,)`` vector at ``ptr``, broadcastable against the tile of rows ``r``, columns
+    ``k``."""
+    if CHANNEL_ON_ROWS:
+        values = tl.load(ptr + r % C, mask=r < R, other=0.0)[:, None]
+    else:
+        values = tl.load(ptr + k, mask=k < K, other=0.0)[None, :]
+    return values
+
+
+@triton.jit
 def normalize_act_kernel(
     x_ptr, coeffs_ptr, R, K, C, k_blocks, param,
     CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
 ):
     """In place: ``x = phi(a[c] * x + b[c])``. 1-D grid over ``(row block, column block)``."""
-    pid = tl.program_id(0)
-    r = (pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (r < R)[:, None] & (k < K)[None, :]
-    if CHANNEL_ON_ROWS:
-        c = r % C
-        a = tl.load(coeffs_ptr + c, mask=r < R, other=0.0)[:, None]
-        b = tl.load(coeffs_ptr + C + c, mask=r < R, other=0.0)[:, None]
-    else:
-        a = tl.load(coeffs_ptr + k, mask=k < K, other=0.0)[None, :]
-        b = tl.load(coeffs_ptr + C + k, mask=k < K, other=0.0)[None, :]
-    offsets = r.to(tl.int64)[:, None] * K + k[None, :]
+    mask, offsets, r, k = _elementwise_tile(tl.program_id(0), k_blocks, R, K, BLOCK_R, BLOCK_K)
+    a = _per_channel(coeffs_ptr, r, k, R, K, C, CHANNEL_ON_ROWS)
+    b = _per_channel(coeffs_ptr + C, r, k, R, K, C, CHANNEL_ON_ROWS)
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(ACC)
     z = _activate(x * a + b, ACT, param)
     tl.store(x_ptr + offsets, z.to(x_ptr.dtype.element_ty), mask=mask)
@@ -360,20 +372,10 @@ def input_grad_kernel(
 ):
     """``dx = k1[c] * dy + k2[c] * y + k3[c]`` with ``y, dy`` recovered from ``z, dz``.
     Grid as :func:`normalize_act_kernel`; ``dx`` is a separate buffer (never ``dz``)."""
-    pid = tl.program_id(0)
-    r = (pid // k_blocks) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k = (pid % k_blocks) * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (r < R)[:, None] & (k < K)[None, :]
-    if CHANNEL_ON_ROWS:
-        c = r % C
-        k1 = tl.load(coeffs_ptr + c, mask=r < R, other=0.0)[:, None]
-        k2 = tl.load(coeffs_ptr + C + c, mask=r < R, other=0.0)[:, None]
-        k3 = tl.load(coeffs_ptr + 2 * C + c, mask=r < R, other=0.0)[:, None]
-    else:
-        k1 = tl.load(coeffs_ptr + k, mask=k < K, other=0.0)[None, :]
-        k2 = tl.load(coeffs_ptr + C + k, mask=k < K, other=0.0)[None, :]
-        k3 = tl.load(coeffs_ptr + 2 * C + k, mask=k < K, other=0.0)[None, :]
-    offsets = r.to(tl.int64)[:, None] * K + k[None, :]
+    mask, offsets, r, k = _elementwise_tile(tl.program_id(0), k_blocks, R, K, BLOCK_R, BLOCK_K)
+    k1 = _per_channel(coeffs_ptr, r, k, R, K, C, CHANNEL_ON_ROWS)
+    k2 = _per_channel(coeffs_ptr + C, r, k, R, K, C, CHANNEL_ON_ROWS)
+    k3 = _per_channel(coeffs_ptr + 2 * C, r, k, R, K, C, CHANNEL_ON_ROWS)
     z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
     dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
     y, dy = _recover(z, dz, ACT, param, tiny)
