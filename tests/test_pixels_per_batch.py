@@ -92,9 +92,11 @@ def _offload_model_stats(model, images, min_bytes):
     return stats
 
 
-@pytest.mark.parametrize("min_bytes", [0, 64 * 1024])
-@pytest.mark.parametrize(("body", "norm_act"), [("resnext101", "bn"), ("resnext101", "iabn"),
-                                                ("wider_resnet38_a2", "iabn")])
+@pytest.mark.parametrize(("body", "norm_act", "min_bytes"), [
+    ("resnext101", "bn", 0),  # the benchmark's setting
+    ("resnext101", "iabn", 64 * 1024),  # OffloadModel's default size threshold
+    ("wider_resnet38_a2", "iabn", 0),
+])
 def test_offload_rule_equals_offload_model(body, norm_act, min_bytes, cpu_models):
     model = cpu_models(body, norm_act)
     images, _ = _inputs()
@@ -126,6 +128,18 @@ def test_largest_fitting_walks_to_the_threshold_from_any_guess(guess):
     assert largest_fitting(lambda v: v <= 8, guess, 8) == 8
     if guess in (37, 38):  # a close guess costs two calls
         assert len(calls) == 2
+
+
+@pytest.mark.parametrize("guess", [2, 1_000_000])
+def test_largest_fitting_needs_logarithmically_many_calls_from_a_far_guess(guess):
+    calls = []
+
+    def fits(value):
+        calls.append(value)
+        return value <= 1000
+
+    assert largest_fitting(fits, guess, minimum=2) == 1000
+    assert len(calls) <= 2 * math.log2(abs(guess - 1000)) + 2
 
 
 def test_largest_fitting_rejects_what_cannot_fit():

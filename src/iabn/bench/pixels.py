@@ -22,7 +22,10 @@ input of a convolution or pooling layer (:data:`iabn.offloading.DEFAULT_LAYERS`)
 least ``min_bytes`` bytes; everything else stays on the device. Its host copies cannot be made
 from meta tensors, so :func:`activation_bytes` applies the same rule itself (with forward
 pre-hooks on the same layer types) and reports the bytes that rule keeps; the test above checks
-it against ``OffloadModel.stats.kept_bytes`` on CPU.
+it against ``OffloadModel.stats.kept_bytes`` on CPU. (That test holds every conv input alive:
+``OffloadModel`` remembers conv inputs by data pointer, so on real memory a later tensor that
+reuses a freed input's address can be offloaded too, and its kept bytes then come out lower
+than the rule's.)
 """
 
 from __future__ import annotations
