@@ -78,6 +78,10 @@ class DigitsCanvas(Dataset):
     only the training digits and ``"val"`` only the validation digits of
     :func:`iabn.data.digits.split_indices` (``val_fraction``, ``split_seed``), so no
     handwritten digit appears in both.
+
+    Without ``transform`` samples are the raw canvases; a model wants e.g.
+    ``TrainTransform(crop, CANVAS_MEAN, CANVAS_STD)`` or ``EvalTransform(CANVAS_MEAN,
+    CANVAS_STD)``.
     """
 
     def __init__(self, split: str = "train", length: int = 1000, size: int = 64,
