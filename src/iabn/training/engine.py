@@ -52,6 +52,7 @@ from .snapshot import (
     copy_atomic,
     load_state,
     read_snapshot,
+    remove_stale_temporaries,
     save_atomic,
 )
 from .task import Meter, Task
@@ -179,9 +180,14 @@ class _Run:
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
             "best": self.best, "val_metrics": val_metrics, "ranks": per_rank,
         }
-        save_atomic(payload, self.options.log_dir / LAST)
+        log_dir = self.options.log_dir
         if improved:
-            copy_atomic(self.options.log_dir / LAST, self.options.log_dir / BEST)
+            # best.pth first: a kill between the two writes then leaves last.pth one epoch
+            # behind, and resuming repeats that epoch and rewrites best.pth the same way.
+            save_atomic(payload, log_dir / BEST)
+            copy_atomic(log_dir / BEST, log_dir / LAST)
+        else:
+            save_atomic(payload, log_dir / LAST)
 
     # ------------------------------------------------------------------ loop
     def _loaders(self) -> tuple[DataLoader, DataLoader]:
@@ -264,6 +270,8 @@ class _Run:
     def run(self) -> int:
         options, config, ranks = self.options, self.config, self.ranks
         options.log_dir.mkdir(parents=True, exist_ok=True)
+        if ranks.is_main:
+            remove_stale_temporaries(options.log_dir)
         log = RunLog(options.log_dir, ranks, config["logging"]["tensorboard"],
                      purge_step=self.global_step if options.resume else None)
         try:

@@ -9,7 +9,7 @@ it loads with ``weights_only=True``.
 
 Writing goes to a temporary file in the same folder, flushed to disk, then renamed over the
 target: a run killed at any moment leaves either the old snapshot or the new one, never a
-truncated file.
+truncated file (at most a stale temporary, which the next run in that folder deletes).
 """
 
 from __future__ import annotations
@@ -75,6 +75,15 @@ def copy_atomic(source: str | Path, path: str | Path) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Delete temporary snapshot files a killed run left in ``folder``; returns them. Call
+    only while no other process writes snapshots there."""
+    stale = sorted(Path(folder).glob(".*.pth.*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def read_snapshot(path: str | Path) -> dict[str, Any]:
     """Load a training snapshot (CPU tensors), or raise :class:`SnapshotError` naming the file
     and what is wrong with it."""
@@ -126,4 +135,5 @@ def load_state(target: Any, state: dict[str, Any], what: str, path: str | Path) 
                             ) from error
 
 __all__ = ["BEST", "FORMAT", "LAST", "RESUME_MAY_CHANGE", "VERSION", "SnapshotError",
-           "check_resumable", "copy_atomic", "load_state", "read_snapshot", "save_atomic"]
+           "check_resumable", "copy_atomic", "load_state", "read_snapshot",
+           "remove_stale_temporaries", "save_atomic"]
