@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 from iabn.bench import machine_info, write_json
-from iabn.bench.pixels import BODIES, METHODS, ByteCounter, PixelsRow, pixels_per_batch
+from iabn.bench.pixels import BODIES, ByteCounter, PixelsRow, pixels_per_batch
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "pixels_per_batch.json"
 GIB = 2**30
@@ -56,6 +56,15 @@ DESCRIPTIONS = {
     "iabn": "InPlace-ABN",
     "iabn_offload": "InPlace-ABN + offload (kept)",
     "iabn_offload_working": "  + largest activation back",
+}
+
+DEFINITIONS = {
+    "bn": "nn.BatchNorm2d + in-place LeakyReLU: every saved byte counts",
+    "iabn": "InPlaceABN: every saved byte counts",
+    "iabn_offload": "InPlaceABN + OffloadModel(min_bytes=0): saved bytes kept on the device "
+                    "(inputs of convolutions and poolings go to host memory)",
+    "iabn_offload_working": "iabn_offload + the largest offloaded activation, back on the "
+                            "device while backward uses it (a floor on the working set)",
 }
 
 
@@ -117,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                     "counted on the meta device (float32); not GPU peak memory (unmeasured)",
             "model": "DeepLabV3 head (256 channels, dilations 12/24/36, image pooling), 19 "
                      "classes, bodies at output stride 8, LeakyReLU(0.01)",
-            "methods": {m: DESCRIPTIONS[m].strip() for m in METHODS},
+            "methods": DEFINITIONS,
             "machine": machine_info(),
             "args": {"batch": batch, "crop": crop, "crop_step": 8, "quick": args.quick,
                      "bodies": names},
