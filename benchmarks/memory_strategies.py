@@ -11,6 +11,9 @@ exactly with saved-tensor hooks (de-duplicated by storage, parameters and buffer
 ``checkpoint_k``     ``torch.utils.checkpoint`` (non-reentrant) over k segments of the body
 ``save_on_cpu``      ``torch.autograd.graph.save_on_cpu``: every saved tensor goes to host
                      (0 bytes kept by construction; its cost is transfer time, GPU only)
+``compile_B``        ``torch.compile`` with ``activation_memory_budget=B`` (1.0 is the
+                     default): the values its partitioner passes from the forward graph to
+                     the backward graph (:func:`iabn.memory.compiled_saved_bytes`)
 
 This is the memory at the end of forward. Backward adds a transient that differs by strategy
 (checkpointing re-materialises one segment at a time, offloading holds the activation in use
@@ -19,8 +22,7 @@ in the GPU run.
 
 On a CPU-only machine "device" and "host" are the same memory, so these are the bytes each
 strategy would keep on the accelerator; the wall time of offloading on CPU says nothing about
-GPU behaviour and is not reported. `torch.compile` with `activation_memory_budget` and all
-timings belong to the GPU run (``--device cuda``, not yet run).
+GPU behaviour and is not reported. All timings belong to a GPU run (not yet made).
 
 Usage::
 
@@ -41,12 +43,14 @@ from torch.utils.checkpoint import checkpoint
 
 import iabn
 from iabn.bench import machine_info, write_json
-from iabn.memory import saved_storages
+from iabn.memory import compiled_saved_bytes, saved_storages
 from iabn.models import create
 from iabn.offloading import DEFAULT_LAYERS
 
 MODELS = (("vgg19", "bn"), ("resnet50", "bn"), ("resnet50", "iabn"), ("resnet101", "bn"),
           ("resnet101", "iabn"), ("mobilenet_v2", "bn"))
+STRATEGIES = ("eager", "offload_all", "offload_half", "checkpoint_2", "checkpoint_4",
+              "checkpoint_8", "save_on_cpu", "compile_1.0", "compile_0.5", "compile_0.1")
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "memory_strategies.json"
 MIB = 2**20
 
@@ -74,6 +78,9 @@ def kept_bytes(model: nn.Module, strategy: str, x: torch.Tensor) -> int:
         # device. (Not run here: on a CPU-only machine it keeps the very tensors, and a saved
         # output then forms a reference cycle that leaks the graph.)
         return 0
+    if strategy.startswith("compile_"):
+        budget = float(strategy.split("_")[1])
+        return compiled_saved_bytes(model, x.clone(), activation_memory_budget=budget)
     if strategy.startswith("offload"):
         layers = DEFAULT_LAYERS
         if strategy == "offload_half":
@@ -102,10 +109,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES),
+                        help=f"comma-separated subset of {', '.join(STRATEGIES)}")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    strategies = ("eager", "offload_all", "offload_half", "checkpoint_2", "checkpoint_4",
-                  "checkpoint_8", "save_on_cpu")
+    # eager is the baseline every percentage refers to
+    strategies = ("eager", *(s for s in args.strategies.split(",") if s != "eager"))
+    unknown = set(strategies) - set(STRATEGIES)
+    if unknown:
+        parser.error(f"--strategies: unknown {sorted(unknown)}; use some of {STRATEGIES}")
     rows, start = [], time.perf_counter()
     for name, layer in MODELS:
         torch.manual_seed(0)
@@ -123,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[memory] {name}/{layer} {strategy}: "
                   f"{row['kept_bytes'][strategy] / MIB:.1f} MiB", file=sys.stderr, flush=True)
         rows.append(row)
-    baseline = {r["model"]: r["kept_bytes"]["eager"] for r in rows if r["norm_act"] == "bn"}
+    baseline = {r["model"]: r["kept_bytes"].get("eager") for r in rows if r["norm_act"] == "bn"}
     lines = [f"activation MiB kept on the device at the end of forward, batch {args.batch}, "
              f"{args.size}x{args.size}, float32 (exact; % = reduction vs the same model with BN, "
              f"eager)", "",

@@ -26,7 +26,10 @@ class SavedStorage:
 
 
 def _storage_key(t: Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
+    # The storage object's address, not its data pointer: every tensor on the ``meta`` device
+    # has data pointer 0, and counting at real sizes without memory is what meta is for.
+    # (Counted tensors are held alive, so no address is reused while counting.)
+    return str(t.device), t.untyped_storage()._cdata
 
 
 def saved_storages(
@@ -69,4 +72,68 @@ def saved_tensor_bytes(
     return sum(s.nbytes for s in saved_storages(fn, *args, exclude=exclude, **kwargs))
 
 
-__all__ = ["SavedStorage", "saved_storages", "saved_tensor_bytes"]
+def compiled_saved_bytes(
+    model: nn.Module, *args: Tensor, activation_memory_budget: float = 1.0
+) -> int:
+    """Bytes of activations ``torch.compile(model)`` keeps for backward, parameters and buffers
+    excluded: the values AOTAutograd's min-cut partitioner (PyTorch's default for training
+    graphs) passes from the forward graph to the backward graph, under
+    ``torch._functorch.config.activation_memory_budget`` (1.0: save whatever is fastest; lower
+    values make it recompute instead of save).
+
+    Saved-tensor hooks do not see inside compiled graphs, so this reads the graphs themselves:
+    the model is compiled with a recording backend (AOTAutograd with pass-through compilers),
+    run forward once on ``args`` and differentiated with ``torch.autograd.grad`` (no ``.grad``
+    is written; running statistics are updated, as by :func:`saved_tensor_bytes`). Each saved
+    value counts by its own size. This resets ``torch.compile``'s caches.
+    """
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch import config as functorch_config
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    if not 0.0 <= activation_memory_budget <= 1.0:
+        raise ValueError(
+            f"activation_memory_budget={activation_memory_budget} must be in [0, 1] "
+            f"(1.0 is torch.compile's default)"
+        )
+    graphs: dict[str, Any] = {}
+
+    def keep(name: str):
+        def compiler(gm: torch.fx.GraphModule, _example_inputs: Any):
+            graphs[name] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    # Running-statistics updates stay inside the graph; replayed outside it, they would bump
+    # the version of buffers the partitioner chose to save, and backward would refuse them.
+    aot = aot_autograd(fw_compiler=keep("forward"), bw_compiler=keep("backward"),
+                       partition_fn=min_cut_rematerialization_partition,
+                       keep_inference_input_mutations=True)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any):
+        # Dynamo's graph inputs, in the order of AOTAutograd's primals_1, primals_2, ...
+        graphs["inputs"] = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        return aot(gm, example_inputs)
+
+    torch._dynamo.reset()
+    try:
+        with functorch_config.patch(activation_memory_budget=activation_memory_budget):
+            out = torch.compile(model, backend=backend, fullgraph=True)(*args)
+            wrt = [t for t in (*args, *model.parameters()) if t.requires_grad]
+            torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+    finally:
+        torch._dynamo.reset()
+    state = {f"primals_{i + 1}" for i, name in enumerate(graphs["inputs"])
+             if "_parameters_" in name or "_buffers_" in name}
+    total = 0
+    for node in graphs["backward"].graph.nodes:
+        if node.op != "placeholder" or node.name.startswith("tangents") or node.name in state:
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, Tensor):
+            total += value.numel() * value.element_size()
+    return total
+
+
+__all__ = ["SavedStorage", "compiled_saved_bytes", "saved_storages", "saved_tensor_bytes"]

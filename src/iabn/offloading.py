@@ -356,14 +356,17 @@ class OffloadModel(nn.Module):
     ) -> None:
         super().__init__()
         self.model = model
-        # storages of this forward's conv/pool inputs; the predicate closes over the set, not
-        # over the wrapper, so that no reference cycle keeps the wrapper alive
-        targets: set[tuple[str, int]] = set()
+        # This forward's conv/pool inputs: storage key -> weak reference to the input. A key
+        # whose input is dead names freed memory that a later tensor (a BN input, say) may
+        # have been given: only a live input makes its storage a target. The predicate
+        # closes over the dict, not over the wrapper, so no reference cycle keeps it alive.
+        targets: dict[tuple[str, int], weakref.ref[Tensor]] = {}
         self._targets = targets
         user_predicate = predicate
 
         def chosen(t: Tensor) -> bool:
-            if _storage_key(t) not in targets:
+            marked = targets.get(_storage_key(t))
+            if marked is None or marked() is None:
                 return False
             return user_predicate is None or bool(user_predicate(t))
 
@@ -385,7 +388,7 @@ class OffloadModel(nn.Module):
 
     def _mark_input(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if args and isinstance(args[0], Tensor):
-            self._targets.add(_storage_key(args[0]))
+            self._targets[_storage_key(args[0])] = weakref.ref(args[0])
             self.offloader.promote(args[0])
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
