@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from iabn.cli import main
 from iabn.models import MODELS
 from iabn.training.commands import SCHEMA, load_run_config
 from iabn.training.config import (
@@ -160,3 +161,13 @@ def test_paper_configs_are_shipped():
             paper["optimizer"]["weight_decay"]) == (0.1, 0.9, 1e-4)
     assert (paper["schedule"]["epochs"], paper["schedule"]["type"],
             paper["schedule"]["step_size"], paper["schedule"]["gamma"]) == (90, "step", 30, 0.1)
+
+
+def test_print_config_shows_the_merged_config_and_writes_nothing(tmp_path, capsys,
+                                                                 monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = _write(tmp_path, {"optimizer": {"lr": 0.5}})
+    assert main(["train", str(path), "--set", "schedule.epochs=3", "--print-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == load_run_config(path, None, ["schedule.epochs=3"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]  # no runs/ folder

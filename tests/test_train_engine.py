@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
+import iabn
 from iabn.training.config import ENGINE_SCHEMA, defaults
 from iabn.training.engine import EXIT_FINISHED, EXIT_STOPPED, TrainOptions, train
 from iabn.training.snapshot import SnapshotError
@@ -225,3 +226,32 @@ def test_fp16_loss_scaling_is_saved_and_resumed_exactly(tmp_path):
     assert 0 < scaler["scale"] <= 2.0**16
     train(ToyTask(), config, TrainOptions(run, resume=run / "last.pth"))
     _assert_same_weights(tmp_path / "whole" / "last.pth", run / "last.pth")
+
+
+class ToyImages(ToyData):
+    """The same targets from ``[3, 4, 4]`` images whose mean colour carries the features."""
+
+    def __getitem__(self, key):
+        x, y = super().__getitem__(key)
+        return x[:3, None, None].expand(3, 4, 4) + 0.1 * x[3], y
+
+
+class ToyImageTask(ToyTask):
+    def datasets(self, config):
+        return DataSplits(ToyImages(TRAIN, 0), ToyImages(VAL, 1), 1, "toy images")
+
+    def build_model(self, config, splits, ranks):
+        return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), iabn.InPlaceABN(8),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 1))
+
+
+def test_channels_last_trains_the_same_model(tmp_path):
+    train(ToyImageTask(), toy_config(), TrainOptions(tmp_path / "contiguous"))
+    train(ToyImageTask(), toy_config(network={"channels_last": True}),
+          TrainOptions(tmp_path / "channels_last"))
+    reference = _model_state(tmp_path / "contiguous" / "last.pth")
+    state = _model_state(tmp_path / "channels_last" / "last.pth")
+    assert state["0.weight"].is_contiguous(memory_format=torch.channels_last)
+    assert not reference["0.weight"].is_contiguous(memory_format=torch.channels_last)
+    for key, value in reference.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-4, atol=1e-5, msg=key)

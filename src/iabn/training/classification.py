@@ -61,7 +61,8 @@ SCHEMA: Schema = {
                               minimum=8),
         "digits_val_fraction": Option(0.2, "embedded digits: validation share per class",
                                       float),
-        "digits_split_seed": Option(0, "embedded digits: seed of the train/val split", int),
+        "digits_split_seed": Option(0, "embedded digits: seed of the train/val split", int,
+                                    minimum=0),
     },
 }
 

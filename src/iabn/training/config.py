@@ -94,7 +94,8 @@ ENGINE_SCHEMA: Schema = {
         "val_batch_size": Option(None, "global validation batch; null: data.batch_size", int,
                                  nullable=True, minimum=1),
         "workers": Option(4, "data-loading worker processes per rank", int, minimum=0),
-        "seed": Option(0, "seed of weight initialisation, data order and augmentation", int),
+        "seed": Option(0, "seed of weight initialisation, data order and augmentation", int,
+                       minimum=0),
     },
     "logging": {
         "log_every": Option(10, "steps between log lines, progress and TensorBoard train "

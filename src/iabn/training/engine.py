@@ -19,6 +19,7 @@ killed outright resumes from the last epoch's snapshot and repeats the partial e
 from __future__ import annotations
 
 import json
+import math
 import signal
 import threading
 import time
@@ -127,6 +128,9 @@ class _Run:
         self.epoch, self.batches_done, self.global_step = 0, 0, 0
         self.best: dict[str, Any] | None = None
         self.resumed_sums: torch.Tensor | None = None
+        # The loader draws its workers' base seed from this generator, not from the global
+        # torch RNG, whose state must only change with the training itself.
+        self.loader_generator = torch.Generator()
         if snapshot is None:
             # Ranks differ in their random streams (dropout), rank 0 matches a single process.
             seed_everything(data["seed"] + ranks.rank)
@@ -193,9 +197,6 @@ class _Run:
     def _loaders(self) -> tuple[DataLoader, DataLoader]:
         data, ranks = self.config["data"], self.ranks
         common = {"num_workers": data["workers"], "pin_memory": ranks.device.type == "cuda"}
-        # The loader draws its workers' base seed from this generator, not from the global
-        # torch RNG, whose state must only change with the training itself.
-        self.loader_generator = torch.Generator()
         train = DataLoader(self.splits.train, batch_size=self.sampler.per_rank,
                            sampler=self.sampler, generator=self.loader_generator, **common)
         val_batch = data["val_batch_size"] or data["batch_size"]
@@ -252,7 +253,7 @@ class _Run:
         epochs, steps = self.config["schedule"]["epochs"], self.sampler.batches_per_epoch
         line = (f"epoch {self.epoch + 1}/{epochs} {bar(self.batches_done, steps)} "
                 f"{self.batches_done}/{steps} {_format_metrics(metrics)} lr {lr:.4g} "
-                f"{speed:.0f} img/s")
+                f"{speed:.0f} img/s {memory:.0f} MiB peak")
         progress.show(line)
         log.info(line, console=False)
         log.scalars({**{f"train/{k}": v for k, v in metrics.items() if k != "count"},
@@ -337,7 +338,8 @@ class _Run:
         if last or (self.epoch + 1) % config["logging"]["val_every"] == 0:
             val_metrics = self._validate(val_loader, log, progress)
             value = val_metrics[self.task.best_metric]
-            improved = self.best is None or value > self.best["value"]
+            improved = not math.isnan(value) and (self.best is None
+                                                  or value > self.best["value"])
             if improved:
                 self.best = {"metric": self.task.best_metric, "value": value,
                              "epoch": self.epoch + 1}

@@ -42,7 +42,10 @@ def capture_rng_state() -> dict[str, Any]:
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Put back what :func:`capture_rng_state` returned."""
     torch.set_rng_state(state["torch"])
-    if state["cuda"]:
+    # CUDA states only onto the same number of devices (a run moved to another machine
+    # cannot continue bitwise anyway).
+    if state["cuda"] and torch.cuda.is_available() and (
+            len(state["cuda"]) == torch.cuda.device_count()):
         torch.cuda.set_rng_state_all(state["cuda"])
     numpy_state = state["numpy"]
     np.random.set_state({
