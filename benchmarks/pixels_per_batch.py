@@ -1,7 +1,7 @@
 """InPlace-ABN paper Table 3 analogue: pixels per batch under a fixed activation-memory budget.
 
-DeepLabV3 (19 classes, output stride 8) on a ResNeXt-101 body (made dilated, see
-``iabn.bench.pixels.dilate_resnext_``) and on WideResNet-38-A2 (dilated), trained with a
+DeepLabV3 (19 classes, output stride 8) on a dilated ResNeXt-101 body
+(``ResNeXt(dilation=True)``) and on WideResNet-38-A2 (dilated), trained with a
 cross-entropy loss. The budget is the activation bytes that standard BN + LeakyReLU keeps for
 backward at the baseline size (16 crops of 512x512 by default, the paper's ResNeXt-101
 baseline), so the baseline is 1.00. For each method the benchmark finds

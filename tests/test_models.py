@@ -90,3 +90,16 @@ def test_dilated_wider_resnet_a2_has_output_stride_8_and_trains_with_inplace_abn
     assert features.shape == (2, 4096, 4, 4)
     features.mean().backward()  # pre-activation blocks copy x before an in-place bn1
     assert model.mod2.block1.bn1.weight.grad is not None
+
+
+def test_dilated_resnext_keeps_output_stride_8_and_the_weights():
+    plain = create("resnext50", num_classes=None, norm_act="bn")
+    dilated = create("resnext50", num_classes=None, norm_act="bn", dilation=True)
+    dilated.load_state_dict(plain.state_dict())  # same keys and shapes
+    x = torch.randn(1, 3, 64, 48)
+    with torch.no_grad():
+        assert torch.nn.Sequential(*plain.body())(x).shape[-2:] == (2, 2)
+        assert torch.nn.Sequential(*dilated.body())(x).shape[-2:] == (8, 6)
+    convs = {name: m.dilation for name, m in dilated.named_modules() if name.endswith("conv2")}
+    assert convs["mod4.block1.convs.conv2"] == (2, 2) and convs["mod5.block1.convs.conv2"] == (4, 4)
+    assert convs["mod3.block1.convs.conv2"] == (1, 1)

@@ -59,23 +59,6 @@ OFFLOAD_MIN_BYTES = 0
 NUM_CLASSES = 19
 
 
-def dilate_resnext_(model: ResNeXt) -> ResNeXt:
-    """Turn a ResNeXt body (output stride 32) into output stride 8, in place: the first blocks
-    of ``mod4`` and ``mod5`` lose their stride 2, and the 3x3 convolutions of ``mod4`` /
-    ``mod5`` get dilation 2 / 4 (padding = dilation, so sizes are kept) — dilations
-    ``[1, 1, 2, 4]`` per stage, as dilated ResNeXt bodies for DeepLabV3."""
-    if not isinstance(model, ResNeXt):
-        raise TypeError(f"dilate_resnext_ expects an iabn.models.ResNeXt, got {type(model)}")
-    for stage, dilation in (("mod4", 2), ("mod5", 4)):
-        for block in getattr(model, stage):
-            for conv in (block.convs.conv1, block.proj_conv):
-                if conv is not None:
-                    conv.stride = (1, 1)
-            block.convs.conv2.dilation = (dilation, dilation)
-            block.convs.conv2.padding = (dilation, dilation)
-    return model
-
-
 def segmentation_model(body: str, norm_act: str, num_classes: int = NUM_CLASSES,
                        depth: int | None = None) -> SegmentationNet:
     """DeepLabV3 (output stride 8) on ``body`` (one of :data:`BODIES`) with ``norm_act``
@@ -87,7 +70,7 @@ def segmentation_model(body: str, norm_act: str, num_classes: int = NUM_CLASSES,
     if body == "wider_resnet38_a2":
         return deeplabv3_wider_resnet38(num_classes, norm_act=norm_act, depth=depth or 38)
     if body == "resnext101":
-        trunk = dilate_resnext_(ResNeXt(depth or 101, num_classes=None, norm_act=norm_act))
+        trunk = ResNeXt(depth or 101, num_classes=None, norm_act=norm_act, dilation=True)
         head = DeepLabV3Head(2048, 256, 256, norm_act=norm_act)
         return SegmentationNet(trunk, head, 256, num_classes)
     raise ValueError(f"body={body!r}: use one of {', '.join(BODIES)}")
@@ -302,6 +285,6 @@ def pixels_per_batch(counter: ByteCounter, batch: int, crop: int, crop_step: int
 
 __all__ = [
     "BODIES", "METHODS", "NUM_CLASSES", "OFFLOAD_MIN_BYTES", "ActivationBytes", "ByteCounter",
-    "PixelsRow", "activation_bytes", "dilate_resnext_", "largest_fitting", "pixels_per_batch",
+    "PixelsRow", "activation_bytes", "largest_fitting", "pixels_per_batch",
     "segmentation_model",
 ]

@@ -95,11 +95,15 @@ RESNEXT_DEPTHS = {50: (3, 4, 6, 3), 101: (3, 4, 23, 3), 152: (3, 8, 36, 3)}
 
 
 class ResNeXt(_PreActNet):
-    """Pre-activation ResNeXt with cardinality ``groups`` (64 in the paper), 3x3 input stem."""
+    """Pre-activation ResNeXt with cardinality ``groups`` (64 in the paper), 3x3 input stem.
+
+    ``dilation=True`` keeps output stride 8 for segmentation: the first blocks of ``mod4`` and
+    ``mod5`` do not downsample and their stages' 3x3 convolutions use dilation 2 and 4
+    (dilations 1, 1, 2, 4 per stage). The weights' shapes do not change."""
 
     def __init__(self, depth: int = 101, num_classes: int | None = 1000, groups: int = 64,
                  norm_act: str | NormAct = "iabn", activation: str = "leaky_relu",
-                 activation_param: float = 0.01) -> None:
+                 activation_param: float = 0.01, dilation: bool = False) -> None:
         super().__init__()
         if depth not in RESNEXT_DEPTHS:
             raise ValueError(f"depth={depth}: use one of {sorted(RESNEXT_DEPTHS)}")
@@ -110,10 +114,11 @@ class ResNeXt(_PreActNet):
         for index, blocks in enumerate(RESNEXT_DEPTHS[depth]):
             widths = (128 * 2**index, 128 * 2**index, 256 * 2**index)
             layers = OrderedDict()
+            dil = (1, 1, 2, 4)[index] if dilation else 1
             for b in range(blocks):
-                stride = 2 if b == 0 and index > 0 else 1
+                stride = 2 if b == 0 and index > 0 and dil == 1 else 1
                 layers[f"block{b + 1}"] = IdentityResidualBlock(channels, widths, make, stride,
-                                                                groups=groups)
+                                                                dil, groups=groups)
                 channels = widths[-1]
             module = nn.Sequential(layers)
             self.add_module(f"mod{index + 2}", module)
