@@ -103,3 +103,20 @@ def test_dilated_resnext_keeps_output_stride_8_and_the_weights():
     convs = {name: m.dilation for name, m in dilated.named_modules() if name.endswith("conv2")}
     assert convs["mod4.block1.convs.conv2"] == (2, 2) and convs["mod5.block1.convs.conv2"] == (4, 4)
     assert convs["mod3.block1.convs.conv2"] == (1, 1)
+
+
+def test_wider_resnet_width_scales_every_layer():
+    full = create("wider_resnet16_a2", num_classes=None, norm_act="bn", dilation=True)
+    small = create("wider_resnet16_a2", num_classes=None, norm_act="bn", dilation=True,
+                   width=1 / 16)
+    assert full.out_channels == 4096 and small.out_channels == 256
+    convs = [(m.in_channels, m.out_channels) for m in full.modules()
+             if isinstance(m, torch.nn.Conv2d)]
+    small_convs = [(m.in_channels, m.out_channels) for m in small.modules()
+                   if isinstance(m, torch.nn.Conv2d)]
+    assert small_convs[0] == (3, 4)
+    assert [(i // 16, o // 16) for i, o in convs[1:]] == small_convs[1:]
+    x = torch.randn(2, 3, 32, 24)
+    assert torch.nn.Sequential(*small.body())(x).shape == (2, 256, 4, 3)
+    with pytest.raises(ValueError, match="width=0"):
+        create("wider_resnet16_a2", width=0)

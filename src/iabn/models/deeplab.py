@@ -85,13 +85,17 @@ class SegmentationNet(nn.Module):
 def deeplabv3_wider_resnet38(num_classes: int = 65, norm_act: str | NormAct = "iabn",
                              activation: str = "leaky_relu", activation_param: float = 0.01,
                              pooling_size: tuple[int, int] | None = (84, 84),
-                             depth: int = 38) -> SegmentationNet:
-    """The Vistas model: WideResNet-38-A2 trunk dilated to output stride 8 + DeepLabV3 head.
-    (``depth`` 16/20 gives the same layout with a smaller trunk, for tests.)"""
+                             depth: int = 38, width: float = 1.0,
+                             head_channels: int = 256) -> SegmentationNet:
+    """The Vistas model: WideResNet-38-A2 trunk dilated to output stride 8 + DeepLabV3 head
+    with ``head_channels`` per branch (256 in the paper). ``depth`` 16/20 and ``width`` < 1
+    give the same layout with a smaller trunk (tests, CPU training on the embedded data)."""
     from .preact import WiderResNet
 
     kwargs = {"norm_act": norm_act, "activation": activation,
               "activation_param": activation_param}
-    body = WiderResNet(num_classes=None, a2=True, dilation=True, depth=depth, **kwargs)
-    head = DeepLabV3Head(4096, 256, 256, pooling_size=pooling_size, **kwargs)
-    return SegmentationNet(body, head, 256, num_classes)
+    body = WiderResNet(num_classes=None, a2=True, dilation=True, depth=depth, width=width,
+                       **kwargs)
+    head = DeepLabV3Head(body.out_channels, head_channels, head_channels,
+                         pooling_size=pooling_size, **kwargs)
+    return SegmentationNet(body, head, head_channels, num_classes)

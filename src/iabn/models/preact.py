@@ -84,6 +84,7 @@ class _PreActNet(nn.Module):
         return features if self.classifier is None else self.classifier(features)
 
     def _finish(self, channels: int, num_classes: int | None, make: NormAct) -> None:
+        self.out_channels = channels
         self.bn_out = make(channels)
         self.classifier = None
         if num_classes:
@@ -137,21 +138,35 @@ class WiderResNet(_PreActNet):
     """WideResNet-16/20/38 of the paper (``depth``; ``a2=False``: max-pool before mod2..mod6,
     output stride 32) or the A2 variant (``a2=True``: pools before mod2/mod3 only, strided
     blocks instead, dropout 0.3/0.5 in mod6/mod7; ``dilation=True`` keeps output stride 8 for
-    segmentation). ``num_classes=None`` gives the trunk only (4096 channels after ``bn_out``)."""
+    segmentation). ``num_classes=None`` gives the trunk only (4096 channels after ``bn_out``).
+
+    ``width`` scales every layer's channel count (default 1.0, the paper's network; e.g. 1/16
+    gives a trunk small enough to train on a CPU in minutes); :attr:`out_channels` is the
+    trunk's output width."""
 
     def __init__(self, num_classes: int | None = 1000, a2: bool = False, dilation: bool = False,
                  norm_act: str | NormAct = "iabn", activation: str = "leaky_relu",
-                 activation_param: float = 0.01, depth: int = 38) -> None:
+                 activation_param: float = 0.01, depth: int = 38, width: float = 1.0) -> None:
         super().__init__()
         if depth not in WRN_STRUCTURES:
             raise ValueError(f"depth={depth}: use one of {sorted(WRN_STRUCTURES)}")
+        if not 0 < width <= 1 or 64 * width < 1:
+            raise ValueError(f"width={width}: must be in (0, 1] and keep at least one channel "
+                             f"in the stem (width >= 1/64)")
+
+        def scaled(channels: int) -> int:
+            return max(1, round(channels * width))
+
         if dilation and not a2:
             raise ValueError("dilation=True is defined for the A2 variant: pass a2=True")
         make = norm_act_factory(norm_act, activation, activation_param)
-        self.mod1 = nn.Sequential(OrderedDict([("conv1", nn.Conv2d(3, 64, 3, 1, 1, bias=False))]))
+        stem = scaled(64)
+        self.mod1 = nn.Sequential(OrderedDict([("conv1", nn.Conv2d(3, stem, 3, 1, 1,
+                                                                   bias=False))]))
         body: list[nn.Module] = [self.mod1]
-        channels = 64
+        channels = stem
         for mod_id, blocks in enumerate(WRN_STRUCTURES[depth]):
+            widths = tuple(scaled(c) for c in WRN_CHANNELS[mod_id])
             if mod_id < (2 if a2 else 5):
                 pool = nn.MaxPool2d(3, 2, 1)
                 self.add_module(f"pool{mod_id + 2}", pool)
@@ -167,8 +182,8 @@ class WiderResNet(_PreActNet):
                         stride = 2 if b == 0 and 2 <= mod_id <= 4 else 1
                     dropout = {4: 0.3, 5: 0.5}.get(mod_id)
                 layers[f"block{b + 1}"] = IdentityResidualBlock(
-                    channels, WRN_CHANNELS[mod_id], make, stride, dil, dropout=dropout)
-                channels = WRN_CHANNELS[mod_id][-1]
+                    channels, widths, make, stride, dil, dropout=dropout)
+                channels = widths[-1]
             module = nn.Sequential(layers)
             self.add_module(f"mod{mod_id + 2}", module)
             body += list(module)
