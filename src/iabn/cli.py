@@ -169,7 +169,8 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
     test.add_argument("config", help="JSON config file the model is built from")
     test.add_argument("checkpoint", help="snapshot or state_dict file (.pth)")
     test.add_argument("data_root", nargs="?", default=None,
-                      help="folder with val/CLASS/* images (default: as iabn train)")
+                      help="folder with val/CLASS/* images and train/CLASS folders (their "
+                      "names give the labels) (default: as iabn train)")
     test.add_argument("--crop", type=_positive_int, default=None,
                       help="crop side (default: the config's input.crop_val)")
     test.add_argument("--scale", type=_positive_int, default=None,

@@ -8,13 +8,14 @@ With ``data.root`` set (the ``DATA_ROOT`` argument) the images are an ImageFolde
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from torch.utils.data import Dataset
 
 from ..data.digits import NUM_CLASSES, load_digits_uint8, split_indices
-from ..data.imagefolder import pil_image, train_val_folders
+from ..data.imagefolder import ImageFolder, find_classes, pil_image, train_val_folders
 from ..data.transforms import EvalTransform, TrainTransform
 
 
@@ -39,29 +40,37 @@ class DigitsImages(Dataset):
 
 @dataclass
 class ImageSources:
-    """Untransformed ``(image, label)`` datasets and what they hold."""
+    """Untransformed ``(image, label)`` datasets and what they hold (``train`` is None when
+    only the validation images were asked for)."""
 
-    train: Dataset
+    train: Dataset | None
     val: Dataset
     num_classes: int
     description: str
 
 
-def image_sources(data: dict[str, Any]) -> ImageSources:
-    """The images of a ``data`` config section (see module doc)."""
+def image_sources(data: dict[str, Any], with_train: bool = True) -> ImageSources:
+    """The images of a ``data`` config section (see module doc). Without ``with_train`` an
+    ImageFolder's ``train`` files are not listed: its class folder names suffice."""
     if data["root"] is None:
         images, labels = load_digits_uint8()
         train_idx, val_idx = split_indices(labels, data["digits_val_fraction"],
                                            data["digits_split_seed"])
         size = data["digits_size"]
+        train = DigitsImages(images[train_idx], labels[train_idx], size) if with_train else None
         return ImageSources(
-            DigitsImages(images[train_idx], labels[train_idx], size),
-            DigitsImages(images[val_idx], labels[val_idx], size), NUM_CLASSES,
+            train, DigitsImages(images[val_idx], labels[val_idx], size), NUM_CLASSES,
             f"embedded digits at {size}x{size}: {len(train_idx)} train / {len(val_idx)} val "
             f"images, {NUM_CLASSES} classes")
-    train, val = train_val_folders(data["root"])
+    root = Path(data["root"])
+    if not with_train:
+        classes = find_classes(root / "train")
+        val = ImageFolder(root / "val", classes=classes)
+        return ImageSources(None, val, len(classes),
+                            f"{root}: {len(val)} val images, {len(classes)} classes")
+    train, val = train_val_folders(root)
     return ImageSources(train, val, len(train.classes),
-                        f"{data['root']}: {len(train)} train / {len(val)} val images, "
+                        f"{root}: {len(train)} train / {len(val)} val images, "
                         f"{len(train.classes)} classes")
 
 

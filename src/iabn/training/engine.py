@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..data.samplers import ExactShardSampler, ShuffledShardSampler
-from .config import Config, ConfigError
+from .config import Config, ConfigError, check_engine_config
 from .logs import RunLog, peak_memory_mib
 from .loops import autocast, evaluate, memory_format, to_device
 from .optim import build_optimizer
@@ -349,7 +349,10 @@ class _Run:
 
 def train(task: Task, config: Config, options: TrainOptions) -> int:
     """Train ``task`` as ``config`` says; returns :data:`EXIT_FINISHED` or
-    :data:`EXIT_STOPPED`. Under ``torchrun`` every rank calls it."""
+    :data:`EXIT_STOPPED`. Under ``torchrun`` every rank calls it. Bad input raises
+    (ConfigError, SnapshotError, the task's data errors) before anything is written."""
+    check_engine_config(config)
+    task.check_config(config, "config")
     ranks = start(options.device)
     finished = False
     try:

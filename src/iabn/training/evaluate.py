@@ -127,7 +127,7 @@ def run_test(config: Config, options: TestOptions) -> dict[str, Any]:
 
 
 def _run_test(config: Config, options: TestOptions, ranks: Ranks) -> dict[str, Any]:
-    sources = image_sources(config["data"])
+    sources = image_sources(config["data"], with_train=False)
     transform = eval_transform(config["input"], options.scale, options.crop, options.ten_crops)
     model = build_classifier(config, sources.num_classes, ranks.distributed)
     report, trained_config = load_weights(model, options.checkpoint, options.original,
