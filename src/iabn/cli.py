@@ -82,7 +82,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
-    from .segment import FUSIONS, OUTPUTS, VISTAS_MEAN, VISTAS_STD, parse_floats
+    from .segment import FUSIONS, OUTPUTS, parse_floats
 
     seg = subparsers.add_parser(
         "segment", help="semantic segmentation of a folder of images (DeepLabV3)",
@@ -107,10 +107,11 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
     seg.add_argument("--overlay", action="store_true",
                      help="also write the image and the coloured prediction side by side")
     seg.add_argument("--overwrite", action="store_true", help="redo existing outputs")
-    seg.add_argument("--mean", type=parse_floats, default=list(VISTAS_MEAN),
-                     help="input normalisation mean, RGB in [0, 1] (default: Vistas model's)")
-    seg.add_argument("--std", type=parse_floats, default=list(VISTAS_STD),
-                     help="input normalisation std (default: Vistas model's)")
+    seg.add_argument("--mean", type=parse_floats, default=None,
+                     help="input normalisation mean, RGB in [0, 1] (default: a train-seg "
+                          "snapshot's own, else the Vistas model's)")
+    seg.add_argument("--std", type=parse_floats, default=None,
+                     help="input normalisation std (default: as --mean)")
     seg.add_argument("--depth", type=int, choices=(16, 20, 38), default=38,
                      help="WideResNet trunk depth of the snapshot (default: 38)")
     seg.add_argument("--device", default="cpu", help="torch device (default: cpu)")

@@ -10,8 +10,10 @@ interrupted run resumes. Unreadable images are reported and skipped; the exit st
 any image failed.
 
 Snapshots: the original package's Vistas file (``{"state_dict": {"body", "head", "cls"}}``,
-loaded with :func:`iabn.models.load_original`) or an iabn file holding a
-:class:`~iabn.models.SegmentationNet` ``state_dict`` (keys ``body.*``, ``head.*``, ``cls.*``).
+loaded with :func:`iabn.models.load_original`), an iabn file holding a
+:class:`~iabn.models.SegmentationNet` ``state_dict`` (keys ``body.*``, ``head.*``, ``cls.*``),
+or an ``iabn train-seg`` snapshot (its network and input normalisation are rebuilt from the
+config stored in it).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def load_segmentation_model(snapshot: str | Path, depth: int = 38,
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise ValueError(f"cannot read snapshot {path}: {error}") from error
+    if isinstance(data, dict) and data.get("task") == "segmentation" and "config" in data:
+        return _train_seg_model(data, path).to(device).eval()
     state = data.get("state_dict", data) if isinstance(data, dict) else None
     if not isinstance(state, dict):
         raise ValueError(f"snapshot {path} holds no state_dict")
@@ -94,6 +98,36 @@ def load_segmentation_model(snapshot: str | Path, depth: int = 38,
             raise ValueError(f"snapshot {path} does not fit the model: missing "
                              f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
     return model.to(device).eval()
+
+
+def _train_seg_model(data: dict[str, Any], path: Path) -> torch.nn.Module:
+    """The network of an ``iabn train-seg`` snapshot, rebuilt from the config stored in it."""
+    from .training.segmentation import build_segmenter
+
+    state = data["model"]
+    if "cls.weight" not in state:
+        raise ValueError(f"snapshot {path}: an iabn train-seg file without 'cls.weight'")
+    model = build_segmenter(data["config"], state["cls.weight"].shape[0], distributed=False)
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(f"snapshot {path} does not fit its own config: missing "
+                         f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}")
+    return model
+
+
+def snapshot_normalisation(snapshot: str | Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The input mean and std a snapshot expects: an ``iabn train-seg`` snapshot's training
+    normalisation, else the released Vistas model's."""
+    try:
+        data = torch.load(Path(snapshot), map_location="cpu", weights_only=True)
+    except Exception:
+        return VISTAS_MEAN, VISTAS_STD  # load_segmentation_model reports unreadable files
+    if isinstance(data, dict) and data.get("task") == "segmentation" and "config" in data:
+        from .training.segmentation import SegmentationTask
+
+        mean, std = SegmentationTask().normalisation(data["config"])
+        return tuple(mean), tuple(std)
+    return VISTAS_MEAN, VISTAS_STD
 
 
 def find_images(root: Path, recursive: bool) -> list[Path]:
@@ -230,7 +264,7 @@ def run(args: Any) -> int:
     options = SegmentOptions(
         long_side=args.long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
         output=args.output, overlay=args.overlay, overwrite=args.overwrite,
-        recursive=args.recursive, mean=tuple(args.mean), std=tuple(args.std),
+        recursive=args.recursive, **_normalisation(args),
     )
     in_dir, out_dir = Path(args.in_dir), Path(args.out_dir)
     if not in_dir.is_dir():
@@ -249,6 +283,13 @@ def run(args: Any) -> int:
     for path, reason in summary.failed:
         print(f"  failed: {path}: {reason}")
     return 1 if summary.failed else 0
+
+
+def _normalisation(args: Any) -> dict[str, tuple[float, ...]]:
+    """``--mean``/``--std`` where given, else what the snapshot was trained with."""
+    mean, std = snapshot_normalisation(args.snapshot)
+    return {"mean": tuple(args.mean) if args.mean is not None else mean,
+            "std": tuple(args.std) if args.std is not None else std}
 
 
 def parse_floats(text: str) -> list[float]:

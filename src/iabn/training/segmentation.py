@@ -82,6 +82,10 @@ SCHEMA: Schema = {
         "canvas_val": Option(300, "embedded data: validation canvases", int, minimum=1),
         "canvas_seed": Option(0, "embedded data: seed of the canvases and digit split", int,
                               minimum=0),
+        "canvas_digit_scale": Option([3.0, 5.0], "embedded data: digits are upscaled from "
+                                     "8x8 by a random factor in this range", list, length=2),
+        "canvas_max_digits": Option(4, "embedded data: at most this many digits per canvas",
+                                    int, minimum=1),
     },
     "loss": {
         "top_fraction": Option(0.25, "bootstrapped cross-entropy: share of each crop's valid "
@@ -164,7 +168,8 @@ class SegmentationTask:
             raise ConfigError(f"{source}: data.batch_size must be at least 2: the DeepLabV3 "
                               f"image-pooling branch normalises one value per image")
 
-    def _normalisation(self, config: Config) -> tuple[Any, Any]:
+    def normalisation(self, config: Config) -> tuple[Any, Any]:
+        """The input mean and std: the config's, else the data's defaults."""
         section = config["input"]
         embedded = config["data"]["root"] is None
         mean = section["mean"] or (CANVAS_MEAN if embedded else IMAGENET_MEAN)
@@ -173,7 +178,7 @@ class SegmentationTask:
 
     def datasets(self, config: Config) -> DataSplits:
         section, data = config["input"], config["data"]
-        mean, std = self._normalisation(config)
+        mean, std = self.normalisation(config)
         train_transform = TrainTransform(
             section["crop_train"], mean, std, tuple(section["scale_range_train"]),
             0.5 if section["flip_train"] else 0.0, section["class_uniform_train"],
@@ -181,7 +186,9 @@ class SegmentationTask:
         val_transform = EvalTransform(mean, std, section["long_side_val"])
         if data["root"] is None:
             common = {"size": data["canvas_size"], "seed": data["canvas_seed"],
-                      "split_seed": data["canvas_seed"]}
+                      "split_seed": data["canvas_seed"],
+                      "digit_scale": tuple(data["canvas_digit_scale"]),
+                      "max_digits": data["canvas_max_digits"]}
             train = DigitsCanvas("train", data["canvas_train"], transform=train_transform,
                                  **common)
             val = DigitsCanvas("val", data["canvas_val"], transform=val_transform, **common)
