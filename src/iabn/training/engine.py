@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader
 
 from ..data.samplers import ExactShardSampler, ShuffledShardSampler
 from .config import Config, ConfigError, check_engine_config
-from .logs import RunLog, peak_memory_mib
+from .logs import RunLog, peak_memory_mib, summary_writer_class
 from .loops import autocast, evaluate, memory_format, to_device
 from .optim import build_optimizer
 from .progress import ProgressLine, bar
@@ -109,6 +109,8 @@ class _Run:
     def __init__(self, task: Task, config: Config, options: TrainOptions, ranks: Ranks) -> None:
         self.task, self.config, self.options, self.ranks = task, config, options, ranks
         data, network = config["data"], config["network"]
+        if config["logging"]["tensorboard"] and ranks.is_main:
+            summary_writer_class()  # a missing package fails now, not after the first write
         snapshot = self._snapshot_to_resume()
         seed_everything(data["seed"])
         self.splits = task.datasets(config)
