@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 
 from iabn.data.digits import load_digits_uint8, split_indices
+from iabn.data.imagefolder import DataLayoutError
 from iabn.data.segmentation import (
     CANVAS_CLASSES,
     IGNORE_INDEX,
@@ -140,7 +141,7 @@ def test_folder_transform_gets_the_sample_and_its_generator(tmp_path):
 
 
 def test_folder_layout_errors_name_the_folder_and_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="train/images is not a folder"):
+    with pytest.raises(DataLayoutError, match="train/images is not a folder"):
         SegmentationFolder(tmp_path)
     _write_sample(tmp_path / "train", "a")
     _write_sample(tmp_path / "train", "b")

@@ -119,25 +119,41 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
     seg.set_defaults(handler=_segment)
 
 
-def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
+_TRAIN_COMMANDS = {
+    "train": dict(
+        help="train an image classifier (ImageFolder data, or the embedded digits)",
+        task="classification (see iabn.training.classification)",
+        data="folder with train/CLASS/* and val/CLASS/* images",
+        embedded="scikit-learn's handwritten digits", example="configs/digits.json"),
+    "train-seg": dict(
+        help="train DeepLabV3 semantic segmentation (image + label folders, or the embedded "
+             "digits canvases)",
+        task="segmentation (see iabn.training.segmentation)",
+        data="folder with train/ and val/, each images/NAME.png|jpg + labels/NAME.png",
+        embedded="real handwritten digits pasted on canvases", example="configs/digits_seg.json"),
+}
+
+
+def _add_train_parser(subparsers: argparse._SubParsersAction, command: str) -> None:
     from .training.commands import RESUME_LAST
 
+    text = _TRAIN_COMMANDS[command]
     train = subparsers.add_parser(
-        "train", help="train an image classifier (ImageFolder data, or the embedded digits)",
-        description="Train the model CONFIG describes (JSON; every key has a documented "
-        "default, see iabn.training.config and .classification) on DATA_ROOT/train and "
-        "validate on DATA_ROOT/val after every epoch. Without DATA_ROOT: scikit-learn's "
-        "handwritten digits. Run under torchrun for several processes (the batch is split "
-        "over the ranks). Writes LOG_DIR/last.pth every epoch, best.pth, logs/rank*.log and "
-        "TensorBoard scalars.",
+        command, help=text["help"],
+        description=f"Train the model CONFIG describes (JSON; every key has a documented "
+        f"default, see iabn.training.config and the task: {text['task']}) on "
+        f"DATA_ROOT/train and validate on DATA_ROOT/val after every epoch. Without "
+        f"DATA_ROOT: {text['embedded']}. Run under torchrun for several processes (the batch "
+        f"is split over the ranks). Writes LOG_DIR/last.pth every epoch, best.pth, "
+        f"logs/rank*.log and TensorBoard scalars.",
         epilog="Exit status: 0 finished, 2 bad arguments, config, data or snapshot (nothing "
         "written), 3 stopped by SIGINT/SIGTERM with LOG_DIR/last.pth written (--resume "
         "continues it).",
     )
-    train.add_argument("config", help="JSON config file (e.g. configs/digits.json)")
+    train.add_argument("config", help=f"JSON config file (e.g. {text['example']})")
     train.add_argument("data_root", nargs="?", default=None,
-                       help="folder with train/CLASS/* and val/CLASS/* images "
-                       "(default: the config's data.root, else the embedded digits)")
+                       help=f"{text['data']} (default: the config's data.root, else the "
+                       f"embedded data)")
     train.add_argument("--log-dir", type=Path, default=None,
                        help="folder for snapshots and logs (default: runs/<config name>)")
     train.add_argument("--resume", nargs="?", const=RESUME_LAST, default=None,
@@ -154,7 +170,7 @@ def _add_train_parser(subparsers: argparse._SubParsersAction) -> None:
     # global step, to check that --resume continues exactly.
     train.add_argument("--stop-after-steps", type=_positive_int, default=None,
                        help=argparse.SUPPRESS)
-    train.set_defaults(handler=_train)
+    train.set_defaults(handler=_train, command=command)
 
 
 def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -226,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_bench_parser(subparsers)
     _add_segment_parser(subparsers)
-    _add_train_parser(subparsers)
+    _add_train_parser(subparsers, "train")
+    _add_train_parser(subparsers, "train-seg")
     _add_test_parser(subparsers)
     return parser
 

@@ -26,6 +26,7 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from .digits import IMAGE_SIZE, load_digits_uint8, split_indices
+from .imagefolder import DataLayoutError
 
 IGNORE_INDEX = 255
 #: DigitsCanvas classes: label 0 is the background, label ``d + 1`` the ink of digit ``d``.
@@ -196,25 +197,25 @@ class SegmentationFolder(Dataset):
             problems.append(f"{len(missing_images)} label(s) in {label_dir} have no image "
                             f"in {image_dir}: {_some(missing_images)}")
         if problems:
-            raise ValueError("; ".join(problems) + " (images and labels pair by file stem)")
+            raise DataLayoutError("; ".join(problems) + " (images and labels pair by file stem)")
         self.samples = [(images[stem], labels[stem]) for stem in sorted(images)]
         self.transform, self.ignore_index, self.num_classes = transform, ignore_index, num_classes
 
     @staticmethod
     def _files(folder: Path, suffixes: tuple[str, ...]) -> dict[str, Path]:
         if not folder.is_dir():
-            raise FileNotFoundError(f"{folder} is not a folder: expected the layout ROOT/SPLIT/"
+            raise DataLayoutError(f"{folder} is not a folder: expected the layout ROOT/SPLIT/"
                                     f"images/NAME.png|jpg and ROOT/SPLIT/labels/NAME.png")
         found: dict[str, Path] = {}
         for path in sorted(folder.iterdir()):
             if path.suffix.lower() not in suffixes:
                 continue
             if path.stem in found:
-                raise ValueError(f"{found[path.stem].name} and {path.name} in {folder} have "
+                raise DataLayoutError(f"{found[path.stem].name} and {path.name} in {folder} have "
                                  f"the same stem: keep one file per name")
             found[path.stem] = path
         if not found:
-            raise ValueError(f"{folder} has no {'/'.join(suffixes)} files")
+            raise DataLayoutError(f"{folder} has no {'/'.join(suffixes)} files")
         return found
 
     def __len__(self) -> int:

@@ -1,4 +1,5 @@
-"""``iabn train`` and ``iabn test``: arguments from :mod:`iabn.cli` to the engine.
+"""``iabn train``, ``iabn train-seg`` and ``iabn test``: arguments from :mod:`iabn.cli` to the
+engine (one training command per task, the same engine and options).
 
 Exit status: 0 done, 2 bad arguments/config/data/snapshot (reported before anything is
 written), 3 training stopped early with a snapshot (``--resume`` continues it).
@@ -24,22 +25,28 @@ from .config import (
 )
 from .engine import TrainOptions, train
 from .evaluate import TestOptions, run_test, write_json
+from .segmentation import SegmentationTask
 from .snapshot import LAST, SnapshotError
+from .task import Task
 
 TASK = ClassificationTask()
+SEGMENTATION_TASK = SegmentationTask()
 SCHEMA = combine(ENGINE_SCHEMA, TASK.schema)
+#: The task each training command runs.
+COMMAND_TASKS = {"train": TASK, "train-seg": SEGMENTATION_TASK}
 #: What ``--resume`` without a value means.
 RESUME_LAST = f"LOG_DIR/{LAST}"
 USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, ImportError)
 
 
-def load_run_config(path: str | Path, data_root: str | None, overrides: list[str]) -> Config:
+def load_run_config(path: str | Path, data_root: str | None, overrides: list[str],
+                    task: Task = TASK) -> Config:
     """The checked configuration: defaults, the file, ``--set`` overrides, then DATA_ROOT."""
-    config = load_config(path, SCHEMA, overrides)
+    config = load_config(path, combine(ENGINE_SCHEMA, task.schema), overrides)
     if data_root is not None:
         config["data"]["root"] = str(data_root)
     check_engine_config(config, str(path))
-    TASK.check_config(config, str(path))
+    task.check_config(config, str(path))
     return config
 
 
@@ -49,9 +56,12 @@ def default_log_dir(config_path: str | Path) -> Path:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """``iabn train CONFIG [DATA_ROOT]`` (see :func:`iabn.cli.build_parser`)."""
+    """``iabn train`` / ``iabn train-seg CONFIG [DATA_ROOT]`` (see
+    :func:`iabn.cli.build_parser`); ``args.command`` picks the task."""
+    command = getattr(args, "command", "train")
+    task = COMMAND_TASKS[command]
     try:
-        config = load_run_config(args.config, args.data_root, args.set)
+        config = load_run_config(args.config, args.data_root, args.set, task)
         if args.print_config:
             print(json.dumps(config, indent=2))
             return 0
@@ -61,9 +71,9 @@ def train_command(args: argparse.Namespace) -> int:
             resume = log_dir / LAST if args.resume == RESUME_LAST else Path(args.resume)
         options = TrainOptions(log_dir=log_dir, resume=resume, device=args.device,
                                stop_after_steps=args.stop_after_steps)
-        return train(TASK, config, options)
+        return train(task, config, options)
     except USER_ERRORS as error:
-        print(f"iabn train: error: {error}", file=sys.stderr)
+        print(f"iabn {command}: error: {error}", file=sys.stderr)
         return 2
 
 
@@ -90,5 +100,5 @@ def test_command(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["RESUME_LAST", "SCHEMA", "TASK", "default_log_dir", "load_run_config",
-           "test_command", "train_command"]
+__all__ = ["COMMAND_TASKS", "RESUME_LAST", "SCHEMA", "SEGMENTATION_TASK", "TASK",
+           "default_log_dir", "load_run_config", "test_command", "train_command"]
