@@ -156,3 +156,18 @@ def test_segment_runs_a_train_seg_snapshot(seg_run, tmp_path):
         with Image.open(tmp_path / "out" / f"c{index}.png") as result:
             assert result.size == (48, 48)
             assert np.asarray(result).max() < 11
+
+
+@pytest.mark.parametrize("name", ["digits_seg", "segmentation_wrn38_cityscapes",
+                                  "segmentation_resnext101_cityscapes"])
+def test_shipped_segmentation_configs_load_and_check(name):
+    from pathlib import Path
+
+    from iabn.training.commands import SEGMENTATION_TASK, load_run_config
+
+    path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.json"
+    config = load_run_config(path, None, [], SEGMENTATION_TASK)
+    if name.startswith("segmentation"):  # the paper's §4.2 settings
+        assert config["optimizer"]["lr"] == 0.0025 and config["schedule"]["power"] == 0.9
+        assert config["loss"]["top_fraction"] == 0.25
+        assert config["input"]["scale_range_train"] == [0.7, 2.0]
