@@ -4,12 +4,14 @@ For each ResNeXt-101 stage shape (C = 256/512/1024/2048 at 56/28/14/7 pixels, he
 1x1 conv C -> C/2 as in the bottleneck's reduction), every strategy of :class:`iabn.BNActConv`
 runs the same weights on the same data: forward + backward time (median of interleaved
 repeats) and the exact activation bytes it keeps for backward. The paper used batch 32 and 200
-iterations on a GPU; on CPU the default is batch 4 and a few repeats (`--batch`, `--repeats`),
-so CPU times show the relative cost of the extra work, not GPU behaviour.
+iterations on a GPU (``--device cuda``: batch 32, 5 repeats x 40 steps by default, timed until
+the device finished); on CPU the default is batch 4 and a few repeats (`--batch`,
+`--repeats`), so CPU times show the relative cost of the extra work, not GPU behaviour.
 
 Usage::
 
-    python benchmarks/block_strategies.py [--batch 4] [--repeats 7] [--threads 2] [--json PATH]
+    python benchmarks/block_strategies.py [--device cuda] [--batch N] [--repeats N]
+        [--iters N] [--threads 2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -39,19 +41,21 @@ DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "block_strategies.j
 
 def bench_shape(batch: int, channels: int, size: int, args: argparse.Namespace) -> dict:
     torch.manual_seed(0)
+    device = torch.device(args.device)
     blocks = {s: BNActConv(channels, channels // 2, 1, strategy=s) for s in STRATEGIES}
     state = blocks[BASELINE].state_dict()
     for block in blocks.values():
         block.load_state_dict(state)
-    leaf = torch.randn(batch, channels, size, size, requires_grad=True)
-    grad = torch.randn(batch, channels // 2, size, size)
+        block.to(device)
+    leaf = torch.randn(batch, channels, size, size, device=device, requires_grad=True)
+    grad = torch.randn(batch, channels // 2, size, size, device=device)
     saved = {s: saved_tensor_bytes(b, leaf.clone()) for s, b in blocks.items()}
 
     label = f"{channels}x{size}x{size}"
     callback = None if args.quiet else progress_printer(f"[blocks {label}] ", args.repeats)
     steps = {s: training_step(b, leaf, grad) for s, b in blocks.items()}
     samples = time_interleaved(steps, args.repeats, iters=args.iters, warmup=2,
-                               on_repeat=callback)
+                               on_repeat=callback, device=device)
     medians = {s: median(v) for s, v in samples.items()}
     return {"shape": [batch, channels, size, size], "saved_bytes": saved,
             "activation_bytes": leaf.nbytes, "median_ms": medians,
@@ -60,7 +64,8 @@ def bench_shape(batch: int, channels: int, size: int, args: argparse.Namespace) 
 
 
 def format_table(rows: list[dict], args: argparse.Namespace) -> str:
-    lines = [f"BN -> LeakyReLU(0.01) -> conv1x1 block, fwd+bwd, CPU float32, batch {args.batch}, "
+    lines = [f"BN -> LeakyReLU(0.01) -> conv1x1 block, fwd+bwd, {args.device} float32, "
+             f"batch {args.batch}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of "
              f"{args.repeats} interleaved repeats x {args.iters} steps",
              "saved = activation memory kept for backward in units of the block input; "
@@ -79,13 +84,21 @@ def format_table(rows: list[dict], args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--batch", type=int, default=None, help="default: 32 cuda, 4 cpu")
+    parser.add_argument("--repeats", type=int, default=None, help="default: 5 cuda, 7 cpu")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="steps per repeat (default: 40 cuda, 3 cpu)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    for name, on_gpu, on_cpu in (("batch", 32, 4), ("repeats", 5, 7), ("iters", 40, 3)):
+        if getattr(args, name) is None:
+            setattr(args, name, on_gpu if cuda else on_cpu)
     set_threads(args.threads)
     rows = [bench_shape(args.batch, c, s, args) for c, s in SHAPES]
     print(format_table(rows, args))

@@ -77,14 +77,22 @@ def set_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def _time_call(step: Step, iters: int) -> float:
-    """Mean milliseconds of ``iters`` calls of ``step``."""
+def _synchronize(device: torch.device | None) -> None:
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_call(step: Step, iters: int, device: torch.device | None = None) -> float:
+    """Mean milliseconds of ``iters`` calls of ``step`` (on a CUDA ``device``, until its
+    queued work has finished)."""
     # Collect garbage before, not during, the timed loop: a collection triggered inside it
     # would be charged to whichever provider happened to be running.
     gc.collect()
+    _synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
         step()
+    _synchronize(device)
     return (time.perf_counter() - start) * 1e3 / iters
 
 
@@ -94,6 +102,7 @@ def time_interleaved(
     iters: int = 1,
     warmup: int = 1,
     on_repeat: RepeatCallback | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, list[float]]:
     """Time each step round-robin; return ``{name: [ms per call, one value per repeat]}``.
 
@@ -101,6 +110,7 @@ def time_interleaved(
     Each repeat then times ``iters`` consecutive calls of every step. The starting step rotates
     from one repeat to the next so that no provider always runs first (or right after the
     same neighbour). ``on_repeat(index, {name: ms})`` is called after each repeat (progress).
+    With a CUDA ``device`` each timing waits for the device to finish the steps' work.
     """
     names = list(steps)
     for name in names:
@@ -111,7 +121,7 @@ def time_interleaved(
         shift = index % len(names)
         this_repeat = {}
         for name in names[shift:] + names[:shift]:
-            this_repeat[name] = _time_call(steps[name], iters)
+            this_repeat[name] = _time_call(steps[name], iters, device)
             samples[name].append(this_repeat[name])
         if on_repeat is not None:
             on_repeat(index, {name: this_repeat[name] for name in names})
