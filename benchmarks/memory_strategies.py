@@ -70,6 +70,16 @@ def run_checkpointed(blocks, head, segments: int, x: torch.Tensor,
     return head(x)
 
 
+def offload_layers(model: nn.Module, strategy: str):
+    """The ``layers`` argument of ``OffloadModel`` for ``offload_all`` / ``offload_half`` (the
+    first half of the conv and pool layers, in the model's order)."""
+    if strategy == "offload_all":
+        return DEFAULT_LAYERS
+    names = [n for n, m in model.named_modules() if isinstance(m, DEFAULT_LAYERS)]
+    first_half = set(names[: len(names) // 2])
+    return lambda name, module: name in first_half
+
+
 def kept_bytes(model: nn.Module, strategy: str, x: torch.Tensor) -> int:
     if strategy == "eager":
         return sum(s.nbytes for s in saved_storages(model, x.clone()))
@@ -82,12 +92,7 @@ def kept_bytes(model: nn.Module, strategy: str, x: torch.Tensor) -> int:
         budget = float(strategy.split("_")[1])
         return compiled_saved_bytes(model, x.clone(), activation_memory_budget=budget)
     if strategy.startswith("offload"):
-        layers = DEFAULT_LAYERS
-        if strategy == "offload_half":
-            names = [n for n, m in model.named_modules() if isinstance(m, DEFAULT_LAYERS)]
-            first_half = set(names[: len(names) // 2])
-            layers = lambda name, module: name in first_half  # noqa: E731
-        wrapped = iabn.OffloadModel(model, layers=layers, min_bytes=0)
+        wrapped = iabn.OffloadModel(model, layers=offload_layers(model, strategy), min_bytes=0)
         wrapped(x.clone())
         return wrapped.stats.kept_bytes
     # Non-reentrant checkpointing keeps each segment's input itself (not through saved-tensor

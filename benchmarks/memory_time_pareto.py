@@ -33,8 +33,8 @@ from torch import nn
 
 from iabn.bench import machine_info, write_json
 from iabn.models import create
-from iabn.offloading import DEFAULT_LAYERS, OffloadModel
-from memory_strategies import MODELS, body_and_head, run_checkpointed
+from iabn.offloading import OffloadModel
+from memory_strategies import MODELS, body_and_head, offload_layers, run_checkpointed
 
 STRATEGIES = ("eager", "offload_all", "offload_half", "checkpoint_2", "checkpoint_4",
               "checkpoint_8", "save_on_cpu", "compile_1.0", "compile_0.5")
@@ -46,12 +46,7 @@ def forward_for(model: nn.Module, strategy: str) -> Callable[[torch.Tensor], tor
     if strategy == "eager":
         return model
     if strategy.startswith("offload"):
-        layers = DEFAULT_LAYERS
-        if strategy == "offload_half":
-            names = [n for n, m in model.named_modules() if isinstance(m, layers)]
-            first_half = set(names[: len(names) // 2])
-            layers = lambda name, module: name in first_half  # noqa: E731
-        return OffloadModel(model, layers=layers)
+        return OffloadModel(model, layers=offload_layers(model, strategy))
     if strategy.startswith("checkpoint"):
         blocks, head = body_and_head(model)
         segments = int(strategy.split("_")[1])

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..activation import ALL_ACTIVATIONS, check_activation
+from ..activation import ALL_ACTIVATIONS
 from ..data.transforms import TransformedDataset
 from ..models import MODELS, NORM_ACT_NAMES, create
 from .classification_data import eval_transform, image_sources, train_transform
 from .config import Config, ConfigError, Option, Schema
+from .networks import check_norm_act, norm_act_kwargs
 from .ranks import Ranks
 from .task import DataSplits
 
@@ -115,13 +116,7 @@ class ClassificationTask:
 
     def check_config(self, config: Config, source: str = "config") -> None:
         network, section = config["network"], config["input"]
-        if network["norm_act"] != "bn":
-            try:
-                check_activation(network["activation"], network["activation_param"],
-                                 in_place=network["norm_act"] in ("iabn", "iabn_sync"))
-            except ValueError as error:
-                raise ConfigError(f"{source}: network.activation with network.norm_act="
-                                  f"{network['norm_act']!r}: {error}") from None
+        check_norm_act(network, source)
         if section["scale_train"] is not None and section["scale_train"] < section["crop_train"]:
             raise ConfigError(f"{source}: input.scale_train={section['scale_train']} is smaller "
                               f"than input.crop_train={section['crop_train']}")
@@ -162,15 +157,10 @@ class ClassificationTask:
 
 
 def build_classifier(config: Config, num_classes: int, distributed: bool) -> nn.Module:
-    """The ``network`` section's model. ``iabn_sync`` in a single process builds ``iabn``: the
-    same computation and ``state_dict``, without the layer's no-process-group warning."""
+    """The ``network`` section's model (``iabn_sync`` alone: see :func:`.norm_act_kwargs`)."""
     network: dict[str, Any] = config["network"]
-    norm_act = network["norm_act"]
-    if norm_act == "iabn_sync" and not distributed:
-        norm_act = "iabn"
-    return create(network["arch"], num_classes=num_classes, norm_act=norm_act,
-                  activation=network["activation"],
-                  activation_param=network["activation_param"])
+    return create(network["arch"], num_classes=num_classes,
+                  **norm_act_kwargs(network, distributed))
 
 
 __all__ = ["SCHEMA", "ClassificationTask", "TopKMeter", "build_classifier", "log_probabilities"]

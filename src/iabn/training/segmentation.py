@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..activation import ALL_ACTIVATIONS, check_activation
+from ..activation import ALL_ACTIVATIONS
 from ..data.segmentation import (
     CANVAS_CLASSES,
     CANVAS_MEAN,
@@ -31,6 +31,7 @@ from ..metrics import ConfusionMatrix
 from ..models import NORM_ACT_NAMES, DeepLabV3Head, SegmentationNet, deeplabv3_wider_resnet38
 from ..models.preact import ResNeXt
 from .config import Config, ConfigError, Option, Schema
+from .networks import check_norm_act, norm_act_kwargs
 from .ranks import Ranks
 from .task import DataSplits
 
@@ -138,13 +139,7 @@ class SegmentationTask:
 
     def check_config(self, config: Config, source: str = "config") -> None:
         network, section = config["network"], config["input"]
-        if network["norm_act"] != "bn":
-            try:
-                check_activation(network["activation"], network["activation_param"],
-                                 in_place=network["norm_act"] in ("iabn", "iabn_sync"))
-            except ValueError as error:
-                raise ConfigError(f"{source}: network.activation with network.norm_act="
-                                  f"{network['norm_act']!r}: {error}") from None
+        check_norm_act(network, source)
         if BODIES[network["body"]][0] != "wider_resnet" and network["width"] != 1.0:
             raise ConfigError(f"{source}: network.width applies to WideResNet trunks only; "
                               f"set it to 1.0 for network.body={network['body']!r}")
@@ -231,14 +226,10 @@ class SegmentationTask:
 
 
 def build_segmenter(config: Config, num_classes: int, distributed: bool) -> SegmentationNet:
-    """DeepLabV3 on the ``network`` section's trunk. ``iabn_sync`` in a single process builds
-    ``iabn`` (same computation and ``state_dict``)."""
+    """DeepLabV3 on the ``network`` section's trunk (``iabn_sync`` alone: see
+    :func:`.norm_act_kwargs`)."""
     network = config["network"]
-    norm_act = network["norm_act"]
-    if norm_act == "iabn_sync" and not distributed:
-        norm_act = "iabn"
-    kwargs = {"norm_act": norm_act, "activation": network["activation"],
-              "activation_param": network["activation_param"]}
+    kwargs = norm_act_kwargs(network, distributed)
     pooling = tuple(network["pooling_size"]) if network["pooling_size"] else None
     family, depth = BODIES[network["body"]]
     if family == "wider_resnet":
