@@ -24,6 +24,7 @@ from statistics import median
 import torch
 
 from iabn.bench import (
+    RESNEXT101_STAGES,
     machine_info,
     progress_printer,
     set_threads,
@@ -34,7 +35,7 @@ from iabn.bench import (
 from iabn.blocks import STRATEGIES, BNActConv
 from iabn.memory import saved_tensor_bytes
 
-SHAPES = ((256, 56), (512, 28), (1024, 14), (2048, 7))
+SHAPES = RESNEXT101_STAGES
 BASELINE = "standard"
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "block_strategies.json"
 

@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 import iabn
 from iabn.bench import (
+    RESNEXT101_STAGES,
     machine_info,
     progress_printer,
     set_threads,
@@ -61,8 +62,7 @@ from iabn.bench import (
     write_json,
 )
 
-#: ``(channels, height = width)`` of ResNeXt-101's four stages.
-SHAPES = ((256, 56), (512, 28), (1024, 14), (2048, 7))
+SHAPES = RESNEXT101_STAGES
 PROVIDERS = ("standard", "iabn_II", "iabn_I", "abn")
 BASELINE = "standard"
 HEADLINE = "iabn_II"

@@ -45,10 +45,9 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.bench import machine_info, write_json
+from iabn.bench import RESNEXT101_STAGES, machine_info, write_json
 
-PAPER_SHAPES = [(32, 256, 56, 56), (32, 512, 28, 28), (32, 1024, 14, 14), (32, 2048, 7, 7),
-                (8, 256, 128, 128)]
+PAPER_SHAPES = [*((32, c, s, s) for c, s in RESNEXT101_STAGES), (8, 256, 128, 128)]
 QUICK_SHAPES = [(4, 8, 6, 6), (2, 16, 3, 5)]
 PROVIDERS = ("eager", "compile", "reference", "triton")
 MODES = ("forward", "backward", "full")

@@ -24,14 +24,7 @@ def _schedule(**values) -> dict:
 
 
 def _ours(section: dict, steps_per_epoch: int, count: int) -> list[float]:
-    optimizer = _optimizer()
-    scheduler = build_scheduler(optimizer, section, steps_per_epoch)
-    lrs = []
-    for _ in range(count):
-        lrs.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    return lrs
+    return _torch(lambda optimizer: build_scheduler(optimizer, section, steps_per_epoch), count)
 
 
 def _torch(make, count: int) -> list[float]:

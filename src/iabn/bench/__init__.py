@@ -25,6 +25,9 @@ import torch
 from .. import __version__
 
 Step = Callable[[], object]
+
+#: ``(channels, height = width)`` of ResNeXt-101's four stages: the paper's timing shapes.
+RESNEXT101_STAGES = ((256, 56), (512, 28), (1024, 14), (2048, 7))
 RepeatCallback = Callable[[int, dict[str, float]], None]
 
 
@@ -139,7 +142,6 @@ def progress_printer(prefix: str, repeats: int) -> RepeatCallback:
 
 
 __all__ = [
-    "machine_info", "progress_printer", "set_threads", "time_interleaved", "train_step",
-    "training_step",
-    "write_json",
+    "RESNEXT101_STAGES", "machine_info", "progress_printer", "set_threads", "time_interleaved",
+    "train_step", "training_step", "write_json",
 ]

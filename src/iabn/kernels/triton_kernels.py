@@ -249,6 +249,16 @@ def normalize_act_kernel(
 
 
 @triton.jit
+def _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT: tl.constexpr, param, tiny,
+               ACC: tl.constexpr):
+    """``(dy, dy * (y - beta))`` of one tile, zero where masked."""
+    z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    y, dy = _recover(z, dz, ACT, param, tiny)
+    return dy, tl.where(mask, dy * (y - beta), 0.0)
+
+
+@triton.jit
 def grad_sums_ncs_kernel(
     z_ptr, dz_ptr, bias_ptr, parts_ptr, N, C, S, tiles_per_program, param, tiny,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
@@ -271,11 +281,9 @@ def grad_sums_ncs_kernel(
         s = (t % s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
         mask = (n < N)[:, None] & (s < S)[None, :]
         offsets = (n.to(tl.int64) * C + c)[:, None] * S + s[None, :]
-        z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        y, dy = _recover(z, dz, ACT, param, tiny)
+        dy, dy_centred = _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT, param, tiny, ACC)
         sum_dy += dy
-        sum_dy_y += tl.where(mask, dy * (y - beta), 0.0)
+        sum_dy_y += dy_centred
     plane = programs * C
     out = parts_ptr + p * C + c + tl.arange(0, 1)
     tl.store(out, tl.sum(tl.sum(sum_dy, axis=1), axis=0))
@@ -305,11 +313,9 @@ def grad_sums_mc_kernel(
         r = first + tl.arange(0, BLOCK_R)
         mask = (r < stop)[:, None] & c_mask[None, :]
         offsets = r.to(tl.int64)[:, None] * C + c[None, :]
-        z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
-        y, dy = _recover(z, dz, ACT, param, tiny)
+        dy, dy_centred = _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT, param, tiny, ACC)
         sum_dy += dy
-        sum_dy_y += tl.where(mask, dy * (y - beta), 0.0)
+        sum_dy_y += dy_centred
     plane = programs * C
     out = parts_ptr + p * C + c
     tl.store(out, tl.sum(sum_dy, axis=0), mask=c_mask)
