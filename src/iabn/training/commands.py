@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+import torch
+
 from ..data.imagefolder import DataLayoutError
 from .classification import ClassificationTask
 from .config import (
@@ -60,6 +62,12 @@ def train_command(args: argparse.Namespace) -> int:
     :func:`iabn.cli.build_parser`); ``args.command`` picks the task."""
     command = getattr(args, "command", "train")
     task = COMMAND_TASKS[command]
+    # A process-wide CPU setting, so the command (whose process this is) sets it, not the
+    # engine a library user may call. Late in training, gradients underflow into denormal
+    # floats, which x86 CPUs compute about 10x slower: one digits-segmentation step took 2.4 s
+    # against 0.27 s flushed (project CPU VM). The validation metrics of that run's first five
+    # epochs were the same to 4 significant digits with and without flushing.
+    torch.set_flush_denormal(True)
     try:
         config = load_run_config(args.config, args.data_root, args.set, task)
         if args.print_config:
