@@ -18,8 +18,14 @@ import torch
 from PIL import Image
 
 from iabn.data.segmentation import DigitsCanvas
-from iabn.segment import PALETTE, SegmentOptions, load_segmentation_model, predict
-from iabn.segment import snapshot_normalisation as normalisation
+from iabn.segment import (
+    PALETTE,
+    SegmentOptions,
+    load_segmentation_model,
+    predict,
+    read_snapshot,
+    snapshot_normalisation,
+)
 
 
 def coloured(labels: np.ndarray) -> Image.Image:
@@ -35,13 +41,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=4)
     parser.add_argument("--scale", type=int, default=3, help="pixel magnification")
     args = parser.parse_args(argv)
-    data = torch.load(args.snapshot, map_location="cpu", weights_only=True)["config"]["data"]
+    snapshot = read_snapshot(args.snapshot)
+    data = snapshot["config"]["data"]
     canvases = DigitsCanvas("val", data["canvas_val"], size=data["canvas_size"],
                             digit_scale=tuple(data["canvas_digit_scale"]),
                             max_digits=data["canvas_max_digits"], seed=data["canvas_seed"],
                             split_seed=data["canvas_seed"])
-    model = load_segmentation_model(args.snapshot)
-    mean, std = normalisation(args.snapshot)
+    model = load_segmentation_model(args.snapshot, data=snapshot)
+    mean, std = snapshot_normalisation(snapshot)
     rows = []
     with torch.no_grad():
         for index in range(args.count):

@@ -69,15 +69,29 @@ class Summary:
     failed: list[tuple[Path, str]] = field(default_factory=list)
 
 
-def load_segmentation_model(snapshot: str | Path, depth: int = 38,
-                            device: str | torch.device = "cpu") -> torch.nn.Module:
-    """Build the DeepLabV3 + WideResNet-A2 network a snapshot was saved from and load it."""
+def read_snapshot(snapshot: str | Path) -> Any:
+    """The snapshot file's contents (tensors on CPU); ValueError naming an unreadable file."""
     path = Path(snapshot)
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         raise ValueError(f"cannot read snapshot {path}: {error}") from error
-    if isinstance(data, dict) and data.get("task") == "segmentation" and "config" in data:
+
+
+def _is_train_seg(data: Any) -> bool:
+    return isinstance(data, dict) and data.get("task") == "segmentation" and "config" in data
+
+
+def load_segmentation_model(snapshot: str | Path, depth: int = 38,
+                            device: str | torch.device = "cpu",
+                            data: Any = None) -> torch.nn.Module:
+    """Build the DeepLabV3 + WideResNet-A2 network a snapshot was saved from and load it.
+    ``data``: the file's contents when already read (:func:`read_snapshot`); ``snapshot``
+    then only names it in messages."""
+    path = Path(snapshot)
+    if data is None:
+        data = read_snapshot(path)
+    if _is_train_seg(data):
         return _train_seg_model(data, path).to(device).eval()
     state = data.get("state_dict", data) if isinstance(data, dict) else None
     if not isinstance(state, dict):
@@ -115,14 +129,10 @@ def _train_seg_model(data: dict[str, Any], path: Path) -> torch.nn.Module:
     return model
 
 
-def snapshot_normalisation(snapshot: str | Path) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The input mean and std a snapshot expects: an ``iabn train-seg`` snapshot's training
-    normalisation, else the released Vistas model's."""
-    try:
-        data = torch.load(Path(snapshot), map_location="cpu", weights_only=True)
-    except Exception:
-        return VISTAS_MEAN, VISTAS_STD  # load_segmentation_model reports unreadable files
-    if isinstance(data, dict) and data.get("task") == "segmentation" and "config" in data:
+def snapshot_normalisation(data: Any) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The input mean and std a snapshot (its contents, :func:`read_snapshot`) expects: an
+    ``iabn train-seg`` snapshot's training normalisation, else the released Vistas model's."""
+    if _is_train_seg(data):
         from .training.segmentation import SegmentationTask
 
         mean, std = SegmentationTask().normalisation(data["config"])
@@ -261,20 +271,21 @@ def _grey_image(Image: Any, values: Tensor) -> Any:
 def run(args: Any) -> int:
     """The ``iabn segment`` command (arguments from :mod:`iabn.cli`)."""
     start = time.perf_counter()
-    options = SegmentOptions(
-        long_side=args.long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
-        output=args.output, overlay=args.overlay, overwrite=args.overwrite,
-        recursive=args.recursive, **_normalisation(args),
-    )
     in_dir, out_dir = Path(args.in_dir), Path(args.out_dir)
     if not in_dir.is_dir():
         print(f"iabn segment: error: IN_DIR {in_dir} is not a folder", file=sys.stderr)
         return 2
     try:
-        model = load_segmentation_model(args.snapshot, args.depth, args.device)
+        data = read_snapshot(args.snapshot)  # read once: a Vistas file is ~0.5 GB
+        model = load_segmentation_model(args.snapshot, args.depth, args.device, data)
     except (ValueError, KeyError) as error:
         print(f"iabn segment: error: {error}", file=sys.stderr)
         return 2
+    options = SegmentOptions(
+        long_side=args.long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
+        output=args.output, overlay=args.overlay, overwrite=args.overwrite,
+        recursive=args.recursive, **_normalisation(args, data),
+    )
     summary = segment_folder(model, in_dir, out_dir, options, args.device,
                              progress=not args.quiet)
     print(f"iabn segment: {summary.processed} segmented, {summary.skipped} already done "
@@ -285,9 +296,9 @@ def run(args: Any) -> int:
     return 1 if summary.failed else 0
 
 
-def _normalisation(args: Any) -> dict[str, tuple[float, ...]]:
+def _normalisation(args: Any, data: Any) -> dict[str, tuple[float, ...]]:
     """``--mean``/``--std`` where given, else what the snapshot was trained with."""
-    mean, std = snapshot_normalisation(args.snapshot)
+    mean, std = snapshot_normalisation(data)
     return {"mean": tuple(args.mean) if args.mean is not None else mean,
             "std": tuple(args.std) if args.std is not None else std}
 
@@ -296,4 +307,5 @@ def parse_floats(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
 
-__all__ = ["SegmentOptions", "load_segmentation_model", "predict", "run", "segment_folder"]
+__all__ = ["SegmentOptions", "load_segmentation_model", "predict", "read_snapshot", "run",
+           "segment_folder", "snapshot_normalisation"]
