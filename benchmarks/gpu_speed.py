@@ -87,12 +87,17 @@ def copy_bandwidth(device: torch.device, repeats: int) -> float:
     return 2 * nbytes / (median(times) * 1e-3) / 1e9
 
 
+def layer_parameters(channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (non-trivial) weight and bias every provider and the float64 reference share."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.rand(channels, generator=generator) + 0.5, torch.randn(channels,
+                                                                         generator=generator)
+
+
 def make_layer(provider: str, channels: int, device: torch.device,
                fmt: torch.memory_format) -> Callable[[torch.Tensor], torch.Tensor]:
     """The provider's layer with the same (non-trivial) parameters and statistics."""
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.rand(channels, generator=generator) + 0.5
-    bias = torch.randn(channels, generator=generator)
+    weight, bias = layer_parameters(channels)
     if provider in ("eager", "compile"):
         bn = nn.BatchNorm2d(channels)
         model: nn.Module = nn.Sequential(bn, nn.LeakyReLU(SLOPE, inplace=True))
@@ -119,10 +124,10 @@ def max_relative_errors(layer: Callable, leaf: torch.Tensor, grad: torch.Tensor,
                         channels: int) -> tuple[float, float]:
     """Relative error (max |diff| / max |ref|) of output and input gradient against float64."""
     ref_bn = nn.BatchNorm2d(channels).double().to(leaf.device)
-    generator = torch.Generator().manual_seed(0)
+    weight, bias = layer_parameters(channels)
     with torch.no_grad():
-        ref_bn.weight.copy_(torch.rand(channels, generator=generator) + 0.5)
-        ref_bn.bias.copy_(torch.randn(channels, generator=generator))
+        ref_bn.weight.copy_(weight)
+        ref_bn.bias.copy_(bias)
     x64 = leaf.detach().double().requires_grad_()
     out64 = nn.functional.leaky_relu(ref_bn(x64), SLOPE)
     out64.backward(grad.double())

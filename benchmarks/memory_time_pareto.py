@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from statistics import median
@@ -91,8 +92,6 @@ def measure(forward: Callable, model: nn.Module, x: torch.Tensor, target: torch.
             times.append(start.elapsed_time(end))
             peaks.append((torch.cuda.max_memory_allocated() - before) / 2**20)
         else:
-            import time
-
             begin = time.perf_counter()
             step()
             times.append((time.perf_counter() - begin) * 1e3)
