@@ -113,3 +113,44 @@ def test_compiled_graphs_call_the_registered_operators():
     forward_graph, backward_graph = graphs
     assert forward_graph.count("iabn.inplace_abn_forward_") == 2
     assert backward_graph.count("iabn.inplace_abn_backward") == 2
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_inductor_compiles_layers_on_1x1_feature_maps(training, backend):
+    """A regression test: at 1x1 spatial size Inductor gives a convolution's output strides
+    that differ from the traced tensor's only in size-1 dimensions. Under the default
+    fixed-stride-order constraint Inductor copied the mutated input to the traced strides and
+    its scheduler then failed (``KeyError: 'op5'``, torch 2.13) -- every ResNet-18 with a 32x32
+    input reaches 1x1 maps. The forward operator is tagged ``flexible_layout`` (its kernels take
+    any strides), which this test checks through a compiled run against eager. Inductor's
+    caches are off: their keys do not include the operator's tags, so code compiled after the
+    fix made this test pass with the fix reverted (seen)."""
+    from iabn.models.norm_act import norm_act_factory
+    from iabn.models.resnet import BasicBlock
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    make = norm_act_factory("iabn", "leaky_relu", 0.01)
+    eager = nn.Sequential(
+        BasicBlock(8, 8, 1, make, "leaky_relu", 0.01), nn.Flatten(), nn.Linear(8, 4)
+    ).train(training)
+    compiled = copy.deepcopy(eager)
+    batches = [(torch.randn(6, 8, 1, 1), torch.randint(0, 4, (6,))) for _ in range(2)]
+    with torch._inductor.config.patch(force_disable_caches=True):
+        losses_eager, losses_compiled = _eager_and_compiled(eager, compiled, batches, training)
+    torch.testing.assert_close(losses_compiled, losses_eager, atol=1e-5, rtol=1e-5)
+    for (name, a), b in zip(eager.state_dict().items(), compiled.state_dict().values(),
+                            strict=True):
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def _eager_and_compiled(eager, compiled, batches, training):
+    """Losses of training steps (or outputs in eval mode) of both models on the batches."""
+    if training:
+        losses_eager = _train(eager, eager, batches)
+        losses_compiled = _train(compiled, torch.compile(compiled, fullgraph=True), batches)
+    else:
+        with torch.no_grad():
+            losses_eager = torch.stack([eager(x) for x, _ in batches])
+            losses_compiled = torch.stack([torch.compile(compiled)(x) for x, _ in batches])
+    return losses_eager, losses_compiled

@@ -5,7 +5,11 @@ Two operators, so that ``torch.compile`` sees them as opaque nodes with known ef
 ``iabn::inplace_abn_forward_``
     overwrites ``x`` (and, in training, the running statistics) and returns the per-channel
     ``(invstd, scale)`` backward needs; declared with ``mutates_args`` so the compiler orders
-    it correctly.
+    it correctly, and tagged ``flexible_layout``: the kernels take ``x`` in any strides (a
+    layout they cannot read directly goes through a dense copy that is written back), so
+    Inductor need not copy ``x`` to the traced strides. Under the default constraint it did so
+    for 1x1 feature maps, whose strides differ only in size-1 dimensions, and its scheduler
+    then failed on that copy of a mutated buffer (torch 2.13; any ResNet-18 on 32x32 inputs).
 ``iabn::inplace_abn_backward``
     pure: ``(z, dz, ...) -> (dx, dgamma, dbeta)``.
 
@@ -50,7 +54,8 @@ class LayerConfig(NamedTuple):
 
 
 @torch.library.custom_op(
-    "iabn::inplace_abn_forward_", mutates_args=("x", "running_mean", "running_var")
+    "iabn::inplace_abn_forward_", mutates_args=("x", "running_mean", "running_var"),
+    tags=(torch.Tag.flexible_layout,),
 )
 def inplace_abn_forward_(
     x: Tensor,
