@@ -182,6 +182,39 @@ def test_every_kernel_compiles_for_a_hopper_gpu(hopper_builds):
         assert build["cubin_bytes"] > 0, build
 
 
+FAR_OFFSETS_SCRIPT = Path(__file__).with_name("far_offsets.py")
+
+
+def _far_offsets(mode):
+    """Run tests/far_offsets.py in its own process (a wrong address crashes it)."""
+    done = subprocess.run([sys.executable, str(FAR_OFFSETS_SCRIPT), mode], capture_output=True,
+                          text=True, timeout=300)
+    result = json.loads(done.stdout) if done.returncode == 0 else None
+    if result is not None and "skip" in result:
+        pytest.skip(result["skip"])
+    return done, result
+
+
+def test_kernels_address_elements_past_2_31():
+    """Every kernel that walks full-size tensors, launched on tiles past element 2**31 of a
+    tensor with more than 2**31 elements (only the touched pages get memory), under the
+    interpreter, whose 32-bit integers wrap as a GPU's do. Written values are float16
+    (relative rounding <= 2**-11: bound 2**-10); partial sums stay float32 (bound 1e-6)."""
+    done, errors = _far_offsets("kernels")
+    assert done.returncode == 0, (done.returncode, done.stdout[-500:], done.stderr[-3000:])
+    for case, error in errors.items():
+        bound = 2.0**-10 if case in ("normalize_act", "input_grad") else 1e-6
+        assert error <= bound, (case, error)
+    assert len(errors) == 6
+
+
+def test_far_offsets_negative_control_fails():
+    """The same launch with 32-bit row offsets must crash or write the wrong elements: shows
+    that the test above can fail (the interpreter does wrap 32-bit products)."""
+    done, result = _far_offsets("control")
+    assert done.returncode != 0 or result["control"] > 0.1, (done.returncode, result)
+
+
 # --- on a GPU ------------------------------------------------------------------------------
 
 
