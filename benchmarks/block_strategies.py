@@ -91,12 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None,
                         help="steps per repeat (default: 40 cuda, 3 cpu)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="default: results/block_strategies.json on cpu, "
+                             "results/block_strategies_cuda.json on cuda (CPU figures stay)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
     if cuda and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
+    if args.json is None:
+        args.json = DEFAULT_JSON.with_name("block_strategies_cuda.json") if cuda else DEFAULT_JSON
     for name, on_gpu, on_cpu in (("batch", 32, 4), ("repeats", 5, 7), ("iters", 40, 3)):
         if getattr(args, name) is None:
             setattr(args, name, on_gpu if cuda else on_cpu)
