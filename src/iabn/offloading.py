@@ -354,6 +354,14 @@ class OffloadModel(nn.Module):
         predicate: Predicate | None = None, min_bytes: int = 64 * 1024,
         compress: torch.dtype | None = None, prefetch: int = 1, pin_memory: bool | None = None,
     ) -> None:
+        if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+            # Its layers' hooks would be ignored by code compiled before they were added
+            # (torch does not guard on module hooks): nothing would be offloaded, silently.
+            raise TypeError(
+                "OffloadModel(model): model is torch.compile'd; wrap the eager model (layers "
+                "inside it may be compiled), or call the compiled model inside iabn.offload(), "
+                "which offloads what the compiled graph saves"
+            )
         super().__init__()
         self.model = model
         # This forward's conv/pool inputs: storage key -> weak reference to the input. A key
@@ -375,6 +383,9 @@ class OffloadModel(nn.Module):
         # dead wrapper (and its host pool) alive through a reference cycle.
         wrapper = weakref.ref(self)
 
+        # Outside the compiler: in a compiled layer the hook runs eagerly (a graph break
+        # per marked layer) and sees the real input tensor.
+        @torch._dynamo.disable
         def mark(module: nn.Module, args: tuple[Any, ...]) -> None:
             alive = wrapper()
             if alive is not None:
@@ -409,7 +420,8 @@ class OffloadModel(nn.Module):
         self._hook_handles = []
 
     def __del__(self) -> None:
-        self.remove_hooks()
+        if "_hook_handles" in self.__dict__:  # not when __init__ refused its arguments
+            self.remove_hooks()
 
 
 __all__ = ["DEFAULT_LAYERS", "OffloadModel", "OffloadStats", "Offloader", "offload"]
