@@ -183,3 +183,21 @@ def test_compiled_layer_on_a_graph_input_has_eager_gradients(compiler, backend):
                     torch.compile(with_break, backend=compiler)):
             for got, want in zip(gradients(run), expected, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_dynamic_shapes_and_export():
+    """``torch.compile(dynamic=True)`` trains over changing batch and image sizes as eager
+    does, and ``torch.export`` of an eval-mode model reproduces its outputs."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = _model(lambda c: iabn.InPlaceABN(c))
+    compiled = copy.deepcopy(eager)
+    forward = torch.compile(compiled, dynamic=True)
+    for batch, size in ((6, 8), (5, 10), (7, 6)):
+        x, y = torch.randn(batch, 3, size, size), torch.randint(0, 4, (batch,))
+        torch.testing.assert_close(_train(compiled, forward, [(x, y)]),
+                                   _train(eager, eager, [(x, y)]), atol=1e-5, rtol=1e-5)
+    eager.eval()
+    x = torch.randn(2, 3, 8, 8)
+    exported = torch.export.export(eager, (x.clone(),))
+    torch.testing.assert_close(exported.module()(x.clone()), eager(x.clone()))
