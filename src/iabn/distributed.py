@@ -27,7 +27,7 @@ from .kernels import reference
 from .kernels import sync_reference as sync
 from .kernels.dispatch import sync_backend_for
 from .modules import ABN, InPlaceABN
-from .ops import LayerConfig, refuse_double_backward
+from .ops import LayerConfig, overwritable, refuse_double_backward
 from .scale import SIGNED
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3, torch.float64: 4}
@@ -184,7 +184,7 @@ def inplace_abn_sync(
         )
     config = LayerConfig(True, momentum, eps, activation, activation_param, gamma_mode, 2)
     return InPlaceABNSyncFunction.apply(
-        input, weight, bias, running_mean, running_var, config, synced_group
+        overwritable(input), weight, bias, running_mean, running_var, config, synced_group
     )
 
 
@@ -237,7 +237,7 @@ class InPlaceABNSync(InPlaceABN):
         config = LayerConfig(True, momentum, self.eps, self.activation, self.activation_param,
                              self.gamma_mode, 2)
         out = InPlaceABNSyncFunction.apply(
-            input, self.weight, self.bias, running_mean, running_var, config, group
+            overwritable(input), self.weight, self.bias, running_mean, running_var, config, group
         )
         if tracking:  # counted only once the step succeeded on every rank
             self.num_batches_tracked.add_(1)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import activation as act
 from .checks import check_inputs, check_options
-from .ops import InPlaceABNFunction, LayerConfig, forward_
+from .ops import InPlaceABNFunction, LayerConfig, forward_, overwritable
 from .scale import straight_through_scale
 
 
@@ -103,14 +103,9 @@ def _inplace_abn_unchecked(
     if not needs_grad:
         forward_(input, weight, bias, running_mean, running_var, config)
         return input
-    if torch.compiler.is_compiling():
-        # torch 2.13's compiler loses ctx.mark_dirty when the overwritten tensor is an input
-        # of the compiled graph (a graph break before the layer, a compiled block that starts
-        # with its norm): backward then passed dz through as dx (pytorch/pytorch#184113;
-        # tests/test_compile.py). On a copy the overwritten tensor is an intermediate of the
-        # graph, which compiles correctly. Still only the output is saved for backward.
-        input = input.clone()
-    return InPlaceABNFunction.apply(input, weight, bias, running_mean, running_var, config)
+    return InPlaceABNFunction.apply(
+        overwritable(input), weight, bias, running_mean, running_var, config
+    )
 
 
 def _abn_unchecked(

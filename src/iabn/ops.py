@@ -137,6 +137,20 @@ def forward_(
     )
 
 
+def overwritable(x: Tensor) -> Tensor:
+    """The tensor to hand to an autograd function that overwrites its input and calls
+    ``ctx.mark_dirty``: ``x`` itself in eager mode, a copy under ``torch.compile``.
+
+    torch 2.13's compiler loses ``ctx.mark_dirty`` when the overwritten tensor is an input of
+    the compiled graph (a graph break before the layer, a compiled block that starts with its
+    norm): backward then passed ``dz`` through as ``dx`` (pytorch/pytorch#184113;
+    tests/test_compile.py). On a copy the overwritten tensor is an intermediate of the graph,
+    which compiles correctly, and Inductor drops the copy where ``x`` already is one. Only the
+    output is saved for backward either way.
+    """
+    return x.clone() if torch.compiler.is_compiling() else x
+
+
 def refuse_double_backward(layer: str) -> None:
     """Raise under ``create_graph=True``, the only case in which backward runs with grad mode
     on. (A check instead of ``@once_differentiable``: its wrapper adds ~2.5 µs per layer and
