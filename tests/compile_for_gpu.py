@@ -22,11 +22,13 @@ FLOAT_ARGS = {"momentum", "eps", "param", "tiny", "count"}
 F32 = tl.float32
 
 CASES = [  # (kernel, pointer types other than *fp32, constexprs)
-    (k.moments_ncs_kernel, {"x_ptr": "*bf16"}, {"BLOCK_N": 2, "BLOCK_S": 1024, "ACC": F32}),
-    (k.moments_mc_kernel, {"x_ptr": "*fp16"}, {"BLOCK_R": 32, "BLOCK_C": 64, "ACC": F32}),
+    (k.moments_ncs_kernel, {"x_ptr": "*bf16", "parts_ptr": "*fp64"},
+     {"BLOCK_N": 2, "BLOCK_S": 1024, "ACC": F32}),
+    (k.moments_mc_kernel, {"x_ptr": "*fp16", "parts_ptr": "*fp64"},
+     {"BLOCK_R": 32, "BLOCK_C": 64, "ACC": F32}),
     (k.moments_ncs_kernel, {"x_ptr": "*fp64", "parts_ptr": "*fp64"},
      {"BLOCK_N": 32, "BLOCK_S": 64, "ACC": tl.float64}),
-    (k.finalize_forward_kernel, {"x_ptr": "*bf16"},
+    (k.finalize_forward_kernel, {"parts_ptr": "*fp64"},
      {"TRAINING": True, "HAS_WEIGHT": True, "HAS_BIAS": True, "UPDATE_RUNNING": True,
       "GAMMA_ABS": False, "BLOCK_C": 128, "ACC": F32}),
     (k.finalize_forward_kernel, {"invstd_ptr": "*bf16", "scale_ptr": "*bf16"},

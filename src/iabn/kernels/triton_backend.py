@@ -183,7 +183,7 @@ def forward_(
     if training:
         config = _reduction_config(layout, device)
         programs = config.programs
-        parts = torch.empty(3, programs, channels, dtype=adtype, device=device)
+        parts = torch.empty(3, programs, channels, dtype=torch.float64, device=device)
         if layout.channel_on_rows:
             k.moments_ncs_kernel[config.grid](
                 work, parts, layout.n, channels, layout.s, config.per_program,
@@ -197,7 +197,7 @@ def forward_(
     update_running = training and running_mean is not None
     dummy = invstd
     k.finalize_forward_kernel[(triton.cdiv(channels, _FINALIZE_BLOCK),)](
-        parts, programs, work, layout.s if layout.channel_on_rows else 1,
+        parts, programs,
         weight if weight is not None else dummy, bias if bias is not None else dummy,
         running_mean if running_mean is not None else dummy,
         running_var if running_var is not None else dummy,

@@ -7,13 +7,22 @@ A layer's tensor is seen as a dense matrix of ``R`` rows by ``K`` columns, row s
 ``MC`` (channels-last, and ``(N, C)``)
     ``R = N * S`` rows of ``K = C`` channels; the channel of column ``k`` is ``k``.
 
-Per-channel reductions write one partial result per (program, channel) into float32 (float64
-for float64 inputs) buffers; a ``finalize`` kernel merges the partials in a fixed order. So the
-result does not depend on scheduling (deterministic, no atomics, no locks). Mean and variance
-are merged with Chan's formula from per-tile (count, mean, M2), never from sum and sum of
-squares, which cancel catastrophically when ``|mean| >> std``; and every value is first shifted
-by a pivot, its channel's first value, so that the tile sums add numbers of the spread's size
-rather than the mean's (without it, float32 tile means of values near 1000 are off by 1e-4).
+Per-channel reductions write one partial result per (program, channel); a ``finalize`` kernel
+merges the partials in a fixed order. So the result does not depend on scheduling
+(deterministic, no atomics, no locks).
+
+The forward statistics are accurate to far below one unit in the last place of the data's
+spread, because the mean decides on which side of the activation's kink each value lands:
+an error of ``d`` standard deviations in the mean moves about ``0.4 * d`` of all values across
+it, and those get the other slope in backward. (With float32 tile means merged in float32 the
+mean was off by ~1e-7 std, and one value in ~10M of a 100k-per-channel layer took the wrong
+slope; PyTorch's kernels, which accumulate in float64 on CPU, none.) So each tile is summarised
+by the corrected two-pass formula in the elements' dtype -- its mean, then the sum ``r`` of the
+deviations from that mean, which is the mean's rounding error times the count and is summed
+accurately because the deviations are small -- and the tile summaries ``(count, mean + r/n,
+M2 - r^2/n)`` are merged with Chan's formula in float64. Per element this costs one more sum;
+float64 arithmetic runs once per tile and channel, not per element. Mean and variance never
+come from a sum and a sum of squares, which cancel catastrophically when ``|mean| >> std``.
 
 Row offsets are computed in 64 bits, so tensors of more than 2**31 elements are addressed
 correctly. Elementwise math runs in the accumulation dtype (float32 for half inputs).
@@ -39,17 +48,32 @@ def _activate(y, ACT: tl.constexpr, param):
 
 
 @triton.jit
+def _negative(z):
+    """Whether ``z``'s sign bit is set: ``-0.0`` counts as negative. A half-precision output
+    of a tiny negative ``y`` rounds to ``-0.0`` (leaky_relu's ``0.01 * y`` underflows for
+    ``|y| < 3e-6`` in float16); its sign still tells which branch produced it, where
+    ``z >= 0`` would take the positive one."""
+    if z.dtype == tl.float64:  # noqa: SIM108 (a compile-time branch of the kernel)
+        bits = z.to(tl.int64, bitcast=True)
+    else:
+        bits = z.to(tl.int32, bitcast=True)
+    return bits < 0
+
+
+@triton.jit
 def _recover(z, dz, ACT: tl.constexpr, param, tiny):
     """``(y, dy)``: the activation's input and gradient, from its output ``z`` and ``dz``."""
     if ACT == 1:
-        y = tl.where(z >= 0, z, z / param)
-        dy = tl.where(z >= 0, dz, dz * param)
+        negative = _negative(z)
+        y = tl.where(negative, z / param, z)
+        dy = tl.where(negative, dz * param, dz)
     elif ACT == 2:
         # log(1 + z/alpha), kept finite where exp underflowed in forward (z == -alpha); the
         # gradient there, dz * (z + alpha), is 0, so the clamp changes no gradient.
+        negative = _negative(z)
         ratio = tl.maximum(tl.minimum(z, 0.0) / param, -1.0 + tiny)
-        y = tl.where(z >= 0, z, tl.log(1.0 + ratio))
-        dy = tl.where(z >= 0, dz, dz * (z + param))
+        y = tl.where(negative, tl.log(1.0 + ratio), z)
+        dy = tl.where(negative, dz * (z + param), dz)
     else:
         y = z
         dy = dz
@@ -65,8 +89,33 @@ def _merge(count, mean, m2, tile_count, tile_mean, tile_m2):
     return total, mean + delta * share, m2 + tile_m2 + delta * delta * count * share
 
 
+@triton.jit
+def _tile_moments(x, mask, WHOLE: tl.constexpr):
+    """``(count, mean, M2)`` in float64 of the masked values of a 2-D tile: per column, or of
+    the whole tile when ``WHOLE``. Corrected two-pass (see the module docstring): the sums
+    run in ``x``'s dtype, the correction ``r`` lifts the mean past that dtype's precision."""
+    x = tl.where(mask, x, 0.0)
+    if WHOLE:
+        count = tl.sum(tl.sum(mask.to(x.dtype), axis=1), axis=0)
+        mean = tl.sum(tl.sum(x, axis=1), axis=0) / tl.maximum(count, 1.0)
+        centred = tl.where(mask, x - mean, 0.0)
+        residual = tl.sum(tl.sum(centred, axis=1), axis=0)
+        m2 = tl.sum(tl.sum(centred * centred, axis=1), axis=0)
+    else:
+        count = tl.sum(mask.to(x.dtype), axis=0)
+        mean = tl.sum(x, axis=0) / tl.maximum(count, 1.0)
+        centred = tl.where(mask, x - mean[None, :], 0.0)
+        residual = tl.sum(centred, axis=0)
+        m2 = tl.sum(centred * centred, axis=0)
+    n = count.to(tl.float64)
+    r = residual.to(tl.float64)
+    correction = r / tl.maximum(n, 1.0)
+    return n, mean.to(tl.float64) + correction, m2.to(tl.float64) - r * correction
+
+
 # ---------------------------------------------------------------------------------------------
-# Forward statistics: partial (count, mean, M2) per program and channel -> parts[3, P, C].
+# Forward statistics: partial (count, mean, M2) per program and channel -> parts[3, P, C],
+# float64.
 
 
 @triton.jit
@@ -80,10 +129,9 @@ def moments_ncs_kernel(
     programs = tl.num_programs(1)
     s_blocks = tl.cdiv(S, BLOCK_S)
     tiles = tl.cdiv(N, BLOCK_N) * s_blocks
-    pivot = tl.load(x_ptr + c.to(tl.int64) * S).to(ACC)
-    count = tl.zeros([1], ACC)
-    mean = tl.zeros([1], ACC)
-    m2 = tl.zeros([1], ACC)
+    count = tl.zeros([1], tl.float64)
+    mean = tl.zeros([1], tl.float64)
+    m2 = tl.zeros([1], tl.float64)
     start = p * tiles_per_program
     for t in range(start, tl.minimum(start + tiles_per_program, tiles)):
         n = (t // s_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,11 +139,7 @@ def moments_ncs_kernel(
         mask = (n < N)[:, None] & (s < S)[None, :]
         rows = n.to(tl.int64) * C + c
         x = tl.load(x_ptr + rows[:, None] * S + s[None, :], mask=mask, other=0.0).to(ACC)
-        x = tl.where(mask, x - pivot, 0.0)
-        tile_count = tl.sum(tl.sum(mask.to(ACC), axis=1), axis=0)
-        tile_mean = tl.sum(tl.sum(x, axis=1), axis=0) / tile_count
-        centred = tl.where(mask, x - tile_mean, 0.0)
-        tile_m2 = tl.sum(tl.sum(centred * centred, axis=1), axis=0)
+        tile_count, tile_mean, tile_m2 = _tile_moments(x, mask, True)
         count, mean, m2 = _merge(count, mean, m2, tile_count, tile_mean, tile_m2)
     plane = programs * C
     out = parts_ptr + p * C + c + tl.arange(0, 1)
@@ -115,22 +159,16 @@ def moments_mc_kernel(
     p = tl.program_id(1)
     programs = tl.num_programs(1)
     c_mask = c < C
-    pivot = tl.load(x_ptr + c, mask=c_mask, other=0.0).to(ACC)
-    count = tl.zeros([BLOCK_C], ACC)
-    mean = tl.zeros([BLOCK_C], ACC)
-    m2 = tl.zeros([BLOCK_C], ACC)
+    count = tl.zeros([BLOCK_C], tl.float64)
+    mean = tl.zeros([BLOCK_C], tl.float64)
+    m2 = tl.zeros([BLOCK_C], tl.float64)
     start = p * rows_per_program
     stop = tl.minimum(start + rows_per_program, R)
     for first in range(start, stop, BLOCK_R):
         r = first + tl.arange(0, BLOCK_R)
-        r_mask = r < stop
-        mask = r_mask[:, None] & c_mask[None, :]
+        mask = (r < stop)[:, None] & c_mask[None, :]
         x = tl.load(x_ptr + r.to(tl.int64)[:, None] * C + c[None, :], mask=mask, other=0.0)
-        x = tl.where(mask, x.to(ACC) - pivot[None, :], 0.0)
-        tile_count = tl.sum(mask.to(ACC), axis=0)
-        tile_mean = tl.sum(x, axis=0) / tl.maximum(tile_count, 1.0)
-        centred = tl.where(mask, x - tile_mean[None, :], 0.0)
-        tile_m2 = tl.sum(centred * centred, axis=0)
+        tile_count, tile_mean, tile_m2 = _tile_moments(x.to(ACC), mask, False)
         count, mean, m2 = _merge(count, mean, m2, tile_count, tile_mean, tile_m2)
     plane = programs * C
     out = parts_ptr + p * C + c
@@ -141,23 +179,24 @@ def moments_mc_kernel(
 
 @triton.jit
 def finalize_forward_kernel(
-    parts_ptr, programs, x_ptr, pivot_stride, weight_ptr, bias_ptr, running_mean_ptr,
-    running_var_ptr, invstd_ptr, scale_ptr, coeffs_ptr, C, momentum, eps,
+    parts_ptr, programs, weight_ptr, bias_ptr, running_mean_ptr, running_var_ptr, invstd_ptr,
+    scale_ptr, coeffs_ptr, C, momentum, eps,
     TRAINING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPDATE_RUNNING: tl.constexpr, GAMMA_ABS: tl.constexpr, BLOCK_C: tl.constexpr,
     ACC: tl.constexpr,
 ):
-    """Per channel: merge the partials (training; their means are relative to the pivot
-    ``x[c * pivot_stride]``) or read the running statistics (eval);
-    write ``invstd`` and ``g`` (saved for backward), the coefficients ``a = g * invstd`` and
-    ``b = beta - mean * a`` of the normalisation (``coeffs[2, C]``), and update the running
-    statistics as ``nn.BatchNorm`` does (unbiased variance)."""
+    """Per channel, in float64: merge the float64 partials (training) or read the running
+    statistics (eval); write ``invstd`` and ``g`` (saved for backward), the coefficients
+    ``a = g * invstd`` and ``b = beta - mean * a`` of the normalisation (``coeffs[2, C]``, in
+    ``ACC``; ``b`` is formed from the rounded ``a``, so that ``a * x + b`` is zero where ``x``
+    is the mean), and update the running statistics as ``nn.BatchNorm`` does (unbiased
+    variance)."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_mask = c < C
     if TRAINING:
-        count = tl.zeros([BLOCK_C], ACC)
-        mean = tl.zeros([BLOCK_C], ACC)
-        m2 = tl.zeros([BLOCK_C], ACC)
+        count = tl.zeros([BLOCK_C], tl.float64)
+        mean = tl.zeros([BLOCK_C], tl.float64)
+        m2 = tl.zeros([BLOCK_C], tl.float64)
         plane = programs * C
         for p in range(0, programs):
             part = parts_ptr + p * C + c
@@ -167,44 +206,40 @@ def finalize_forward_kernel(
                 tl.load(part + plane, mask=c_mask, other=0.0),
                 tl.load(part + 2 * plane, mask=c_mask, other=0.0),
             )
-        mean += tl.load(x_ptr + c.to(tl.int64) * pivot_stride, mask=c_mask, other=0.0).to(ACC)
+        m2 = tl.maximum(m2, 0.0)
         var = m2 / tl.maximum(count, 1.0)
         if UPDATE_RUNNING:
             old_mean = tl.load(running_mean_ptr + c, mask=c_mask, other=0.0)
             old_var = tl.load(running_var_ptr + c, mask=c_mask, other=0.0)
             unbiased = m2 / tl.maximum(count - 1.0, 1.0)
-            new_mean = old_mean.to(ACC) * (1.0 - momentum) + mean * momentum
-            new_var = old_var.to(ACC) * (1.0 - momentum) + unbiased * momentum
+            new_mean = old_mean.to(tl.float64) * (1.0 - momentum) + mean * momentum
+            new_var = old_var.to(tl.float64) * (1.0 - momentum) + unbiased * momentum
             tl.store(running_mean_ptr + c, new_mean.to(old_mean.dtype), mask=c_mask)
             tl.store(running_var_ptr + c, new_var.to(old_var.dtype), mask=c_mask)
     else:
-        mean = tl.load(running_mean_ptr + c, mask=c_mask, other=0.0).to(ACC)
-        var = tl.load(running_var_ptr + c, mask=c_mask, other=1.0).to(ACC)
-    if tl.float64 == ACC:
-        invstd = 1.0 / tl.sqrt(var + eps)
-    else:
-        # IEEE-rounded, as PyTorch's kernels: tl.sqrt and '/' are approximate in float32.
-        invstd = tl.div_rn(1.0, tl.sqrt_rn(var + eps))
+        mean = tl.load(running_mean_ptr + c, mask=c_mask, other=0.0).to(tl.float64)
+        var = tl.load(running_var_ptr + c, mask=c_mask, other=1.0).to(tl.float64)
+    invstd = 1.0 / tl.sqrt(var + eps)
     if HAS_WEIGHT:
-        gamma = tl.load(weight_ptr + c, mask=c_mask, other=1.0).to(ACC)
+        gamma = tl.load(weight_ptr + c, mask=c_mask, other=1.0).to(tl.float64)
         if GAMMA_ABS:
             g = tl.abs(gamma) + eps
         else:
             # sign(gamma) * max(|gamma|, eps), with sign(+0.0) = +1 and sign(-0.0) = -1
-            negative = (gamma < 0) | ((gamma == 0) & (1.0 / gamma < 0))
+            negative = _negative(gamma)
             magnitude = tl.maximum(tl.abs(gamma), eps)
             g = tl.where(negative, -magnitude, magnitude)
     else:
-        g = tl.full([BLOCK_C], 1.0, ACC)
+        g = tl.full([BLOCK_C], 1.0, tl.float64)
     if HAS_BIAS:
-        beta = tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(ACC)
+        beta = tl.load(bias_ptr + c, mask=c_mask, other=0.0).to(tl.float64)
     else:
-        beta = tl.zeros([BLOCK_C], ACC)
-    a = g * invstd
+        beta = tl.zeros([BLOCK_C], tl.float64)
+    a = (g * invstd).to(ACC)
     tl.store(invstd_ptr + c, invstd.to(invstd_ptr.dtype.element_ty), mask=c_mask)
     tl.store(scale_ptr + c, g.to(scale_ptr.dtype.element_ty), mask=c_mask)
     tl.store(coeffs_ptr + c, a, mask=c_mask)
-    tl.store(coeffs_ptr + C + c, beta - mean * a, mask=c_mask)
+    tl.store(coeffs_ptr + C + c, (beta - mean * a.to(tl.float64)).to(ACC), mask=c_mask)
 
 
 @triton.jit
