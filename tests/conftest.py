@@ -1,15 +1,50 @@
+"""Where the tests run: the same suite on a machine with CUDA and on one without.
+
+Three kinds of test, told apart by markers (registered in pyproject.toml):
+
+- unmarked: independent of the machine; they run in this process everywhere.
+- ``gpu``: runs real CUDA code (``-m gpu`` selects them all); skipped without CUDA. The
+  ``backend`` fixture below makes every kernel test one: on a CUDA machine its ``triton`` case
+  runs the compiled kernels on CUDA tensors, and its ``reference-cuda`` case PyTorch's CUDA
+  kernels, which ``auto`` uses on CUDA by default.
+- ``without_gpu``: models a machine without CUDA (the tools pick CUDA when they see one, the
+  offloader copies only device memory). Where CUDA is visible they are skipped here and
+  ``tests/test_machines.py`` runs them in a subprocess with ``CUDA_VISIBLE_DEVICES=``.
+
+Without CUDA the Triton kernels run under Triton's CPU interpreter. With CUDA they are compiled
+for the GPU, unless ``IABN_TEST_INTERPRET=1`` asks for the interpreter there too (the
+interpreter tests on CPU tensors, as CI runs them). Triton reads ``TRITON_INTERPRET`` when a
+kernel is defined, so it is set here, before anything imports iabn's kernels.
+"""
+
 import os
 
 import pytest
 import torch
 
 import triton_interpreter
+from helpers import HAS_CUDA, INTERPRET, TRITON_DEVICE
 
-# Triton reads TRITON_INTERPRET when a kernel is defined, so it is set before anything imports
-# iabn's kernels: on machines without CUDA the Triton kernels run under its CPU interpreter.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
     triton_interpreter.install()
+if HAS_CUDA:
+    # The tests compare against float32/float64 references: no TensorFloat-32 convolutions
+    # or matrix products (cuDNN's default) in the models they train.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+NEEDS_CUDA = "needs a CUDA device (selected with -m gpu)"
+MODELS_NO_GPU = ("models a machine without CUDA: tests/test_machines.py runs it in a "
+                 "subprocess with CUDA_VISIBLE_DEVICES=")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason=NEEDS_CUDA))
+        if "without_gpu" in item.keywords and HAS_CUDA:
+            item.add_marker(pytest.mark.skip(reason=MODELS_NO_GPU))
 
 
 @pytest.fixture(autouse=True)
@@ -17,10 +52,33 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture(params=["reference", "triton"])
-def backend(request, monkeypatch):
-    """Run the test once per kernel backend (IABN_BACKEND); Triton is skipped when missing."""
-    if request.param == "triton":
+_GPU = pytest.mark.gpu
+_BACKENDS = [
+    pytest.param(("reference", "cpu"), id="reference"),
+    pytest.param(("triton", TRITON_DEVICE.type), id="triton",
+                 marks=() if INTERPRET else (_GPU,)),
+    pytest.param(("reference", "cuda"), id="reference-cuda", marks=(_GPU,)),
+]
+
+
+@pytest.fixture(params=_BACKENDS)
+def _kernels(request, monkeypatch):
+    name, device = request.param
+    if name == "triton":
         pytest.importorskip("triton")
-    monkeypatch.setenv("IABN_BACKEND", request.param)
-    return request.param
+    monkeypatch.setenv("IABN_BACKEND", name)
+    return name, device
+
+
+@pytest.fixture
+def backend(_kernels):
+    """Run the test once per kernel backend (``IABN_BACKEND``): ``reference`` on CPU,
+    ``triton`` (interpreted on CPU, compiled on CUDA) and ``reference`` on CUDA. Tests that
+    take it build their tensors and modules on ``device``."""
+    return _kernels[0]
+
+
+@pytest.fixture
+def device(_kernels):
+    """The device of this ``backend`` case: ``torch.device("cpu")`` or ``("cuda")``."""
+    return torch.device(_kernels[1])

@@ -1,9 +1,27 @@
-"""Shared pieces of the tests: the independent references built from ``torch.nn``."""
+"""Shared pieces of the tests: the machine they run on (see conftest.py) and the independent
+references built from ``torch.nn``."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 from torch import nn
+
+#: CUDA is visible to this process.
+HAS_CUDA = torch.cuda.is_available()
+#: The Triton kernels run under the CPU interpreter in this process: always without CUDA,
+#: and with CUDA when ``IABN_TEST_INTERPRET=1`` asks for it.
+INTERPRET = not HAS_CUDA or os.environ.get("IABN_TEST_INTERPRET", "0") not in ("", "0")
+#: Where tests of the Triton kernels put their tensors.
+TRITON_DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+
+def runs_triton(test):
+    """Mark a test of the Triton kernels (on ``TRITON_DEVICE``): where they are compiled for
+    CUDA it is a ``gpu`` test."""
+    return pytest.mark.gpu(test) if TRITON_DEVICE.type == "cuda" else test
 
 ACTIVATION_PARAMS = {"leaky_relu": 0.1, "elu": 0.7, "identity": 0.0}
 

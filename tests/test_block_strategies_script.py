@@ -12,6 +12,9 @@ import torch
 
 from iabn.blocks import STRATEGIES
 
+# a CPU smoke run, and the error of --device cuda where CUDA is missing.
+pytestmark = pytest.mark.without_gpu
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "block_strategies.py"
 
 

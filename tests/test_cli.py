@@ -9,6 +9,9 @@ import pytest
 from iabn.bench.blocks import STRATEGIES, CheckResult, format_check
 from iabn.cli import main
 
+# the tools pick CUDA when they see one; these check their CPU runs.
+pytestmark = pytest.mark.without_gpu
+
 BATCH, CHANNELS, SIZE, BLOCKS = 2, 8, 8, 2
 FLOAT32_BYTES = 4
 # One block input (N, C, H, W) and one per-channel (C,) statistic, in bytes.

@@ -10,6 +10,11 @@ import iabn
 from iabn import ops
 
 
+def _on(device, args):
+    """The operator's arguments with every tensor moved to ``device``."""
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
+
+
 def _forward_samples():
     c = 5
     weight, bias = torch.rand(c) + 0.5, torch.randn(c)
@@ -26,8 +31,8 @@ def _forward_samples():
 
 
 @pytest.mark.parametrize("args", list(_forward_samples()), ids=lambda a: str(tuple(a[0].shape)))
-def test_opcheck_forward(args, backend):
-    torch.library.opcheck(ops.inplace_abn_forward_, args)
+def test_opcheck_forward(args, backend, device):
+    torch.library.opcheck(ops.inplace_abn_forward_, _on(device, args))
 
 
 def _backward_samples():
@@ -45,8 +50,8 @@ def _backward_samples():
 
 
 @pytest.mark.parametrize("args", list(_backward_samples()))
-def test_opcheck_backward(args, backend):
-    torch.library.opcheck(ops.inplace_abn_backward, args)
+def test_opcheck_backward(args, backend, device):
+    torch.library.opcheck(ops.inplace_abn_backward, _on(device, args))
 
 
 def _model(norm_act):
@@ -69,13 +74,14 @@ def _train(model, forward, batches):
 
 
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_compiled_training_matches_eager(channels_last, backend):
+def test_compiled_training_matches_eager(channels_last, backend, device):
     torch._dynamo.reset()
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    eager = _model(lambda c: iabn.InPlaceABN(c)).to(memory_format=fmt)
+    eager = _model(lambda c: iabn.InPlaceABN(c)).to(device, memory_format=fmt)
     compiled = copy.deepcopy(eager)
     batches = [
-        (torch.randn(6, 3, 8, 8).contiguous(memory_format=fmt), torch.randint(0, 4, (6,)))
+        (torch.randn(6, 3, 8, 8).to(device).contiguous(memory_format=fmt),
+         torch.randint(0, 4, (6,)).to(device))
         for _ in range(3)
     ]
     losses_eager = _train(eager, eager, batches)
@@ -116,7 +122,7 @@ def test_compiled_graphs_call_the_registered_operators():
 
 
 @pytest.mark.parametrize("training", [True, False])
-def test_inductor_compiles_layers_on_1x1_feature_maps(training, backend):
+def test_inductor_compiles_layers_on_1x1_feature_maps(training, backend, device):
     """A regression test: at 1x1 spatial size Inductor gives a convolution's output strides
     that differ from the traced tensor's only in size-1 dimensions. Under the default
     fixed-stride-order constraint Inductor copied the mutated input to the traced strides and
@@ -133,9 +139,10 @@ def test_inductor_compiles_layers_on_1x1_feature_maps(training, backend):
     make = norm_act_factory("iabn", "leaky_relu", 0.01)
     eager = nn.Sequential(
         BasicBlock(8, 8, 1, make, "leaky_relu", 0.01), nn.Flatten(), nn.Linear(8, 4)
-    ).train(training)
+    ).train(training).to(device)
     compiled = copy.deepcopy(eager)
-    batches = [(torch.randn(6, 8, 1, 1), torch.randint(0, 4, (6,))) for _ in range(2)]
+    batches = [(torch.randn(6, 8, 1, 1).to(device), torch.randint(0, 4, (6,)).to(device))
+               for _ in range(2)]
     with torch._inductor.config.patch(force_disable_caches=True):
         losses_eager, losses_compiled = _eager_and_compiled(eager, compiled, batches, training)
     torch.testing.assert_close(losses_compiled, losses_eager, atol=1e-5, rtol=1e-5)
@@ -157,15 +164,15 @@ def _eager_and_compiled(eager, compiled, batches, training):
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_compiled_layer_on_a_graph_input_has_eager_gradients(compiler, backend):
+def test_compiled_layer_on_a_graph_input_has_eager_gradients(compiler, backend, device):
     """A regression test: when the tensor the layer overwrites is an input of the compiled
     graph (the layer compiled alone, a graph break just before it, a compiled pre-activation
     block), torch 2.13's compiler loses ``ctx.mark_dirty`` and backward passed ``dz`` through
     as ``dx`` (pytorch/pytorch#184113; measured error 3.9 here). Float64, against eager."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    layer = iabn.InPlaceABN(5).double()
-    data = torch.randn(3, 5, 4, 4, dtype=torch.float64)
+    layer = iabn.InPlaceABN(5).double().to(device)
+    data = torch.randn(3, 5, 4, 4, dtype=torch.float64).to(device)
 
     def gradients(run):
         layer.zero_grad(set_to_none=True)

@@ -6,7 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
+
+# torchrun with gloo on CPU; the tools would pick NCCL and CUDA if visible.
+pytestmark = pytest.mark.without_gpu
 
 SCRIPT = Path(__file__).with_name("ddp_train.py")
 

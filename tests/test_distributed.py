@@ -1,5 +1,6 @@
-"""InPlaceABNSync with real processes (gloo on CPU): exact against one process on the whole
-batch, uneven and empty per-rank batches, one collective each way, clear cross-rank errors."""
+"""InPlaceABNSync with real processes (gloo on CPU, on any machine): exact against one process
+on the whole batch, uneven and empty per-rank batches, one collective each way, clear
+cross-rank errors."""
 
 import socket
 import warnings
@@ -23,8 +24,15 @@ def _spawn(world: int, scenario: str) -> None:
     mp.spawn(dist_workers.run, args=(world, _free_port(), scenario), nprocs=world, join=True)
 
 
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_matches_single_process_on_the_whole_batch(world, backend):
+def test_matches_single_process_on_the_whole_batch(world, kernels, monkeypatch):
+    """The ranks inherit the environment: IABN_BACKEND picks their kernels; the Triton case
+    runs under the interpreter on every machine (gloo moves CPU tensors)."""
+    if kernels == "triton":
+        pytest.importorskip("triton")
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("IABN_BACKEND", kernels)
     _spawn(world, "matches_single_process")
 
 

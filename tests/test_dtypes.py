@@ -38,11 +38,11 @@ def _run_iabn(x, grad, layer):
     return out, leaf.grad, layer.weight.grad, layer.bias.grad, layer.running_mean, layer.running_var
 
 
-def _setup(activation, variant, shape=(4, 6, 7, 5)):
+def _setup(activation, variant, shape=(4, 6, 7, 5), device="cpu"):
     param = ACTIVATION_PARAMS[activation] or 0.01
-    bn = randomise_(torch.nn.BatchNorm2d(shape[1]))
+    bn = randomise_(torch.nn.BatchNorm2d(shape[1])).to(device)
     layer = iabn.InPlaceABN(shape[1], activation=activation, activation_param=param,
-                            variant=variant)
+                            variant=variant, device=device)
     layer.load_state_dict(bn.state_dict())
     act = torch_activation(activation, param)
     return bn, layer, act
@@ -56,12 +56,13 @@ NAMES = ("output", "input grad", "weight grad", "bias grad", "running_mean", "ru
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_low_precision_within_twice_torch_error(dtype, activation, variant, channels_last,
-                                                backend):
-    bn, layer, act = _setup(activation, variant)
+                                                backend, device):
+    """Everything on ``device``: PyTorch's error there is the yardstick."""
+    bn, layer, act = _setup(activation, variant, device=device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    x = (torch.randn(4, 6, 7, 5) * 3 + 1).to(dtype).contiguous(memory_format=fmt)
-    grad = torch.randn(4, 6, 7, 5).to(dtype).contiguous(memory_format=fmt)
-    bn64 = randomise_(torch.nn.BatchNorm2d(6)).double()
+    x = (torch.randn(4, 6, 7, 5) * 3 + 1).to(device, dtype).contiguous(memory_format=fmt)
+    grad = torch.randn(4, 6, 7, 5).to(device, dtype).contiguous(memory_format=fmt)
+    bn64 = randomise_(torch.nn.BatchNorm2d(6)).double().to(device)
     bn64.load_state_dict(bn.state_dict())
 
     reference = _run_torch(x.double(), grad.double(), bn64, act)
@@ -94,9 +95,9 @@ def _weight_grad_from_stored_output(z, grad, bn, activation):
 
 
 @pytest.mark.parametrize("variant", [1, 2])
-def test_float32_is_tight(variant, backend):
-    bn, layer, act = _setup("leaky_relu", variant, shape=(8, 16, 9, 9))
-    x = torch.randn(8, 16, 9, 9) * 3 + 1
+def test_float32_is_tight(variant, backend, device):
+    bn, layer, act = _setup("leaky_relu", variant, shape=(8, 16, 9, 9), device=device)
+    x = (torch.randn(8, 16, 9, 9) * 3 + 1).to(device)
     grad = torch.randn_like(x)
     for name, ref, mine in zip(NAMES, _run_torch(x, grad, bn, act), _run_iabn(x, grad, layer),
                                strict=True):

@@ -17,6 +17,9 @@ from iabn.training.evaluate import load_weights
 from iabn.training.snapshot import SnapshotError
 from train_tiny import DIGITS_VAL_IMAGES, one_torch_thread, run_iabn, write_config
 
+# the tools pick CUDA when they see one; these check their CPU runs.
+pytestmark = pytest.mark.without_gpu
+
 ONE_IMAGE = 100.0 / DIGITS_VAL_IMAGES  # one image, in percent
 
 

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 
+# a CPU smoke run of a GPU script; its Triton rows need the interpreter.
+pytestmark = pytest.mark.without_gpu
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_speed.py"
 
 

@@ -5,7 +5,7 @@ import torch
 
 from iabn.functional import abn, inplace_abn
 
-from helpers import ACTIVATION_PARAMS, memory_format_for
+from helpers import ACTIVATION_PARAMS, TRITON_DEVICE, memory_format_for, runs_triton
 
 CASES = [  # (shape, channels_last)
     ((5, 3), False),
@@ -17,22 +17,24 @@ CASES = [  # (shape, channels_last)
 ]
 
 
-def _inputs(shape, channels_last):
+def _inputs(shape, channels_last, device="cpu"):
     fmt = memory_format_for(len(shape), channels_last)
-    x = (torch.randn(shape, dtype=torch.float64) * 1.5 + 0.3).contiguous(memory_format=fmt)
+    x = (torch.randn(shape, dtype=torch.float64) * 1.5 + 0.3).to(device)
+    x = x.contiguous(memory_format=fmt)
     channels = shape[1]
     sign = torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)[:channels]
     sign = sign.repeat(channels)[:channels]
     weight = (torch.rand(channels, dtype=torch.float64) + 0.5) * sign
     bias = torch.randn(channels, dtype=torch.float64)
-    return [t.requires_grad_() for t in (x, weight, bias)]
+    return [t.to(device).requires_grad_() for t in (x, weight, bias)]
 
 
-def _gradcheck_layer(shape, channels_last, activation, training, variant=2, fast_mode=False):
-    x, weight, bias = _inputs(shape, channels_last)
+def _gradcheck_layer(shape, channels_last, activation, training, variant=2, fast_mode=False,
+                     device="cpu"):
+    x, weight, bias = _inputs(shape, channels_last, device)
     channels = shape[1]
-    running_mean = torch.randn(channels, dtype=torch.float64)
-    running_var = torch.rand(channels, dtype=torch.float64) + 0.5
+    running_mean = torch.randn(channels, dtype=torch.float64).to(device)
+    running_var = (torch.rand(channels, dtype=torch.float64) + 0.5).to(device)
     param = ACTIVATION_PARAMS[activation] or 0.01
 
     def fn(x, weight, bias):
@@ -57,13 +59,15 @@ def test_gradcheck(shape, channels_last, activation, variant, training):
 @pytest.mark.parametrize("shape,channels_last", CASES, ids=str)
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@runs_triton
 def test_gradcheck_triton_kernels(shape, channels_last, activation, training, monkeypatch):
-    """The Triton kernels' backward in float64 (under the interpreter on CPU). fast_mode
-    checks random vector-Jacobian products instead of every column, which keeps the
-    interpreted run short; a wrong gradient still fails it."""
+    """The Triton kernels' backward in float64 (under the interpreter on CPU, compiled on
+    CUDA). fast_mode checks random vector-Jacobian products instead of every column, which
+    keeps the interpreted run short; a wrong gradient still fails it."""
     pytest.importorskip("triton")
     monkeypatch.setenv("IABN_BACKEND", "triton")
-    assert _gradcheck_layer(shape, channels_last, activation, training, fast_mode=True)
+    assert _gradcheck_layer(shape, channels_last, activation, training, fast_mode=True,
+                            device=TRITON_DEVICE)
 
 
 @pytest.mark.parametrize("gamma_mode", ["signed", "abs"])

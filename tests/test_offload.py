@@ -1,7 +1,8 @@
 """Offloading saved activations to host memory: exact gradients, pool reuse, accounting.
 
-On this CPU-only machine the "device" is the CPU too: the same code path runs with plain
-copies (no CUDA streams), so these tests check the logic; the GPU-only test skips here.
+Without CUDA the "device" is the CPU too: the same code path runs with plain copies (no CUDA
+streams), so these tests check the logic. They model such a machine (``without_gpu``); the
+CUDA path with streams and pinned memory is tested in tests/test_offload_cuda.py.
 """
 
 import pytest
@@ -12,6 +13,10 @@ import iabn
 from iabn.memory import saved_storages
 from iabn.models import create
 from iabn.offloading import DEFAULT_LAYERS, Offloader, OffloadModel, offload
+
+# where CUDA exists the offloader copies only device memory; these check its host-copy path
+# (the CUDA path: tests/test_offload_cuda.py).
+pytestmark = pytest.mark.without_gpu
 
 
 class Net(nn.Module):
@@ -172,19 +177,6 @@ def test_bad_arguments():
         Offloader(compress=torch.float32)
     with pytest.raises(ValueError, match="prefetch=-1"):
         Offloader(prefetch=-1)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_gradients_bit_identical_and_streams():
-    model = _reference().cuda()
-    x = X.cuda()
-    expected = _grads(model, x, model)
-    wrapped = OffloadModel(model, min_bytes=0)
-    for _ in range(2):
-        loss, grads = _grads(model, x, wrapped)
-        assert torch.equal(loss, expected[0])
-        assert all(torch.equal(g, e) for g, e in zip(grads, expected[1], strict=True))
-    assert wrapped.offloader.pool.buffers[0].is_pinned()
 
 
 def test_select_layers_by_name_and_counts_exclude_parameters():

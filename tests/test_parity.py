@@ -20,15 +20,17 @@ SHAPES = [
 ]
 
 
-def _pair(shape, activation, layer_cls=iabn.InPlaceABN, dtype=torch.float64, **kw):
-    """(reference bn, reference activation, iabn layer) with identical state."""
+def _pair(shape, activation, layer_cls=iabn.InPlaceABN, dtype=torch.float64, device="cpu",
+          **kw):
+    """(reference bn, reference activation, iabn layer) with identical state, on ``device``
+    (the reference runs on the same device: PyTorch's own kernels there)."""
     bn_kw = {k: v for k, v in kw.items() if k in ("momentum", "affine", "track_running_stats")}
     layer_kw = {k: v for k, v in kw.items() if k not in bn_kw}
-    bn = randomise_(make_bn(len(shape), shape[1], **bn_kw).to(dtype))
+    bn = randomise_(make_bn(len(shape), shape[1], **bn_kw).to(dtype)).to(device)
     param = ACTIVATION_PARAMS.get(activation, 0.0)
     layer = layer_cls(
         shape[1], activation=activation, activation_param=param or 0.01, **bn_kw, **layer_kw
-    ).to(dtype)
+    ).to(dtype=dtype, device=device)
     layer.load_state_dict(bn.state_dict())
     return bn, torch_activation(activation, param), layer
 
@@ -60,12 +62,13 @@ def _assert_same(bn, layer, out_ref, gx_ref, out, gx, atol):
 @pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_inplace_abn_matches_torch_float64(shape, activation, variant, training, backend):
-    bn, act, layer = _pair(shape, activation, variant=variant)
+def test_inplace_abn_matches_torch_float64(shape, activation, variant, training, backend,
+                                           device):
+    bn, act, layer = _pair(shape, activation, variant=variant, device=device)
     if training and shape[0] * torch.Size(shape[2:]).numel() == 1:
         pytest.skip("one value per channel")
-    x = torch.randn(shape, dtype=torch.float64) * 2 + 0.5
-    grad = torch.randn(shape, dtype=torch.float64)
+    x = (torch.randn(shape, dtype=torch.float64) * 2 + 0.5).to(device)
+    grad = torch.randn(shape, dtype=torch.float64).to(device)
     results = _run(bn, act, layer, x, grad, training)
     _assert_same(bn, layer, *results, atol=1e-12)
 
@@ -94,14 +97,15 @@ def test_abn_matches_torch(activation, training):
     ids=str,
 )
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_options_match_torch_over_several_steps(layer_cls, options, training, backend):
+def test_options_match_torch_over_several_steps(layer_cls, options, training, backend,
+                                                device):
     if layer_cls is iabn.ABN and backend == "triton":
         pytest.skip("ABN runs on torch.nn.functional, not on the kernels")
     shape = (4, 6, 3, 5)
-    bn, act, layer = _pair(shape, "leaky_relu", layer_cls=layer_cls, **options)
+    bn, act, layer = _pair(shape, "leaky_relu", layer_cls=layer_cls, device=device, **options)
     for _ in range(3):  # several steps: the cumulative average of momentum=None needs them
-        x = torch.randn(shape, dtype=torch.float64)
-        grad = torch.randn(shape, dtype=torch.float64)
+        x = torch.randn(shape, dtype=torch.float64).to(device)
+        grad = torch.randn(shape, dtype=torch.float64).to(device)
         if bn.weight is not None:
             bn.weight.grad = bn.bias.grad = layer.weight.grad = layer.bias.grad = None
         results = _run(bn, act, layer, x, grad, training)
@@ -110,12 +114,13 @@ def test_options_match_torch_over_several_steps(layer_cls, options, training, ba
 
 @pytest.mark.parametrize("ndim", [4, 5])
 @pytest.mark.parametrize("variant", [1, 2])
-def test_channels_last_keeps_format_and_matches(ndim, variant, backend):
+def test_channels_last_keeps_format_and_matches(ndim, variant, backend, device):
     shape = (2, 6, 5, 4) if ndim == 4 else (2, 6, 3, 4, 5)
     fmt = memory_format_for(ndim, channels_last=True)
-    bn, act, layer = _pair(shape, "leaky_relu", dtype=torch.float32, variant=variant)
-    x = torch.randn(shape).contiguous(memory_format=fmt)
-    grad = torch.randn(shape).contiguous(memory_format=fmt)
+    bn, act, layer = _pair(shape, "leaky_relu", dtype=torch.float32, variant=variant,
+                           device=device)
+    x = torch.randn(shape).to(device).contiguous(memory_format=fmt)
+    grad = torch.randn(shape).to(device).contiguous(memory_format=fmt)
     out_ref, gx_ref, out, gx = _run(bn, act, layer, x, grad, training=True)
     assert out.is_contiguous(memory_format=fmt)
     _assert_same(bn, layer, out_ref, gx_ref, out, gx, atol=1e-5)
@@ -138,23 +143,23 @@ def test_output_is_the_input_storage():
     ],
     ids=["transposed", "strided", "window"],
 )
-def test_non_contiguous_input_is_correct_and_written_in_place(make_view, backend):
-    base = torch.randn(6, 5, 7, 6, dtype=torch.float64)
+def test_non_contiguous_input_is_correct_and_written_in_place(make_view, backend, device):
+    base = torch.randn(6, 5, 7, 6, dtype=torch.float64).to(device)
     x = make_view(base.clone())
     shape = tuple(x.shape)
-    bn, act, layer = _pair(shape, "leaky_relu")
+    bn, act, layer = _pair(shape, "leaky_relu", device=device)
     expected = act(bn(x.clone()))
     out = layer(x)
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
     torch.testing.assert_close(x, expected, atol=1e-12, rtol=0)  # the view itself was written
 
 
-def test_gradient_for_expanded_upstream_gradient_is_not_written(backend):
+def test_gradient_for_expanded_upstream_gradient_is_not_written(backend, device):
     """An expanded (stride-0) incoming gradient must be read, never written."""
-    layer = iabn.InPlaceABN(3, activation="identity").double()
-    bn = randomise_(torch.nn.BatchNorm2d(3).double())
+    layer = iabn.InPlaceABN(3, activation="identity").double().to(device)
+    bn = randomise_(torch.nn.BatchNorm2d(3).double()).to(device)
     layer.load_state_dict(bn.state_dict())
-    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64).to(device)
     x_ref = x.clone().requires_grad_()
     bn(x_ref).sum().backward()  # sum's backward hands on an expanded gradient
     x_leaf = x.clone().requires_grad_()
@@ -162,9 +167,9 @@ def test_gradient_for_expanded_upstream_gradient_is_not_written(backend):
     torch.testing.assert_close(x_leaf.grad, x_ref.grad, atol=1e-12, rtol=0)
 
 
-def test_retain_graph_backward_twice_gives_same_gradients(backend):
-    layer = iabn.InPlaceABN(4, activation="elu", activation_param=1.0)
-    x = torch.randn(3, 4, 5, 5, requires_grad=True)
+def test_retain_graph_backward_twice_gives_same_gradients(backend, device):
+    layer = iabn.InPlaceABN(4, activation="elu", activation_param=1.0).to(device)
+    x = torch.randn(3, 4, 5, 5).to(device).requires_grad_()
     out = layer(x.clone())
     grad = torch.randn_like(out)
     out.backward(grad, retain_graph=True)
@@ -234,11 +239,12 @@ def test_network_of_layers_sharing_scratch_memory_matches_torch():
     [lambda t: t.transpose(0, 2), lambda t: t[:, :, ::2], lambda t: t[:, 2:5]],
     ids=["transposed", "strided", "channel-slice"],
 )
-def test_in_place_on_a_view_of_an_intermediate_has_correct_gradients(make_view, backend):
+def test_in_place_on_a_view_of_an_intermediate_has_correct_gradients(make_view, backend,
+                                                                      device):
     """Autograd rebases the written view onto its base; gradients must flow through both."""
-    base = torch.randn(6, 8, 7, 6, dtype=torch.float64, requires_grad=True)
+    base = torch.randn(6, 8, 7, 6, dtype=torch.float64).to(device).requires_grad_()
     channels = make_view(base).shape[1]
-    bn, act, layer = _pair(tuple(make_view(base).shape), "leaky_relu")
+    bn, act, layer = _pair(tuple(make_view(base).shape), "leaky_relu", device=device)
     bn.train()
     expected = act(bn(make_view(base).clone()))
     grad = torch.randn_like(expected)

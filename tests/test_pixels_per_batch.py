@@ -25,6 +25,9 @@ from iabn.memory import saved_storages
 from iabn.models import norm_act_factory
 from iabn.offloading import DEFAULT_LAYERS
 
+# compares with OffloadModel's host-copy path, taken only without CUDA.
+pytestmark = pytest.mark.without_gpu
+
 # The smaller members of both families keep real CPU forwards cheap; the layers are the same.
 SMALL = {"resnext101": 50, "wider_resnet38_a2": 16}
 BATCH, HEIGHT, WIDTH, CLASSES = 2, 40, 48, 5

@@ -20,6 +20,9 @@ from iabn.training.config import (
     parse_override,
 )
 
+# runs the CLI, which picks CUDA when it sees one.
+pytestmark = pytest.mark.without_gpu
+
 # The classification configs (other tools keep theirs in configs/ too).
 CONFIGS = [Path(__file__).parents[1] / "configs" / f"{name}.json" for name in (
     "digits", "resnext101_bn_lrelu_256", "resnext101_iabn_lrelu_512",

@@ -22,6 +22,9 @@ from iabn.training.engine import EXIT_FINISHED, EXIT_STOPPED, TrainOptions, trai
 from iabn.training.snapshot import SnapshotError
 from iabn.training.task import DataSplits
 
+# the engine picks CUDA when it sees one; these check its CPU runs.
+pytestmark = pytest.mark.without_gpu
+
 TRAIN, VAL, FEATURES, SEED = 48, 10, 4, 3
 
 

@@ -11,6 +11,9 @@ from iabn.training.config import ENGINE_SCHEMA, ConfigError, combine, defaults
 from iabn.training.segmentation import SegmentationMeter, SegmentationTask, build_segmenter
 from train_tiny import run_iabn
 
+# the tools pick CUDA when they see one; these check their CPU runs.
+pytestmark = pytest.mark.without_gpu
+
 CLASSES = ("background", "a", "b")
 
 

@@ -2,7 +2,8 @@
 reductions over many partial results, numerics with ``|mean| >> std``, determinism, gradients
 that must not be written, dispatch and its errors, and compilation for a real GPU target.
 
-On machines without CUDA the kernels run under ``TRITON_INTERPRET=1`` (set in conftest).
+The kernels run on ``TRITON_DEVICE`` (see conftest.py): under ``TRITON_INTERPRET=1`` on CPU
+tensors on machines without CUDA, compiled on CUDA tensors where it is visible.
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ import torch
 import iabn
 from iabn.kernels import dispatch, reference
 
-from helpers import randomise_
+from helpers import TRITON_DEVICE, randomise_, runs_triton
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 from iabn.kernels import triton_backend, triton_kernels  # noqa: E402
 
 COMPILE_SCRIPT = Path(__file__).with_name("compile_for_gpu.py")
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 @pytest.fixture
@@ -44,6 +44,7 @@ def _torch_reference(x, bn, slope, grad):
     return out.detach(), x.grad, bn.weight.grad, bn.bias.grad
 
 
+@runs_triton
 @pytest.mark.parametrize("shape,channels_last", [
     ((5, 3, 7, 6), False),   # NCS: tiles over samples and positions, odd sizes
     ((5, 3, 7, 6), True),    # channels-last: tiles over rows
@@ -53,14 +54,15 @@ def _torch_reference(x, bn, slope, grad):
 def test_many_partials_match_torch_float64(tiny_tiles, monkeypatch, shape, channels_last):
     monkeypatch.setenv("IABN_BACKEND", "triton")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
-    x = (torch.randn(shape, dtype=torch.float64) * 2 + 1).contiguous(memory_format=fmt)
+    x = (torch.randn(shape, dtype=torch.float64) * 2 + 1).to(TRITON_DEVICE)
+    x = x.contiguous(memory_format=fmt)
     layout = triton_backend.layout_of(x)
     assert triton_backend._reduction_config(layout, x.device).programs > 1
     bn = randomise_(torch.nn.BatchNorm1d(shape[1]) if len(shape) < 4
-                    else torch.nn.BatchNorm2d(shape[1])).double()
-    layer = iabn.InPlaceABN(shape[1], activation_param=0.1).double()
+                    else torch.nn.BatchNorm2d(shape[1])).double().to(TRITON_DEVICE)
+    layer = iabn.InPlaceABN(shape[1], activation_param=0.1).double().to(TRITON_DEVICE)
     layer.load_state_dict(bn.state_dict())
-    grad = torch.randn(shape, dtype=torch.float64)
+    grad = torch.randn(shape, dtype=torch.float64).to(TRITON_DEVICE)
     expected = _torch_reference(x, bn, 0.1, grad)
     leaf = x.clone().requires_grad_()
     out = layer(leaf.clone())
@@ -71,27 +73,36 @@ def test_many_partials_match_torch_float64(tiny_tiles, monkeypatch, shape, chann
     torch.testing.assert_close(layer.running_var, bn.running_var, atol=1e-12, rtol=0)
 
 
+@runs_triton
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_variance_is_exact_when_the_mean_dwarfs_the_spread(tiny_tiles, channels_last):
-    """Sum and sum of squares in float32 would lose every digit here (mean/std = 1e5)."""
+def test_statistics_are_exact_when_the_mean_dwarfs_the_spread(tiny_tiles, channels_last):
+    """Sum and sum of squares in float32 would lose every digit here (mean/std = 1e5); the
+    float32 tile means alone are off by ~1e-5 std. The corrected two-pass tile summaries
+    merged in float64 give the mean to float32 rounding of its value (|mean| = 1000: 3e-5,
+    i.e. 3e-3 std), the variance to 1e-4."""
     x = (1000.0 + 0.01 * torch.randn(4, 3, 6, 6, dtype=torch.float64)).float()
+    x = x.to(TRITON_DEVICE)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
+    exact_mean = x.double().mean((0, 2, 3))
     exact_var = x.double().var((0, 2, 3), unbiased=True)
-    running_mean, running_var = torch.zeros(3), torch.zeros(3)
+    running_mean, running_var = torch.zeros(3, device=x.device), torch.zeros(3, device=x.device)
     triton_backend.forward_(x.clone(), None, None, running_mean, running_var, True, 1.0, 1e-5,
                             "identity", 0.0, "signed")
     torch.testing.assert_close(running_var.double(), exact_var, rtol=1e-4, atol=0)
+    ulp = torch.finfo(torch.float32).eps * 1000.0
+    torch.testing.assert_close(running_mean.double(), exact_mean, rtol=0, atol=ulp)
 
 
+@runs_triton
 def test_results_are_bitwise_deterministic(tiny_tiles):
-    x = torch.randn(6, 5, 9, 7)
+    x = torch.randn(6, 5, 9, 7).to(TRITON_DEVICE)
     grad = torch.randn_like(x)
-    weight, bias = torch.rand(5) + 0.5, torch.randn(5)
+    weight, bias = (torch.rand(5) + 0.5).to(x.device), torch.randn(5).to(x.device)
     runs = []
     for _ in range(2):
         z = x.clone()
-        stats = torch.zeros(5), torch.ones(5)
+        stats = torch.zeros(5, device=x.device), torch.ones(5, device=x.device)
         invstd, scale = triton_backend.forward_(z, weight, bias, *stats, True, 0.1, 1e-5,
                                                 "leaky_relu", 0.01, "signed")
         grads = triton_backend.backward(z, grad, weight, bias, invstd, scale, True, 1e-5,
@@ -101,20 +112,21 @@ def test_results_are_bitwise_deterministic(tiny_tiles):
         assert torch.equal(first, second)
 
 
-def test_shared_incoming_gradient_is_not_written(backend):
+def test_shared_incoming_gradient_is_not_written(backend, device):
     """``a + b`` hands one gradient tensor to both branches; overwriting it in one branch's
     backward (the original package's bug) would corrupt the other's gradient."""
-    layer = iabn.InPlaceABN(3)
-    x = torch.randn(2, 3, 4, 4, requires_grad=True)
-    skip = torch.randn(2, 3, 4, 4, requires_grad=True)
-    grad = torch.randn(2, 3, 4, 4)
+    layer = iabn.InPlaceABN(3, device=device)
+    x = torch.randn(2, 3, 4, 4, device=device, requires_grad=True)
+    skip = torch.randn(2, 3, 4, 4, device=device, requires_grad=True)
+    grad = torch.randn(2, 3, 4, 4, device=device)
     (layer(x.clone()) + skip).backward(grad)
     torch.testing.assert_close(skip.grad, grad, atol=0, rtol=0)
 
 
-def test_interpreter_bfloat16_conversion_rounds_like_torch():
-    """The conftest fix of the interpreter's float32 -> bfloat16 conversion (see
-    tests/triton_interpreter.py): kernel stores must round like PyTorch (and a GPU)."""
+@runs_triton
+def test_bfloat16_stores_round_like_torch():
+    """Kernel stores of bfloat16 round like PyTorch: on a GPU (``cvt.rn``), and under the
+    interpreter thanks to conftest's fix of its conversion (see tests/triton_interpreter.py)."""
 
     @triton.jit
     def store_bf16(src, dst, n, BLOCK: tl.constexpr):
@@ -123,8 +135,7 @@ def test_interpreter_bfloat16_conversion_rounds_like_torch():
         tl.store(dst + offsets, tl.load(src + offsets, mask=mask).to(tl.bfloat16), mask=mask)
 
     values = torch.cat([torch.randn(1000) * 5, torch.tensor([0.0, -0.0, 1e-40, 3.0e38])])
-    if not values.is_cuda and not dispatch.triton_interpreting():
-        pytest.skip("needs CUDA or the interpreter")
+    values = values.to(TRITON_DEVICE)
     out = torch.empty_like(values, dtype=torch.bfloat16)
     store_bf16[(1,)](values, out, values.numel(), BLOCK=1024 * 2)
     assert torch.equal(out, values.to(torch.bfloat16))
@@ -218,16 +229,35 @@ def test_far_offsets_negative_control_fails():
 # --- on a GPU ------------------------------------------------------------------------------
 
 
-@needs_cuda
-def test_auto_uses_triton_for_cuda_tensors(monkeypatch):
+def test_auto_uses_the_reference_for_cuda_tensors_too(monkeypatch):
+    """Until a GPU run of the whole suite is green with Triton, ``auto`` picks the reference
+    kernels on CUDA as well (issue 13); Triton is opt-in. A stand-in for a CUDA tensor: the
+    choice reads only ``is_cuda``."""
+    from types import SimpleNamespace
+
     monkeypatch.delenv("IABN_BACKEND", raising=False)
-    assert dispatch.backend_for(torch.zeros(1, device="cuda")) is triton_backend
+    assert dispatch.backend_for(SimpleNamespace(is_cuda=True)) is reference
+    monkeypatch.setenv("IABN_BACKEND", "triton")
+    assert dispatch.backend_for(SimpleNamespace(is_cuda=True)) is triton_backend
 
 
-@needs_cuda
+@pytest.mark.gpu
+def test_auto_uses_the_reference_for_real_cuda_tensors(monkeypatch):
+    monkeypatch.delenv("IABN_BACKEND", raising=False)
+    assert dispatch.backend_for(torch.zeros(1, device="cuda")) is reference
+
+
+@runs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_gpu_matches_reference_at_a_paper_shape(dtype, channels_last):
+def test_triton_matches_reference_at_a_paper_shape(dtype, channels_last):
+    """Output, running statistics and parameter gradients of both backends at ResNeXt-101's
+    first stage (32x256x56x56). The input gradient is compared with float64 element by
+    element in tests/test_slopes.py, where a value near the kink may take the other slope in
+    either backend: here it would fail a comparison of the two."""
+    if TRITON_DEVICE.type != "cuda":
+        pytest.skip("26M elements: minutes under the interpreter; tests/test_slopes.py has "
+                    "the interpreted large shapes")
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randn(32, 256, 56, 56, device="cuda").to(dtype).contiguous(memory_format=fmt)
     grad = torch.randn_like(x)
@@ -238,15 +268,17 @@ def test_gpu_matches_reference_at_a_paper_shape(dtype, channels_last):
         stats = torch.zeros(256, device="cuda"), torch.ones(256, device="cuda")
         invstd, scale = backend.forward_(z, weight, bias, *stats, True, 0.1, 1e-5,
                                          "leaky_relu", 0.01, "signed")
-        grads = backend.backward(z, grad, weight, bias, invstd, scale, True, 1e-5,
-                                 "leaky_relu", 0.01, "signed", 2, [True, True, True])
-        results.append((z.float(), *stats, *(g.float() for g in grads)))
+        _, dweight, dbias = backend.backward(z, grad, weight, bias, invstd, scale, True, 1e-5,
+                                             "leaky_relu", 0.01, "signed", 2,
+                                             [False, True, True])
+        results.append((z.float(), *stats, dweight, dbias))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for ref, ours in zip(*results, strict=True):
         torch.testing.assert_close(ours, ref, atol=tol * ref.abs().max().item(), rtol=tol)
 
 
-@needs_cuda
+@pytest.mark.gpu
+@runs_triton
 def test_more_than_2_31_elements_are_addressed():
     """64-bit indexing: a bfloat16 tensor of 2**31 + 2**20 elements (4.3 GB); the last
     channel's values lie beyond 2**31 and must be normalised like the first's."""
@@ -254,7 +286,9 @@ def test_more_than_2_31_elements_are_addressed():
     x = torch.empty(n, c, hw, device="cuda", dtype=torch.bfloat16)
     pattern = torch.arange(hw, device="cuda", dtype=torch.float32).remainder_(7)
     x.copy_(pattern.to(torch.bfloat16).expand_as(x))
-    iabn.functional.inplace_abn(x, None, None, training=True, activation="identity")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("IABN_BACKEND", "triton")
+        iabn.functional.inplace_abn(x, None, None, training=True, activation="identity")
     expected = (pattern - pattern.mean()) / pattern.var(unbiased=False).add(1e-5).sqrt()
     for sample in (0, n - 1):
         for channel in range(c):

@@ -67,9 +67,11 @@ def training_step(model: torch.nn.Module, leaf: torch.Tensor, grad: torch.Tensor
 
 
 def write_json(path: Path, report: Mapping[str, Any]) -> None:
-    """Write a benchmark's report (indented JSON) and say where."""
+    """Write a benchmark's report (indented JSON) atomically and say where."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    os.replace(partial, path)
     print(f"results written to {path}")
 
 

@@ -1,12 +1,16 @@
-"""Which kernels run a layer: Triton for CUDA tensors, the PyTorch reference otherwise.
+"""Which kernels run a layer: PyTorch's own batch-norm kernels by default, Triton on request.
 
-``IABN_BACKEND`` overrides the choice for every layer:
+``IABN_BACKEND`` sets the choice for every layer:
 
 ``auto`` (or unset)
-    Triton for CUDA tensors when Triton is installed, else the reference (with a one-time
-    warning on CUDA, since the fused kernels are the fast path there).
+    the reference kernels (:mod:`.reference`, on PyTorch's native batch-norm kernels) on CPU
+    and on CUDA. They are the path verified on a GPU (float32 input gradients within 2e-7 of
+    float64 on an H100 at every shape of issue 13). The fused Triton kernels stay opt-in until
+    a GPU run of the whole suite is green with them: their fix of the activation-slope error
+    at 100k+ values per channel is verified under Triton's CPU interpreter only, and their
+    per-layer launch cost still makes whole networks slower than BatchNorm (issue 14).
 ``reference``
-    the pure-PyTorch kernels everywhere.
+    the reference kernels everywhere.
 ``triton``
     the Triton kernels; raises when they cannot run: Triton missing, or a CPU tensor without
     ``TRITON_INTERPRET=1`` (the interpreter, which is how the kernels are tested on CPU).
@@ -19,7 +23,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import warnings
 from types import ModuleType
 
 from torch import Tensor
@@ -46,15 +49,6 @@ def _triton_backend() -> ModuleType:
     return triton_backend
 
 
-@functools.cache
-def _warn_no_triton() -> None:
-    warnings.warn(
-        "iabn: Triton is not installed, so CUDA tensors use the slower reference kernels; "
-        "pip install triton for the fused kernels (set IABN_BACKEND=reference to silence this)",
-        stacklevel=4,
-    )
-
-
 def requested_backend() -> str:
     """The value of ``IABN_BACKEND`` (``auto`` when unset), validated."""
     choice = os.environ.get(ENV, "").strip().lower() or "auto"
@@ -68,16 +62,8 @@ def requested_backend() -> str:
 
 def backend_for(x: Tensor) -> ModuleType:
     """The kernel module (``forward_``, ``backward``) that runs a layer on ``x``."""
-    choice = requested_backend()
-    if choice == "reference":
+    if requested_backend() != "triton":
         return reference
-    if choice == "auto":
-        if not x.is_cuda:
-            return reference
-        if not has_triton():
-            _warn_no_triton()
-            return reference
-        return _triton_backend()
     if not has_triton():
         raise RuntimeError(
             f"{ENV}=triton, but Triton is not installed: pip install triton, or set "
