@@ -1,0 +1,125 @@
+"""Host cost of one norm + activation layer: microseconds per forward + backward at tiny shapes.
+
+At tiny shapes a layer's time is what the host spends on it (Python, dispatch, checks, kernel
+launches), not what the kernels compute. With ~50 such layers per network that cost decides
+whether the GPU waits for the host (issue 14). Providers, on the same input and weights:
+
+``bn``            ``nn.BatchNorm2d`` + ``nn.LeakyReLU(inplace=True)`` (what users replace)
+``iabn``          ``iabn.InPlaceABN`` on the default backend (the reference kernels)
+``iabn_triton``   ``iabn.InPlaceABN`` with ``IABN_BACKEND=triton`` (CUDA only)
+
+One call is ``layer(leaf.clone()).backward(grad)`` with the gradients reset as
+``optimizer.zero_grad()`` does; the clone is in every provider's call. Calls are timed in loops
+of ``--iters`` after a warm-up, providers interleaved within each repeat, median over repeats;
+on CUDA the loop ends with a synchronisation, which at these sizes costs less than the launches
+it waits for. The ratio ``provider / bn`` of the medians is printed with the figures, and
+everything goes to a JSON file with the machine, versions and date.
+
+Usage::
+
+    python benchmarks/host_overhead.py [--device cpu|cuda] [--repeats 15] [--iters 200]
+        [--quick] [--json benchmarks/results/host_overhead_<device>.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from statistics import median
+
+import torch
+from torch import nn
+
+import iabn
+from iabn.bench import machine_info, time_interleaved, training_step, write_json
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SHAPES = [(2, 8, 4, 4), (8, 64, 8, 8)]
+
+
+class _Backend:
+    """Run a step with ``IABN_BACKEND`` set to ``name`` (None: leave it as it is)."""
+
+    def __init__(self, step, name):
+        self.step, self.name = step, name
+
+    def __call__(self):
+        if self.name is None:
+            return self.step()
+        old = os.environ.get("IABN_BACKEND")
+        os.environ["IABN_BACKEND"] = self.name
+        try:
+            return self.step()
+        finally:
+            if old is None:
+                del os.environ["IABN_BACKEND"]
+            else:
+                os.environ["IABN_BACKEND"] = old
+
+
+def providers(device: torch.device, channels: int) -> dict[str, tuple[nn.Module, str | None]]:
+    layers = {
+        "bn": (nn.Sequential(nn.BatchNorm2d(channels), nn.LeakyReLU(0.01, inplace=True)), None),
+        "iabn": (iabn.InPlaceABN(channels), None),
+    }
+    if device.type == "cuda":
+        layers["iabn_triton"] = (iabn.InPlaceABN(channels), "triton")
+    return {name: (layer.to(device), backend) for name, (layer, backend) in layers.items()}
+
+
+def measure(shape, device: torch.device, repeats: int, iters: int) -> dict:
+    leaf = torch.randn(shape, device=device, requires_grad=True)
+    grad = torch.randn(shape, device=device)
+    steps = {name: _Backend(training_step(layer, leaf, grad), backend)
+             for name, (layer, backend) in providers(device, shape[1]).items()}
+    samples = time_interleaved(steps, repeats, iters, warmup=5, device=device)
+    us = {name: median(values) * 1e3 for name, values in samples.items()}
+    return {"shape": list(shape), "us_per_call": us,
+            "ratio_to_bn": {name: value / us["bn"] for name, value in us.items()},
+            "samples_ms": samples}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--quick", action="store_true", help="3 repeats of 20 calls (CI smoke)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats, args.iters = 3, 20
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        print(f"error: --device {args.device!r}: use cpu, cuda or cuda:N", file=sys.stderr)
+        return 2
+    if device.type not in ("cpu", "cuda"):
+        print(f"error: --device {args.device!r}: use cpu, cuda or cuda:N", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda, but CUDA is not available", file=sys.stderr)
+        return 2
+    if args.repeats < 1 or args.iters < 1:
+        print("error: --repeats and --iters must be >= 1", file=sys.stderr)
+        return 2
+    rows = []
+    for shape in SHAPES:
+        row = measure(shape, device, args.repeats, args.iters)
+        rows.append(row)
+        figures = "  ".join(f"{name} {us:7.1f} µs ({row['ratio_to_bn'][name]:.2f}x)"
+                            for name, us in row["us_per_call"].items())
+        print(f"{'x'.join(map(str, shape)):>10}  {figures}", flush=True)
+    info = machine_info()
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    path = args.json or RESULTS / f"host_overhead_{device.type}.json"
+    write_json(path, {"machine": info, "device": str(device), "repeats": args.repeats,
+                      "iters": args.iters, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
