@@ -13,8 +13,10 @@ Three kinds of test, told apart by markers (registered in pyproject.toml):
 
 Without CUDA the Triton kernels run under Triton's CPU interpreter. With CUDA they are compiled
 for the GPU, unless ``IABN_TEST_INTERPRET=1`` asks for the interpreter there too (the
-interpreter tests on CPU tensors, as CI runs them). Triton reads ``TRITON_INTERPRET`` when a
-kernel is defined, so it is set here, before anything imports iabn's kernels.
+interpreter tests on CPU tensors, as CI runs them; the interpreter then also takes the Triton
+code that ``torch.compile`` generates for CUDA, so run ``-m "not gpu"`` with it). Triton reads
+``TRITON_INTERPRET`` when a kernel is defined, so it is set here, before anything imports
+iabn's kernels.
 """
 
 import os
