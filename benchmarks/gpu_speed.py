@@ -13,8 +13,9 @@ Every timed call gets a fresh non-leaf input made outside the timed region (in-p
 overwrite it), and is timed alone with CUDA events; the figure is the median over repeats,
 with providers interleaved within each repeat. Also reported:
 
-- effective bandwidth: the bytes a fused layer must move (DESIGN §4: 3 tensor-sizes forward,
-  5 backward, 8 full), over the time, as a fraction of a measured device-to-device copy;
+- effective bandwidth: the bytes a fused layer must move (docs/design.md, "Kernels: numerics
+  and launch plan": 3 tensor-sizes forward, 5 backward, 8 full), over the time, as a fraction
+  of a measured device-to-device copy;
 - peak memory of one training step above what was allocated before it (MiB);
 - the largest relative error of each provider's output and input gradient against a float64
   ``nn.BatchNorm2d`` computation on the same input.
@@ -51,7 +52,8 @@ PAPER_SHAPES = [*((32, c, s, s) for c, s in RESNEXT101_STAGES), (8, 256, 128, 12
 QUICK_SHAPES = [(4, 8, 6, 6), (2, 16, 3, 5)]
 PROVIDERS = ("eager", "compile", "reference", "triton")
 MODES = ("forward", "backward", "full")
-#: Tensor-sizes a fused in-place layer must move per mode (DESIGN §4).
+#: Tensor-sizes a fused in-place layer must move per mode (docs/design.md, "Kernels: numerics
+#: and launch plan").
 MIN_TRAFFIC = {"forward": 3, "backward": 5, "full": 8}
 SLOPE = 0.01
 RESULTS = Path(__file__).resolve().parent / "results"

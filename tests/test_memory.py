@@ -1,4 +1,5 @@
-"""Exact saved-activation bytes (DESIGN §3): InPlace-ABN keeps one activation per block."""
+"""Exact saved-activation bytes (docs/design.md, "Memory accounting"): InPlace-ABN keeps one
+activation per block."""
 
 import pytest
 import torch
@@ -57,7 +58,8 @@ def test_bn_act_conv_block_saved_bytes_are_exact(kind, dtype, channels_last):
 
 @pytest.mark.parametrize("kind", ["iabn", "bn_inplace", "bn"])
 def test_two_blocks_match_design_figures(kind):
-    """DESIGN §3 counts two BN->LeakyReLU->Conv blocks: 1, 2 and 3 activations per block."""
+    """The two-block example of docs/design.md, "Memory accounting": two
+    BN->LeakyReLU->Conv blocks keep 1, 2 and 3 activations per block."""
     def block():
         layers = {
             "iabn": lambda: [iabn.InPlaceABN(C)],
@@ -93,9 +95,10 @@ def test_module_parameters_and_buffers_are_not_counted():
 
 @pytest.mark.parametrize("budget,activations", [(1.0, 3), (0.5, 1)])
 def test_compiled_saved_bytes_two_blocks(budget, activations):
-    """DESIGN §3's torch.compile figures, read from the compiled graphs. With the default
-    budget the compiled standard blocks keep what eager BN + out-of-place LeakyReLU keeps
-    (3 activations a block, cross-checked against the saved-tensor hooks); with
+    """The torch.compile figures of docs/design.md, "Memory accounting", read from the
+    compiled graphs. With the default budget the compiled standard blocks keep what eager BN +
+    out-of-place LeakyReLU keeps (3 activations a block, cross-checked against the saved-tensor
+    hooks); with
     ``activation_memory_budget=0.5`` they keep 1 a block — what InPlace-ABN keeps in eager
     mode, with no recomputation."""
     def block():

@@ -1,4 +1,5 @@
-"""In-Place ABN with batch statistics synchronised over ``torch.distributed`` (DESIGN §2, Sync).
+"""In-Place ABN with batch statistics synchronised over ``torch.distributed`` (docs/design.md,
+"Synchronised layers").
 
 Per layer and training step there are exactly two collectives:
 

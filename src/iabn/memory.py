@@ -1,4 +1,4 @@
-"""Activation-memory accounting (DESIGN §3).
+"""Activation-memory accounting (docs/design.md, "Memory accounting").
 
 "Activation memory" is the bytes of the distinct storages that autograd keeps for backward.
 It is counted with ``torch.autograd.graph.saved_tensors_hooks`` while the forward runs and

@@ -1,4 +1,5 @@
-"""The effective BatchNorm scale ``g = scale(gamma)`` of the in-place layers (DESIGN §2).
+"""The effective BatchNorm scale ``g = scale(gamma)`` of the in-place layers (docs/design.md,
+"The math").
 
 The in-place layer divides by ``g`` in backward, so ``g`` must stay away from zero. Two ways:
 

@@ -3,9 +3,10 @@
 The paper (§4.2, Table 3) trains DeepLabV3 on ResNeXt-101 and WideResNet-38 bodies and, for each
 norm layer, fills the same GPU with more crops of the same size (FIXED CROP) or larger crops at
 the same batch (FIXED BATCH). Here the memory is the *activation bytes* a training forward keeps
-for backward (model + cross-entropy loss; DESIGN §3), counted exactly with saved-tensor hooks and
-de-duplicated by storage; parameters and buffers are excluded. It is not GPU peak memory
-(workspaces, gradients, optimiser state, fragmentation and the backward transient are not in it).
+for backward (model + cross-entropy loss; docs/design.md, "Memory accounting"), counted exactly
+with saved-tensor hooks and de-duplicated by storage; parameters and buffers are excluded. It is
+not GPU peak memory (workspaces, gradients, optimiser state, fragmentation and the backward
+transient are not in it).
 
 Exact counts at 16 x 512 x 512 would take minutes and tens of GiB on a CPU, so the forward runs
 on PyTorch's ``meta`` device: tensors there have shapes, dtypes and storages but no data, and

@@ -5,11 +5,12 @@ No autograd here: these functions are the bodies of the ``torch.library`` operat
 every per-channel tensor is ``(C,)``.
 
 Forward runs ``aten::native_batch_norm.out`` with ``out=x`` (normalise, scale and shift in
-place) and then the activation in place. Backward uses the identity of DESIGN §2: given
-``input = y``, ``save_mean = beta``, ``save_invstd = 1/g`` and ``weight = g^2 * invstd``, ATen's
-batch-norm backward computes exactly the gradients of variant II from ``y``, so no chain of
-elementwise ops is needed. Variant I first materialises ``xhat = (y - beta) / g`` and runs the
-standard backward on it (one more pass: it exists as the paper's reference).
+place) and then the activation in place. Backward uses the identity of docs/design.md,
+"The math": given ``input = y``, ``save_mean = beta``, ``save_invstd = 1/g`` and
+``weight = g^2 * invstd``, ATen's batch-norm backward computes exactly the gradients of
+variant II from ``y``, so no chain of elementwise ops is needed. Variant I first materialises
+``xhat = (y - beta) / g`` and runs the standard backward on it (one more pass: it exists as
+the paper's reference).
 """
 
 from __future__ import annotations

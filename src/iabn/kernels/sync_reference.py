@@ -4,8 +4,8 @@ Forward: :func:`local_moments` -> (all-gather) -> :func:`merge_moments` ->
 :func:`normalize_` with the merged statistics (on the kernels :mod:`.dispatch` picks).
 Backward: :func:`local_sums` -> (all-reduce) -> :func:`input_grad`; the Triton backend has both
 with the same interface (:mod:`.triton_backend`). Per-channel tensors are ``(C,)``; merged
-statistics are float64 so that the merge of many ranks' moments loses nothing (DESIGN §2,
-"Sync").
+statistics are float64 so that the merge of many ranks' moments loses nothing (docs/design.md,
+"Synchronised layers").
 """
 
 from __future__ import annotations

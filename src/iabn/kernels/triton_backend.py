@@ -5,7 +5,8 @@ updates the running statistics, and computes ``invstd``, ``g`` and the normalisa
 coefficients), and the in-place normalise + activate pass. Backward is three as well: partial
 sums with the activation's inversion fused in (reads ``z`` and ``dz`` once), ``finalize``
 (parameter gradients and the coefficients of ``dx``), and the elementwise ``dx`` pass. That is
-the traffic of DESIGN §4: about 3 tensor-sizes forward and 5 backward.
+the traffic of docs/design.md, "Kernels: numerics and launch plan": about 3 tensor-sizes
+forward and 5 backward.
 
 Both variants of the paper compute the same quantities; the kernels implement them with one
 formulation (``sum(dy * (y - beta))`` for ``dg``, which does not cancel when ``|beta|`` is

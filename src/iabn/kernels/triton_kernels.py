@@ -367,7 +367,7 @@ def finalize_backward_kernel(
 ):
     """Per channel: sum the partials in order, ``dbeta = sum(dy)``,
     ``dg = sum(dy * (y - beta)) / g`` (= ``sum(dy * xhat)``), ``dgamma`` from ``dg``, and the
-    coefficients ``k1, k2, k3`` of ``dx`` (``coeffs[3, C]``; DESIGN §2, variant II):
+    coefficients ``k1, k2, k3`` of ``dx`` (``coeffs[3, C]``; docs/design.md, "The math"):
     training ``dx = g*invstd*(dy - (y - beta)/g * dg/m - dbeta/m)``, eval ``dx = g*invstd*dy``.
     """
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
