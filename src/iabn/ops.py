@@ -13,8 +13,8 @@ Two operators, so that ``torch.compile`` sees them as opaque nodes with known ef
 ``iabn::inplace_abn_backward``
     pure: ``(z, dz, ...) -> (dx, dgamma, dbeta)``.
 
-Both run the kernels :func:`iabn.kernels.dispatch.backend_for` picks for the tensor (Triton
-for CUDA tensors, the PyTorch reference otherwise, ``IABN_BACKEND`` to force one).
+Both run the kernels :func:`iabn.kernels.dispatch.backend_for` picks (the PyTorch reference
+by default, Triton with ``IABN_BACKEND=triton``).
 
 In eager mode :class:`InPlaceABNFunction` calls the kernels directly: going through the
 Python custom-op dispatcher costs about 60 µs per layer and step (measured on CPU, float32,

@@ -13,9 +13,10 @@ Providers: ``triton`` and ``reference`` (``iabn.InPlaceABN`` on that backend) an
 (``nn.BatchNorm2d`` + ``nn.LeakyReLU(inplace=True)``, PyTorch's own layers) in the input's
 dtype, all on the same device. In half precision a tiny negative output (``0.01 * y`` below
 float16's smallest subnormal, ``|y| < 3e-6``) rounds to ``-0.0``; its sign bit still tells the
-branch, so a backward that reads the sign bit, as iabn's do, takes the right slope, and one
-that tests ``z > 0`` takes the right one for ``-0.0`` but the wrong one for the positive
-values that round to ``+0.0`` (``0 < y < 3e-8``), and ``z >= 0`` the reverse.
+branch, so a backward that reads the sign bit, as iabn's Triton kernels do, takes the right
+slope. One that tests ``z > 0`` (PyTorch's LeakyReLU, and iabn's reference backend, which runs
+ATen's ``leaky_relu_backward``) takes the right one for ``-0.0`` but the wrong one for the
+positive values that round to ``+0.0`` (``0 < y < 3e-8``); ``z >= 0`` does the reverse.
 """
 
 from __future__ import annotations

@@ -17,12 +17,13 @@ an error of ``d`` standard deviations in the mean moves about ``0.4 * d`` of all
 it, and those get the other slope in backward. (With float32 tile means merged in float32 the
 mean was off by ~1e-7 std, and one value in ~10M of a 100k-per-channel layer took the wrong
 slope; PyTorch's kernels, which accumulate in float64 on CPU, none.) So each tile is summarised
-by the corrected two-pass formula in the elements' dtype -- its mean, then the sum ``r`` of the
-deviations from that mean, which is the mean's rounding error times the count and is summed
-accurately because the deviations are small -- and the tile summaries ``(count, mean + r/n,
-M2 - r^2/n)`` are merged with Chan's formula in float64. Per element this costs one more sum;
-float64 arithmetic runs once per tile and channel, not per element. Mean and variance never
-come from a sum and a sum of squares, which cancel catastrophically when ``|mean| >> std``.
+by the corrected two-pass formula in ``ACC`` (float32; float64 for float64 inputs) -- its
+mean, then the sum ``r`` of the deviations from that mean, which is the mean's rounding error
+times the count and is summed accurately because the deviations are small -- and the tile
+summaries ``(count, mean + r/n, M2 - r^2/n)`` are merged with Chan's formula in float64. Per
+element this costs one more sum; float64 arithmetic runs once per tile and channel, not per
+element. Mean and variance never come from a sum and a sum of squares, which cancel
+catastrophically when ``|mean| >> std``.
 
 Row offsets are computed in 64 bits, so tensors of more than 2**31 elements are addressed
 correctly. Elementwise math runs in the accumulation dtype (float32 for half inputs).
