@@ -1,11 +1,12 @@
 """A fix for Triton's CPU interpreter, so that it converts like the GPU does.
 
-Triton 3.9's interpreter converts float32 to bfloat16 by truncating the mantissa, and its
-round-to-nearest-even mode adds the rounding bit without carrying into the exponent (see
-``triton.runtime.interpreter._convert_float``). A GPU rounds to nearest even (``cvt.rn``), as
-PyTorch does. Kernels that store bfloat16 would look up to one unit in the last place worse
-under the interpreter than on the device, so the tests' precision bounds (twice PyTorch's own
-error) would measure the interpreter, not the kernels. Only that one conversion is replaced;
+Triton's interpreter (3.8, which torch 2.14.1 pins, as 3.9 and 3.6) converts float32 to
+bfloat16 by truncating the mantissa, and its round-to-nearest-even mode adds the rounding bit
+without carrying into the exponent (see ``triton.runtime.interpreter._convert_float``). A GPU
+rounds to nearest even (``cvt.rn``), as PyTorch does. Kernels that store bfloat16 would look up
+to one unit in the last place worse under the interpreter than on the device, so the tests'
+precision bounds (twice PyTorch's own error) would measure the interpreter, not the kernels.
+Only that one conversion is replaced;
 :func:`test_triton.test_interpreter_bfloat16_conversion_rounds_like_torch` checks it.
 """
 
