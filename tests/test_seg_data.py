@@ -17,7 +17,6 @@ from iabn.data.segmentation import (
     TrainTransform,
     class_uniform_pixel,
     crop_pair,
-    normalize,
     random_window,
     resize_pair,
 )
@@ -162,9 +161,28 @@ def test_duplicate_stems_are_rejected(tmp_path):
         SegmentationFolder(tmp_path)
 
 
+def test_16_bit_labels_and_images_decode_exactly(tmp_path):
+    root = tmp_path / "train"
+    (root / "images").mkdir(parents=True)
+    (root / "labels").mkdir()
+    rng = np.random.default_rng(0)
+    grey = rng.integers(0, 256, (5, 7)).astype(np.uint16)
+    Image.fromarray(grey * 257).save(root / "images" / "a.png")  # 16-bit grey image
+    label = rng.integers(0, 255, (5, 7)).astype(np.uint16)
+    label[0, :3] = [255, 256, 65535]  # 16-bit ids: 255 is the ignore index, 256 is not
+    Image.fromarray(label).save(root / "labels" / "a.png")
+    assert Image.open(root / "labels" / "a.png").mode.startswith("I")
+    image, read = SegmentationFolder(tmp_path, "train")[0]
+    assert image.dtype == torch.uint8 and read.dtype == torch.int64
+    assert torch.equal(image, torch.from_numpy(grey).to(torch.uint8).expand(3, -1, -1))
+    assert torch.equal(read, torch.from_numpy(label.astype(np.int64)))
+    with pytest.raises(ValueError, match=r"values 256, 65535 outside \[0, 256\)"):
+        SegmentationFolder(tmp_path, "train", num_classes=256)[0]
+
+
 def test_bad_label_files_are_named_when_read(tmp_path):
     _write_sample(tmp_path / "train", "colour", label_mode="RGB")
-    with pytest.raises(ValueError, match=r"colour\.png is a mode RGB image"):
+    with pytest.raises(ValueError, match=r"colour\.png has 3 channels: labels must be single"):
         SegmentationFolder(tmp_path)[0]
     _write_sample(tmp_path / "val", "big")
     with pytest.raises(ValueError, match="outside \\[0, 3\\)"):
@@ -179,12 +197,19 @@ def test_bad_label_files_are_named_when_read(tmp_path):
 # ------------------------------------------------------------------ transforms
 
 
-def test_normalize_matches_numpy():
+def _normalized(image, mean, std):
+    scaled = image.numpy() / 255.0 if image.dtype == torch.uint8 else image.numpy()
+    return (scaled - np.array(mean)[:, None, None]) / np.array(std)[:, None, None]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32])
+def test_normalisation_matches_numpy(dtype):
     image = torch.randint(0, 256, (3, 4, 5), dtype=torch.uint8)
+    image = image if dtype == torch.uint8 else image / 255.0
     mean, std = (0.1, 0.5, 0.9), (0.2, 0.3, 0.4)
-    expected = (image.numpy() / 255.0 - np.array(mean)[:, None, None]) / np.array(std)[:, None,
-                                                                                           None]
-    np.testing.assert_allclose(normalize(image, mean, std).numpy(), expected, atol=1e-6)
+    out_image, _ = EvalTransform(mean, std)(image, torch.zeros(4, 5, dtype=torch.long))
+    assert out_image.dtype == torch.float32 and type(out_image) is torch.Tensor
+    np.testing.assert_allclose(out_image.numpy(), _normalized(image, mean, std), atol=1e-6)
 
 
 @pytest.mark.parametrize("size", [(23, 31), (9, 12)])  # (height, width): up, down from 15x17
@@ -245,12 +270,66 @@ def test_train_transform_moves_image_and_label_together():
         assert out_image.shape == (3, 16, 30) and out_label.shape == (16, 30)
         valid = out_label != IGNORE_INDEX
         assert valid.sum() == 16 * 20  # width padded from 20 to 30, height cropped
-        assert torch.equal(out_image[0][valid] * 255, out_label[valid].float())
+        # ToDtype scales by multiplying with 1/255: x * 255 is off by <= 1.6e-5 (measured)
+        torch.testing.assert_close(out_image[0][valid] * 255, out_label[valid].float(),
+                                   rtol=0, atol=2e-5)
         assert (out_image[:, ~valid] == 0).all()
         # which way round the digits run says whether it was flipped
         row = out_label[0][valid[0]]
         flips.add(bool(row[0] > row[-1]))
     assert flips == {True, False}
+
+
+def _checkerboard(height, width, block, seed, stripes=None):
+    """Blocks of random sizes (about 1..2 * block) coloured black or white at random, or with
+    ``stripes`` ("rows" / "columns") stripes across that axis only; the label is 1 on white:
+    a mask derived from the image."""
+    rng = np.random.default_rng(seed)
+    row_ids = np.cumsum(rng.integers(0, block, height) == 0)
+    col_ids = np.cumsum(rng.integers(0, block, width) == 0)
+    row_ids = row_ids * 0 if stripes == "columns" else row_ids
+    col_ids = col_ids * 0 if stripes == "rows" else col_ids
+    colours = rng.integers(0, 2, (row_ids.max() + 1, col_ids.max() + 1))
+    label = torch.from_numpy(colours[row_ids][:, col_ids]).long()
+    return (label * 255).to(torch.uint8).expand(3, -1, -1).clone(), label
+
+
+@pytest.mark.parametrize("class_uniform", [0.0, 1.0])
+def test_mask_derived_from_the_image_still_matches_after_scale_crop_and_flip(class_uniform):
+    # Bilinear resizing blends black and white only across block edges: wherever the output
+    # image is exactly black or white, its label must say so (the nearest source pixel lies in
+    # the same block). torchvision's default NEAREST for masks (half a source pixel off) fails.
+    transform = TrainTransform((36, 44), (0.5,) * 3, (0.5,) * 3, scale_range=(0.6, 2.5),
+                               class_uniform=class_uniform)
+    checked = 0
+    for seed in range(24):
+        image, label = _checkerboard(30, 26, 5, seed)
+        out_image, out_label = transform(image, label, torch.Generator().manual_seed(seed))
+        valid = out_label != IGNORE_INDEX
+        assert (out_image[:, ~valid] == 0).all()  # padding: the mean
+        assert torch.equal(out_image[0], out_image[2])
+        # pure: within float rounding of white (1) or black (-1), a blend weight below 1e-5
+        white, black = (out_image[0] - 1).abs() < 1e-5, (out_image[0] + 1).abs() < 1e-5
+        pure = valid & (white | black)
+        assert torch.equal(out_label[pure], white[pure].long()), seed
+        checked += int(pure.sum())
+        assert pure.sum() > 0.5 * valid.sum()
+    assert checked > 10000
+
+
+def test_upscaled_mask_takes_the_larger_bilinear_weight_of_the_image():
+    # Upscaling stripes, each output pixel blends two source pixels across them; nearest by
+    # pixel centre takes the one with the larger weight, so the label is white where the image
+    # is closer to white. The pure-pixel test above cannot see a half-pixel shift; this one can.
+    transform = TrainTransform((40, 40), (0.5,) * 3, (0.5,) * 3, scale_range=(1.2, 2.5))
+    checked = 0
+    for seed in range(24):
+        image, label = _checkerboard(20, 18, 4, seed, ("rows", "columns")[seed % 2])
+        out_image, out_label = transform(image, label, torch.Generator().manual_seed(seed))
+        valid = (out_label != IGNORE_INDEX) & (out_image[0].abs() > 1e-4)  # no exact ties
+        assert torch.equal(out_label[valid], (out_image[0][valid] > 0).long()), seed
+        checked += int(valid.sum())
+    assert checked > 10000
 
 
 def test_train_transform_flip_alone_mirrors_both():
@@ -259,7 +338,7 @@ def test_train_transform_flip_alone_mirrors_both():
                                flip_probability=1.0)
     out_image, out_label = transform(image, label, torch.Generator().manual_seed(0))
     assert torch.equal(out_label, label.flip(-1))
-    assert torch.equal(out_image * 255, image.flip(-1).float())
+    torch.testing.assert_close(out_image * 255, image.flip(-1).float(), rtol=0, atol=2e-5)
 
 
 def test_train_transform_scales_within_the_range():
@@ -323,7 +402,7 @@ def test_eval_transform_normalises_and_resizes_the_long_side():
     mean, std = (0.1, 0.2, 0.3), (0.5, 0.5, 0.5)
     out_image, out_label = EvalTransform(mean, std)(image, label)
     assert torch.equal(out_label, label)
-    torch.testing.assert_close(out_image, normalize(image, mean, std))
+    np.testing.assert_allclose(out_image.numpy(), _normalized(image, mean, std), atol=1e-6)
     out_image, out_label = EvalTransform(mean, std, long_side=48)(image, label)
     assert out_image.shape == (3, 48, 40) and out_label.shape == (48, 40)
     assert torch.equal(out_label, label.repeat_interleave(2, 0).repeat_interleave(2, 1))

@@ -1,10 +1,13 @@
 """ImageFolder data: class mapping, image discovery, and layout errors that say what to fix."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
-from iabn.data.imagefolder import DataLayoutError, ImageFolder, train_val_folders
+from iabn.data.imagefolder import DataLayoutError, ImageFolder, read_rgb, train_val_folders
 
 
 def _save(path, value):
@@ -29,10 +32,10 @@ def test_classes_are_sorted_folders_and_images_are_found_recursively(root):
     assert len(train) == 7 and len(val) == 2
     labels = [label for _, label in train.samples]
     assert labels == [0, 0, 0, 1, 1, 1, 1]
-    assert any(path.name == "deep.JPG" for path, _ in train.samples)
+    assert any(Path(path).name == "deep.JPG" for path, _ in train.samples)
     image, label = train[6]
-    assert image.mode == "RGB" and image.size == (7, 6) and label == 1
-    assert np.asarray(image)[0, 0].tolist() == [10, 10, 10]
+    assert image.dtype == torch.uint8 and image.shape == (3, 6, 7) and label == 1
+    assert image[:, 0, 0].tolist() == [10, 10, 10]
 
 
 def test_validation_may_lack_a_class_but_keeps_training_labels(root):
@@ -72,3 +75,29 @@ def test_unreadable_image_names_its_path(tmp_path):
     broken.write_bytes(b"not a jpeg")
     with pytest.raises(OSError, match=r"cannot read image .*broken\.jpg"):
         ImageFolder(tmp_path / "split")[0]
+
+
+def test_images_decode_to_rgb_uint8_from_8_and_16_bit_files(tmp_path):
+    rng = np.random.default_rng(0)
+    colour = rng.integers(0, 256, (5, 4, 3), dtype=np.uint8)
+    Image.fromarray(colour).save(tmp_path / "colour.png")
+    Image.fromarray(colour).save(tmp_path / "colour.bmp")  # Pillow's path: no torchvision BMP
+    Image.fromarray(np.concatenate([colour, colour[..., :1]], -1)).save(tmp_path / "rgba.png")
+    Image.fromarray(colour[..., 0]).save(tmp_path / "grey.png")
+    # 16-bit grey: multiples of 257 so the 8-bit value is exact (v / 257 == v >> 8).
+    Image.fromarray(colour[..., 0].astype(np.uint16) * 257).save(tmp_path / "grey16.png")
+    want = torch.from_numpy(colour.transpose(2, 0, 1).copy())
+    grey = want[:1].expand(3, -1, -1)
+    for name, expected in (("colour.png", want), ("colour.bmp", want), ("rgba.png", want),
+                           ("grey.png", grey), ("grey16.png", grey)):
+        got = read_rgb(tmp_path / name)
+        assert got.dtype == torch.uint8, name
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=name)
+
+
+def test_16_bit_png_keeps_its_high_byte_not_a_clipped_value(tmp_path):
+    # Pillow's convert("RGB") of a 16-bit image clips at 255; the decoder must scale instead.
+    values = np.array([[0, 256, 4096], [32768, 65280, 65535]], dtype=np.uint16)
+    Image.fromarray(values).save(tmp_path / "deep.png")
+    got = read_rgb(tmp_path / "deep.png")
+    assert got[0].tolist() == [[0, 1, 16], [128, 255, 255]]

@@ -5,7 +5,12 @@ A sample is ``(image, label)``: ``image`` ``[3, H, W]`` (``uint8`` from the data
 normalised after a transform), ``label`` ``int64 [H, W]`` of class ids, ``ignore_index`` (255 by
 default) where a pixel has no class (padding, void).
 
-Randomness comes only from the ``torch.Generator`` a transform is given. Dataset keys are an
+The transforms are ``torchvision.transforms.v2`` pipelines on ``tv_tensors.Image`` and
+``tv_tensors.Mask`` (one draw moves both), plus what torchvision lacks: a relative random
+scale, class-uniform crops, nearest-by-centre mask resizing.
+
+Randomness comes only from the ``torch.Generator`` a transform is given (the v2 pipeline runs
+with torch's global generator swapped for it, then restored). Dataset keys are an
 index, or an ``(index, seed)`` pair such as :class:`iabn.data.samplers.ShuffledShardSampler`
 yields: the pair seeds the sample's own generator, so its augmentation depends on nothing but
 the pair (not on workers or ranks); a plain index draws from torch's global generator.
@@ -24,9 +29,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.data import Dataset
+from torchvision import tv_tensors
+from torchvision.io import ImageReadMode
+from torchvision.transforms import v2
 
 from .digits import IMAGE_SIZE, load_digits_uint8, split_indices
-from .imagefolder import DataLayoutError
+from .imagefolder import DataLayoutError, decode_file, read_rgb
 
 IGNORE_INDEX = 255
 #: DigitsCanvas classes: label 0 is the background, label ``d + 1`` the ink of digit ``d``.
@@ -55,6 +63,8 @@ _digits = functools.cache(load_digits_uint8)
 
 
 def _pil() -> Any:
+    # Pillow only to upscale the 8x8 digits of DigitsCanvas: torchvision's bilinear resize
+    # rounds differently (+-1 level), which would change the canvases the README measured.
     try:
         from PIL import Image
     except ImportError as error:  # an optional dependency: say how to get it
@@ -63,6 +73,7 @@ def _pil() -> Any:
 
 
 # --------------------------------------------------------------------------- DigitsCanvas
+# (synthetic data torchvision has no equivalent of: the embedded, download-free default set)
 
 
 class DigitsCanvas(Dataset):
@@ -170,7 +181,7 @@ class SegmentationFolder(Dataset):
     """Images with label PNGs, Cityscapes-like::
 
         ROOT/SPLIT/images/NAME.png|.jpg|.jpeg     (any mode; read as RGB)
-        ROOT/SPLIT/labels/NAME.png                (single channel: mode L, P, I or I;16)
+        ROOT/SPLIT/labels/NAME.png                (single channel: 8/16-bit grey or palette)
 
     An image and its label share the file name stem (``NAME``) and their size. Label values
     are class ids (a palette PNG's indices, not its colours); ``ignore_index`` marks void
@@ -224,26 +235,25 @@ class SegmentationFolder(Dataset):
     def load(self, index: int) -> tuple[Tensor, Tensor]:
         """Sample ``index`` as read: ``uint8 [3, H, W]``, ``int64 [H, W]``."""
         image_path, label_path = self.samples[index]
-        Image = _pil()
-        with Image.open(image_path) as file:
-            image = np.asarray(file.convert("RGB"))
-        with Image.open(label_path) as file:
-            if file.mode not in ("L", "P", "I", "I;16"):
-                raise ValueError(f"{label_path} is a mode {file.mode} image: labels must be "
-                                 f"single-channel class ids (mode L, P, I or I;16), not colours")
-            label = np.asarray(file).astype(np.int64)
-        if image.shape[:2] != label.shape:
-            raise ValueError(f"{image_path} is {image.shape[1]}x{image.shape[0]} but "
+        image = read_rgb(image_path)
+        decoded = decode_file(label_path, ImageReadMode.UNCHANGED)  # palette PNG: indices
+        if decoded.shape[0] != 1:
+            raise ValueError(f"{label_path} has {decoded.shape[0]} channels: labels must be "
+                             f"single-channel class ids (8- or 16-bit grey or palette PNG), "
+                             f"not colours")
+        label = decoded[0].to(torch.int64)
+        if image.shape[1:] != label.shape:
+            raise ValueError(f"{image_path} is {image.shape[2]}x{image.shape[1]} but "
                              f"{label_path} is {label.shape[1]}x{label.shape[0]}: an image "
                              f"and its label must have the same size")
         if self.num_classes is not None:
-            bad = np.unique(label[(label >= self.num_classes) | (label < 0)])
+            bad = label[(label >= self.num_classes) | (label < 0)].unique()
             bad = bad[bad != self.ignore_index]
-            if bad.size:
+            if bad.numel():
                 raise ValueError(f"{label_path} has values {_some(bad.tolist())} outside "
                                  f"[0, {self.num_classes}) that are not the ignore index "
                                  f"{self.ignore_index}")
-        return (torch.from_numpy(image.transpose(2, 0, 1).copy()), torch.from_numpy(label))
+        return image, label
 
     def __getitem__(self, key: SampleKey) -> tuple[Tensor, Tensor]:
         index, generator = _split_key(key)
@@ -266,23 +276,34 @@ def _check_pair(image: Tensor, label: Tensor) -> None:
                          f"[C, H, W] and [H, W] of the same height and width")
 
 
-def normalize(image: Tensor, mean: Sequence[float], std: Sequence[float]) -> Tensor:
-    """``uint8`` (0..255) or float (0..1) ``[C, H, W]`` -> ``float32 (x - mean) / std``."""
-    x = image.float() / 255.0 if image.dtype == torch.uint8 else image.float()
-    return (x - torch.tensor(mean).view(-1, 1, 1)) / torch.tensor(std).view(-1, 1, 1)
+def _image_mask(image: Tensor, label: Tensor) -> tuple[tv_tensors.Image, tv_tensors.Mask]:
+    return tv_tensors.Image(image), tv_tensors.Mask(label)
+
+
+def _to_float_normalized(mean: Sequence[float], std: Sequence[float]) -> list[v2.Transform]:
+    """``uint8`` (0..255) or float (0..1) image -> ``float32 (x - mean) / std``; masks as
+    they are."""
+    return [v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True),
+            v2.Normalize(list(mean), list(std))]
+
+
+def _resize(inpt: Tensor, size: tuple[int, int], shrinking: bool) -> Tensor:
+    if isinstance(inpt, tv_tensors.Mask):
+        # NEAREST_EXACT, not torchvision's default NEAREST for masks: NEAREST samples source
+        # pixel floor(i * scale), off the image's pixel centres by up to half a source pixel.
+        return v2.functional.resize(inpt, list(size), v2.InterpolationMode.NEAREST_EXACT)
+    return v2.functional.resize(inpt, list(size), v2.InterpolationMode.BILINEAR,
+                                antialias=shrinking)
 
 
 def resize_pair(image: Tensor, label: Tensor, height: int, width: int) -> tuple[Tensor, Tensor]:
     """Float ``image`` bilinearly (antialiased when shrinking, as Pillow), ``label`` by nearest
-    pixel centre (no new values), both to ``height x width``."""
-    if (height, width) == tuple(label.shape):
+    pixel centre (no new values, aligned with the image), both to ``height x width``."""
+    if (height, width) == tuple(label.shape[-2:]):
         return image, label
-    shrinking = height < label.shape[0] or width < label.shape[1]
-    image = F.interpolate(image[None], size=(height, width), mode="bilinear",
-                          align_corners=False, antialias=shrinking)[0]
-    label = F.interpolate(label[None, None].float(), size=(height, width),
-                          mode="nearest-exact")[0, 0].long()
-    return image, label
+    shrinking = height < label.shape[-2] or width < label.shape[-1]
+    return (_resize(tv_tensors.Image(image), (height, width), shrinking),
+            _resize(tv_tensors.Mask(label), (height, width), shrinking))
 
 
 def crop_pair(image: Tensor, label: Tensor, top: int, left: int, height: int, width: int,
@@ -290,16 +311,76 @@ def crop_pair(image: Tensor, label: Tensor, top: int, left: int, height: int, wi
     """The ``height x width`` window at ``(top, left)``, which may reach outside the image:
     outside pixels are 0 in the image (the mean, once normalised) and ``ignore_index`` in the
     label."""
-    out_image = image.new_zeros(image.shape[0], height, width)
-    out_label = label.new_full((height, width), ignore_index)
-    rows = slice(max(top, 0), min(top + height, label.shape[0]))
-    cols = slice(max(left, 0), min(left + width, label.shape[1]))
-    if rows.start < rows.stop and cols.start < cols.stop:
-        target = (slice(rows.start - top, rows.stop - top), slice(cols.start - left,
-                                                                   cols.stop - left))
-        out_image[:, target[0], target[1]] = image[:, rows, cols]
-        out_label[target] = label[rows, cols]
-    return out_image, out_label
+    image, label = tv_tensors.Image(image), tv_tensors.Mask(label)
+    rows, cols = label.shape[-2:]
+    padding = [max(0, -left), max(0, -top), max(0, left + width - cols),
+               max(0, top + height - rows)]  # left, top, right, bottom
+    if any(padding):
+        image = v2.functional.pad(image, padding, fill=0)
+        label = v2.functional.pad(label, padding, fill=ignore_index)
+    top, left = top + padding[1], left + padding[0]
+    return (v2.functional.crop(image, top, left, height, width),
+            v2.functional.crop(label, top, left, height, width))
+
+
+class RandomScale(v2.Transform):
+    """Scale images and masks by one factor drawn uniformly from ``scale_range`` (images
+    bilinear, masks nearest, as :func:`resize_pair`). torchvision has no relative random
+    scale: ``v2.ScaleJitter`` scales towards a fixed target size, ``v2.RandomResize`` to a
+    side length."""
+
+    def __init__(self, scale_range: tuple[float, float]) -> None:
+        super().__init__()
+        self.scale_range = scale_range
+
+    def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
+        height, width = next(inpt for inpt in flat_inputs
+                             if isinstance(inpt, (tv_tensors.Image, tv_tensors.Mask))).shape[-2:]
+        factor = _uniform(*self.scale_range, None)
+        size = (max(1, round(height * factor)), max(1, round(width * factor)))
+        return {"size": size, "same": size == (height, width),
+                "shrinking": size[0] < height or size[1] < width}
+
+    def transform(self, inpt: Any, params: dict[str, Any]) -> Any:
+        return inpt if params["same"] else _resize(inpt, params["size"], params["shrinking"])
+
+
+class RandomPaddedCrop:
+    """A ``crop_size`` window of image and mask, padded with 0 / ``ignore_index`` where they
+    are smaller (as ``v2.RandomCrop(pad_if_needed=True)``, which it uses), or with probability
+    ``class_uniform`` centred on a pixel of a class drawn uniformly among those present
+    (:func:`class_uniform_pixel`), which torchvision lacks."""
+
+    def __init__(self, crop_size: tuple[int, int], class_uniform: float,
+                 ignore_index: int) -> None:
+        self.crop_size, self.class_uniform = crop_size, class_uniform
+        self.ignore_index = ignore_index
+        self.uniform = v2.RandomCrop(crop_size, pad_if_needed=True,
+                                     fill={tv_tensors.Image: 0, tv_tensors.Mask: ignore_index})
+
+    def __call__(self, image: tv_tensors.Image, mask: tv_tensors.Mask) -> tuple[Any, Any]:
+        centre = None
+        if self.class_uniform and _uniform(0.0, 1.0, None) < self.class_uniform:
+            centre = class_uniform_pixel(mask.as_subclass(Tensor), None, self.ignore_index)
+        if centre is None:
+            return self.uniform(image, mask)
+        (crop_h, crop_w), (height, width) = self.crop_size, mask.shape[-2:]
+        top = random_window(height, crop_h, None, centre[0])
+        left = random_window(width, crop_w, None, centre[1])
+        return crop_pair(image, mask, top, left, crop_h, crop_w, self.ignore_index)
+
+
+def _with_generator(pipeline: Callable[..., Any], generator: torch.Generator | None,
+                    *inputs: Any) -> Any:
+    """``pipeline(*inputs)`` drawing from ``generator`` (advanced as if drawn from directly)
+    instead of torch's global generator, which is left as it was; None: the global one."""
+    if generator is None:
+        return pipeline(*inputs)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(generator.get_state())
+        out = pipeline(*inputs)
+        generator.set_state(torch.get_rng_state())
+    return out
 
 
 def _randint(low: int, high: int, generator: torch.Generator | None) -> int:
@@ -375,23 +456,18 @@ class TrainTransform:
         self.mean, self.std = tuple(mean), tuple(std)
         self.scale_range, self.flip_probability = scale_range, flip_probability
         self.class_uniform, self.ignore_index = class_uniform, ignore_index
+        self.pipeline = v2.Compose([
+            *_to_float_normalized(self.mean, self.std),
+            RandomScale(scale_range),
+            v2.RandomHorizontalFlip(flip_probability),
+            RandomPaddedCrop(self.crop_size, class_uniform, ignore_index),
+        ])
 
     def __call__(self, image: Tensor, label: Tensor,
                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         _check_pair(image, label)
-        image = normalize(image, self.mean, self.std)
-        factor = _uniform(*self.scale_range, generator)
-        image, label = resize_pair(image, label, max(1, round(label.shape[0] * factor)),
-                                   max(1, round(label.shape[1] * factor)))
-        if _uniform(0.0, 1.0, generator) < self.flip_probability:
-            image, label = image.flip(-1), label.flip(-1)
-        centre = None
-        if self.class_uniform and _uniform(0.0, 1.0, generator) < self.class_uniform:
-            centre = class_uniform_pixel(label, generator, self.ignore_index)
-        (crop_h, crop_w), (height, width) = self.crop_size, label.shape
-        top = random_window(height, crop_h, generator, None if centre is None else centre[0])
-        left = random_window(width, crop_w, generator, None if centre is None else centre[1])
-        return crop_pair(image, label, top, left, crop_h, crop_w, self.ignore_index)
+        out = _with_generator(self.pipeline, generator, *_image_mask(image, label))
+        return out[0].as_subclass(Tensor), out[1].as_subclass(Tensor)
 
 
 class EvalTransform:
@@ -404,21 +480,22 @@ class EvalTransform:
         if long_side is not None and long_side < 1:
             raise ValueError(f"long_side={long_side}: a positive number of pixels, or None")
         self.mean, self.std, self.long_side = tuple(mean), tuple(std), long_side
+        self.normalize = v2.Compose(_to_float_normalized(self.mean, self.std))
 
     def __call__(self, image: Tensor, label: Tensor,
                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
         _check_pair(image, label)
-        image = normalize(image, self.mean, self.std)
+        image, label = self.normalize(*_image_mask(image, label))
         if self.long_side is not None:
             height, width = label.shape
             factor = self.long_side / max(height, width)
             image, label = resize_pair(image, label, max(1, round(height * factor)),
                                        max(1, round(width * factor)))
-        return image, label
+        return image.as_subclass(Tensor), label.as_subclass(Tensor)
 
 
 __all__ = [
     "CANVAS_CLASSES", "CANVAS_MEAN", "CANVAS_STD", "IGNORE_INDEX", "NUM_CANVAS_CLASSES",
-    "DigitsCanvas", "EvalTransform", "SegmentationFolder", "TrainTransform",
-    "class_uniform_pixel", "crop_pair", "normalize", "random_window", "resize_pair",
+    "DigitsCanvas", "EvalTransform", "RandomPaddedCrop", "RandomScale", "SegmentationFolder",
+    "TrainTransform", "class_uniform_pixel", "crop_pair", "random_window", "resize_pair",
 ]

@@ -12,30 +12,31 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from torch import Tensor
 from torch.utils.data import Dataset
+from torchvision.transforms.v2 import functional as F
 
 from ..data.digits import NUM_CLASSES, load_digits_uint8, split_indices
-from ..data.imagefolder import ImageFolder, find_classes, pil_image, train_val_folders
+from ..data.imagefolder import ImageFolder, find_classes, train_val_folders
 from ..data.transforms import EvalTransform, TrainTransform
 
 
 class DigitsImages(Dataset):
-    """``(RGB PIL image, label)``: 8x8 digit scans upscaled (bilinear) to ``size x size``."""
+    """``(uint8 [3, size, size] RGB image, label)``: 8x8 digit scans upscaled (bilinear) to
+    ``size x size``."""
 
     def __init__(self, images: np.ndarray, labels: np.ndarray, size: int) -> None:
-        image_class = pil_image()
-        bilinear = image_class.Resampling.BILINEAR
-        self.images = np.stack([
-            np.asarray(image_class.fromarray(image).resize((size, size), bilinear))
-            for image in images
-        ])
+        grey = F.resize(torch.from_numpy(images)[:, None], [size, size],
+                        interpolation=F.InterpolationMode.BILINEAR, antialias=True)
+        self.images = grey.expand(-1, 3, -1, -1).contiguous()
         self.labels = labels.tolist()
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, index: int) -> tuple[Any, int]:
-        return pil_image().fromarray(self.images[index]).convert("RGB"), self.labels[index]
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        return self.images[index], self.labels[index]
 
 
 @dataclass
