@@ -31,3 +31,21 @@ def test_core_imports_and_trains_with_torch_alone():
                             timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+BENCH_SCRIPT = f"""
+import sys
+for name in {TOOLS_ONLY[1:]!r}:
+    sys.modules[name] = None
+from iabn.cli import main
+sys.exit(main(["bench", "--help"]))
+"""
+
+
+def test_the_main_job_needs_no_tool_packages():
+    """``iabn bench``, the README's main job, runs where Pillow, torchvision, scikit-learn,
+    TensorBoard and timm are missing: building the CLI's parser imports none of them."""
+    result = subprocess.run([sys.executable, "-c", BENCH_SCRIPT], capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "usage: iabn bench" in result.stdout

@@ -135,7 +135,9 @@ _TRAIN_COMMANDS = {
 
 
 def _add_train_parser(subparsers: argparse._SubParsersAction, command: str) -> None:
-    from .training.commands import RESUME_LAST
+    # the snapshot module, not the commands: building the parser must not import the tools'
+    # data stack (torchvision), which `iabn bench` does not need
+    from .training.snapshot import RESUME_LAST
 
     text = _TRAIN_COMMANDS[command]
     train = subparsers.add_parser(

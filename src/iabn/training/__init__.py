@@ -39,12 +39,27 @@ The engine reads these config sections (:data:`~.config.ENGINE_SCHEMA`): ``netwo
 ``engine.train(task, config, TrainOptions(log_dir, resume, device))``.
 """
 
-from .classification import ClassificationTask
-from .config import ENGINE_SCHEMA, Config, ConfigError, combine, load_config
-from .engine import EXIT_FINISHED, EXIT_STOPPED, TrainOptions, train
-from .evaluate import TestOptions, load_weights, run_test
-from .snapshot import SnapshotError
-from .task import DataSplits, Meter, Task
+import importlib
+from typing import Any
+
+# The names below load their module on first use (PEP 562): importing a light submodule, as the
+# CLI's parser does with .snapshot, must not pull in the data stack (torchvision) with the tasks.
+_EXPORTS = {
+    "ClassificationTask": "classification",
+    "ENGINE_SCHEMA": "config", "Config": "config", "ConfigError": "config",
+    "combine": "config", "load_config": "config",
+    "EXIT_FINISHED": "engine", "EXIT_STOPPED": "engine", "TrainOptions": "engine",
+    "train": "engine",
+    "TestOptions": "evaluate", "load_weights": "evaluate", "run_test": "evaluate",
+    "SnapshotError": "snapshot",
+    "DataSplits": "task", "Meter": "task", "Task": "task",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
 
 __all__ = [
     "ENGINE_SCHEMA",

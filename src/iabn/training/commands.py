@@ -28,7 +28,7 @@ from .config import (
 from .engine import TrainOptions, train
 from .evaluate import TestOptions, run_test, write_json
 from .segmentation import SegmentationTask
-from .snapshot import LAST, SnapshotError
+from .snapshot import LAST, RESUME_LAST, SnapshotError
 from .task import Task
 
 TASK = ClassificationTask()
@@ -37,7 +37,6 @@ SCHEMA = combine(ENGINE_SCHEMA, TASK.schema)
 #: The task each training command runs.
 COMMAND_TASKS = {"train": TASK, "train-seg": SEGMENTATION_TASK}
 #: What ``--resume`` without a value means.
-RESUME_LAST = f"LOG_DIR/{LAST}"
 USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, ImportError)
 
 

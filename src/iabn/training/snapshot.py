@@ -27,6 +27,8 @@ from .config import Config, differences
 FORMAT = "iabn-training-snapshot"
 VERSION = 1
 LAST, BEST = "last.pth", "best.pth"
+#: What ``--resume`` without a path resumes from (shown in the CLI's help).
+RESUME_LAST = f"LOG_DIR/{LAST}"
 # Keys that may change between a run and its resumption: they do not alter the training.
 RESUME_MAY_CHANGE = ("logging", "data.workers", "data.val_batch_size")
 
@@ -134,6 +136,6 @@ def load_state(target: Any, state: dict[str, Any], what: str, path: str | Path) 
         raise SnapshotError(f"snapshot {path}: the {what} state does not fit: {error}"
                             ) from error
 
-__all__ = ["BEST", "FORMAT", "LAST", "RESUME_MAY_CHANGE", "VERSION", "SnapshotError",
+__all__ = ["BEST", "FORMAT", "LAST", "RESUME_LAST", "RESUME_MAY_CHANGE", "VERSION", "SnapshotError",
            "check_resumable", "copy_atomic", "load_state", "read_snapshot",
            "remove_stale_temporaries", "save_atomic"]
