@@ -24,7 +24,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from statistics import median
@@ -34,29 +33,22 @@ from torch import nn
 
 import iabn
 from iabn.bench import machine_info, time_interleaved, training_step, write_json
+from iabn.kernels.dispatch import use_backend
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(2, 8, 4, 4), (8, 64, 8, 8)]
 
 
-class _Backend:
-    """Run a step with ``IABN_BACKEND`` set to ``name`` (None: leave it as it is)."""
+def _on_backend(step, name: str | None):
+    """``step`` run with ``IABN_BACKEND=name`` (None: as it is)."""
+    if name is None:
+        return step
 
-    def __init__(self, step, name):
-        self.step, self.name = step, name
+    def run():
+        with use_backend(name):
+            return step()
 
-    def __call__(self):
-        if self.name is None:
-            return self.step()
-        old = os.environ.get("IABN_BACKEND")
-        os.environ["IABN_BACKEND"] = self.name
-        try:
-            return self.step()
-        finally:
-            if old is None:
-                del os.environ["IABN_BACKEND"]
-            else:
-                os.environ["IABN_BACKEND"] = old
+    return run
 
 
 def providers(device: torch.device, channels: int) -> dict[str, tuple[nn.Module, str | None]]:
@@ -72,7 +64,7 @@ def providers(device: torch.device, channels: int) -> dict[str, tuple[nn.Module,
 def measure(shape, device: torch.device, repeats: int, iters: int) -> dict:
     leaf = torch.randn(shape, device=device, requires_grad=True)
     grad = torch.randn(shape, device=device)
-    steps = {name: _Backend(training_step(layer, leaf, grad), backend)
+    steps = {name: _on_backend(training_step(layer, leaf, grad), backend)
              for name, (layer, backend) in providers(device, shape[1]).items()}
     samples = time_interleaved(steps, repeats, iters, warmup=5, device=device)
     us = {name: median(values) * 1e3 for name, values in samples.items()}

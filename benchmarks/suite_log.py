@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.util
-import os
 import platform
 import subprocess
 import sys
@@ -69,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
+    from iabn.bench import write_text_atomic
+
     pytest_args = args.pytest_args
     if not pytest_args and importlib.util.find_spec("xdist") is not None:
         pytest_args = ["-n", "8"]
@@ -84,10 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     code = process.wait()
     lines.append(f"exit code: {code}")
     path = args.log or RESULTS / f"suite_{'cuda' if torch.cuda.is_available() else 'cpu'}.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text("\n".join(lines) + "\n")
-    os.replace(partial, path)
+    write_text_atomic(path, "\n".join(lines) + "\n")
     print(f"log written to {path}")
     return code
 

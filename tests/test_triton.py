@@ -298,3 +298,14 @@ def test_more_than_2_31_elements_are_addressed():
         for channel in range(c):
             torch.testing.assert_close(x[sample, channel].float(), expected, atol=2e-2,
                                        rtol=1e-2)
+
+
+def test_use_backend_scopes_the_choice_and_restores_it(monkeypatch):
+    monkeypatch.delenv("IABN_BACKEND", raising=False)
+    with dispatch.use_backend("triton"):
+        assert dispatch.requested_backend() == "triton"
+    assert "IABN_BACKEND" not in os.environ
+    monkeypatch.setenv("IABN_BACKEND", "reference")
+    with pytest.raises(KeyError), dispatch.use_backend("triton"):
+        raise KeyError  # restored on the way out of an error too
+    assert os.environ["IABN_BACKEND"] == "reference"

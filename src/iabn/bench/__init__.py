@@ -66,12 +66,18 @@ def training_step(model: torch.nn.Module, leaf: torch.Tensor, grad: torch.Tensor
     return partial(train_step, model, leaf, grad)
 
 
-def write_json(path: Path, report: Mapping[str, Any]) -> None:
-    """Write a benchmark's report (indented JSON) atomically and say where."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: an interrupted run
+    leaves the old file or none, never half of one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.write_text(text)
     os.replace(partial, path)
+
+
+def write_json(path: Path, report: Mapping[str, Any]) -> None:
+    """Write a benchmark's report (indented JSON) atomically and say where."""
+    write_text_atomic(path, json.dumps(report, indent=2) + "\n")
     print(f"results written to {path}")
 
 
@@ -145,5 +151,5 @@ def progress_printer(prefix: str, repeats: int) -> RepeatCallback:
 
 __all__ = [
     "RESNEXT101_STAGES", "machine_info", "progress_printer", "set_threads", "time_interleaved",
-    "train_step", "training_step", "write_json",
+    "train_step", "training_step", "write_json", "write_text_atomic",
 ]

@@ -21,14 +21,12 @@ positive values that round to ``+0.0`` (``0 < y < 3e-8``); ``z >= 0`` does the r
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..kernels.dispatch import use_backend
 from ..modules import InPlaceABN
 
 PROVIDERS = ("triton", "reference", "torch")
@@ -45,19 +43,6 @@ TOLERANCE_FLOOR = 2.0**-10
 
 def tolerance(dtype: torch.dtype) -> float:
     return max(TOLERANCE_EPS * torch.finfo(dtype).eps, TOLERANCE_FLOOR)
-
-
-@contextmanager
-def _backend(name: str) -> Iterator[None]:
-    old = os.environ.get("IABN_BACKEND")
-    os.environ["IABN_BACKEND"] = name
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["IABN_BACKEND"]
-        else:
-            os.environ["IABN_BACKEND"] = old
 
 
 def _input_grad(layer: nn.Module, x: Tensor, dz: Tensor) -> tuple[Tensor, Tensor]:
@@ -86,18 +71,22 @@ def input_grads(x: Tensor, dz: Tensor, providers: tuple[str, ...] = PROVIDERS
                                   nn.LeakyReLU(SLOPE, inplace=True)).to(x.device)
             results[name] = _input_grad(layer, x, dz)
         else:
-            with _backend(name):
+            with use_backend(name):
                 layer = InPlaceABN(channels, activation_param=SLOPE, device=x.device)
                 results[name] = _input_grad(layer, x, dz)
     return y64.detach(), x64.grad, results
 
 
+def scaled_error(dx: Tensor, dx64: Tensor) -> Tensor:
+    """``|dx - dx64|`` relative to ``|dx64| + rms(dx64)`` (the root mean square keeps
+    near-zero gradients, where every provider's rounding is large relative to the value, from
+    counting)."""
+    return (dx.double() - dx64).abs() / (dx64.abs() + dx64.square().mean().sqrt())
+
+
 def mismatches(dx: Tensor, dx64: Tensor) -> Tensor:
-    """Mask of the elements of ``dx`` off by more than :func:`tolerance` of its dtype, relative
-    to ``|dx64| + rms(dx64)`` (the root mean square keeps near-zero gradients, where every
-    provider's rounding is large relative to the value, from counting)."""
-    scale = dx64.abs() + dx64.square().mean().sqrt()
-    return (dx.double() - dx64).abs() > tolerance(dx.dtype) * scale
+    """Mask of the elements of ``dx`` off by more than :func:`tolerance` of its dtype."""
+    return scaled_error(dx, dx64) > tolerance(dx.dtype)
 
 
 def study(shape: tuple[int, ...], dtype: torch.dtype, channels_last: bool, seed: int,
@@ -120,9 +109,9 @@ def study(shape: tuple[int, ...], dtype: torch.dtype, channels_last: bool, seed:
                            "seed": seed, "device": str(torch.device(device)),
                            "per_channel": x.numel() // shape[1], "elements": x.numel(),
                            "tolerance": tolerance(dtype)}
-    scale = dx64.abs() + dx64.square().mean().sqrt()
     for name, (z, dx) in results.items():
-        wrong = mismatches(dx, dx64)
+        error = scaled_error(dx, dx64)
+        wrong = error > tolerance(dx.dtype)
         other_side = torch.signbit(z) != negative64
         zero = z == 0
         row[name] = {"mismatched": int(wrong.sum()),
@@ -130,5 +119,5 @@ def study(shape: tuple[int, ...], dtype: torch.dtype, channels_last: bool, seed:
                      "other_side": int(other_side.sum()),
                      "zero_outputs": int(zero.sum()),
                      "mismatched_at_zero_outputs": int((wrong & zero).sum()),
-                     "max_scaled_error": float(((dx.double() - dx64).abs() / scale).max())}
+                     "max_scaled_error": float(error.max())}
     return row

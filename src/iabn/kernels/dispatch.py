@@ -23,6 +23,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 from torch import Tensor
@@ -58,6 +60,21 @@ def requested_backend() -> str:
             f"(or unset it to choose by device)"
         )
     return choice
+
+
+@contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Set ``IABN_BACKEND`` to ``name`` inside the ``with`` block, restoring it afterwards (the
+    variable is read on every call, so this scopes the choice; for benchmarks and tests)."""
+    old = os.environ.get(ENV)
+    os.environ[ENV] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = old
 
 
 def backend_for(x: Tensor) -> ModuleType:
