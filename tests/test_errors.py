@@ -58,6 +58,44 @@ def test_bad_input_raises_and_modifies_nothing(case, cls):
     _assert_unchanged(layer, state_before)
 
 
+def _replace(name, value):
+    def change(layer):
+        setattr(layer, name, value)
+    return change
+
+
+def _recast(name, dtype):
+    def change(layer):
+        getattr(layer, name).data = getattr(layer, name).data.to(dtype)
+    return change
+
+
+# Changes to a layer between two calls with the same input shape: the module revalidates only
+# when the call's signature (input and per-channel tensors' shape, dtype, device) changes, so
+# each of these must change it (iabn.checks.input_signature).
+LAYER_CHANGES = {
+    "layer.double()": (lambda layer: layer.double(), "parameters have dtype torch.float64"),
+    "weight of another size": (_replace("weight", torch.nn.Parameter(torch.ones(5))),
+                               r"weight has shape \(5,\)"),
+    "bias in float16": (_recast("bias", torch.float16), "must share one dtype"),
+    "running_var on meta": (_replace("running_var", torch.ones(4, device="meta")),
+                            "running_var is on meta"),
+}
+
+
+@pytest.mark.parametrize("change", LAYER_CHANGES)
+@pytest.mark.parametrize("cls", [iabn.InPlaceABN, iabn.ABN])
+def test_a_layer_changed_after_a_valid_call_is_checked_again(change, cls):
+    modify, message = LAYER_CHANGES[change]
+    layer = _trained_layer(cls)  # one valid call with this input shape
+    modify(layer)
+    x = torch.randn(3, 4, 5, 5)
+    x_before = x.clone()
+    with pytest.raises((ValueError, TypeError), match=message):
+        layer(x)
+    assert torch.equal(x, x_before)
+
+
 def test_abn_reads_an_expanded_input_without_complaint():
     x = torch.randn(1, 4, 5, 5).expand(3, 4, 5, 5)
     expected = torch.nn.functional.leaky_relu(

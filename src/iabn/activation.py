@@ -19,6 +19,10 @@ ELU = "elu"
 IDENTITY = "identity"
 RELU = "relu"
 
+# Resolved overloads: calling an OpOverload skips the packet's overload resolution (~0.3 µs).
+_LEAKY_RELU_BACKWARD = torch.ops.aten.leaky_relu_backward.default
+_LEAKY_RELU_BACKWARD_OUT = torch.ops.aten.leaky_relu_backward.grad_input
+
 #: Activations the in-place layer can invert.
 INVERTIBLE_ACTIVATIONS = (LEAKY_RELU, ELU, IDENTITY)
 #: Activations of the non-in-place :class:`iabn.ABN`.
@@ -80,9 +84,9 @@ def invert(
     """
     if activation == LEAKY_RELU:
         # The inverse of a leaky ReLU with slope a is a leaky ReLU with slope 1/a.
-        if out is not None:
-            return torch.ops.aten.leaky_relu.out(z, 1.0 / activation_param, out=out)
-        return F.leaky_relu(z, 1.0 / activation_param)
+        # torch._C._nn.leaky_relu is F.leaky_relu's own binding; it takes out= directly, at
+        # half the host cost of the torch.ops.aten overload (~0.9 vs ~1.8 µs per call).
+        return torch._C._nn.leaky_relu(z, 1.0 / activation_param, out=out)
     if activation == ELU:
         # y = log1p(z / alpha) for z <= 0. Where exp(y) underflowed in forward, z == -alpha
         # and log1p(-1) = -inf; clamping keeps y finite. Its gradient there is
@@ -103,10 +107,8 @@ def grad_from_output(
     """
     if activation == LEAKY_RELU:
         if out is not None:
-            return torch.ops.aten.leaky_relu_backward.grad_input(
-                dz, z, activation_param, True, grad_input=out
-            )
-        return torch.ops.aten.leaky_relu_backward(dz, z, activation_param, True)
+            return _LEAKY_RELU_BACKWARD_OUT(dz, z, activation_param, True, grad_input=out)
+        return _LEAKY_RELU_BACKWARD(dz, z, activation_param, True)
     if activation == ELU:
         return torch.ops.aten.elu_backward(dz, activation_param, 1, 1, True, z)
     if activation == RELU:

@@ -6,6 +6,8 @@ running statistics exactly as they were. Messages name the argument and the fix.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -17,11 +19,16 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPES = "(N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W)"
 
 
+@functools.lru_cache(maxsize=256)
 def check_options(
     activation: str, activation_param: float, gamma_mode: str, *, in_place: bool,
     variant: int = 2,
 ) -> None:
-    """Validate the layer's configuration (called at construction and by the functionals)."""
+    """Validate the layer's configuration (called at construction and by the functionals).
+
+    Memoised: the verdict depends only on the (hashable) arguments, and the functionals call
+    it on every call. A rejected configuration raises every time (exceptions are not cached).
+    """
     check_activation(activation, activation_param, in_place=in_place)
     check_gamma_mode(gamma_mode)
     if variant not in (1, 2):
@@ -85,6 +92,32 @@ def check_inputs(
                 f"{tuple(input.shape)}: use a batch of at least 2 samples (or spatial size > 1), "
                 f"or eval mode"
             )
+    if in_place:
+        _check_writable(input)
+
+
+def input_signature(
+    input: Tensor, training: bool, *channel_tensors: Tensor | None
+) -> tuple:
+    """Everything :func:`check_inputs`' verdict depends on except what :func:`check_per_call`
+    checks: the input's shape, dtype and device, ``training``, and each per-channel tensor's
+    shape, dtype and device (``None`` where absent).
+
+    A module keeps the signature of its last validated call and revalidates only when it
+    changes, so a steady training loop pays for building this tuple (about 1 µs), not for the
+    whole validation (about 3 µs on CPU). ``input`` must be a tensor (check that first).
+    """
+    return (
+        input.shape, input.dtype, input.device, training,
+        *[None if t is None else (t.shape, t.dtype, t.device) for t in channel_tensors],
+    )
+
+
+def check_per_call(input: Tensor, *, in_place: bool) -> None:
+    """The checks a cached :func:`input_signature` cannot stand for: whether this particular
+    tensor may be overwritten (autograd leaf, memory overlap)."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if in_place:
         _check_writable(input)
 

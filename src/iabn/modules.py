@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
-from .checks import check_inputs, check_options
+from .checks import check_inputs, check_options, check_per_call, input_signature
 from .functional import _abn_unchecked, _inplace_abn_unchecked
 from .scale import SIGNED
 
@@ -75,17 +75,31 @@ class ABN(_NormBase):
             return 1.0 / float(self.num_batches_tracked)
         return self.momentum
 
-    def _check(self, input: Tensor, use_batch_stats: bool, running_mean, running_var) -> None:
-        check_inputs(
-            input, running_mean, running_var, self.weight, self.bias, use_batch_stats,
-            in_place=self._in_place, num_features=self.num_features,
+    def _check(
+        self, input: Tensor, use_batch_stats: bool, running_mean: Tensor | None,
+        running_var: Tensor | None, weight: Tensor | None, bias: Tensor | None,
+    ) -> None:
+        """Validate a call before anything is written. The full :func:`check_inputs` runs
+        when the call's :func:`input_signature` differs from the last valid one (first call,
+        new shape, ``.to()``, eval/train switch); otherwise only the per-tensor checks."""
+        check_per_call(input, in_place=self._in_place)
+        signature = input_signature(
+            input, use_batch_stats, weight, bias, running_mean, running_var
         )
+        if signature != self.__dict__.get("_valid_signature"):
+            check_inputs(
+                input, running_mean, running_var, weight, bias, use_batch_stats,
+                in_place=self._in_place, num_features=self.num_features,
+            )
+            # Set through __dict__: nn.Module.__setattr__ costs a microsecond per call.
+            self.__dict__["_valid_signature"] = signature
 
     def forward(self, input: Tensor) -> Tensor:
         use_batch_stats, running_mean, running_var = self._normalisation()
-        self._check(input, use_batch_stats, running_mean, running_var)
+        weight, bias = self.weight, self.bias
+        self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
         return _abn_unchecked(
-            input, running_mean, running_var, self.weight, self.bias, use_batch_stats,
+            input, running_mean, running_var, weight, bias, use_batch_stats,
             self._momentum(), self.eps, self.activation, self.activation_param, self.gamma_mode,
         )
 
@@ -137,9 +151,10 @@ class InPlaceABN(ABN):
 
     def forward(self, input: Tensor) -> Tensor:
         use_batch_stats, running_mean, running_var = self._normalisation()
-        self._check(input, use_batch_stats, running_mean, running_var)
+        weight, bias = self.weight, self.bias
+        self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
         return _inplace_abn_unchecked(
-            input, running_mean, running_var, self.weight, self.bias, use_batch_stats,
+            input, running_mean, running_var, weight, bias, use_batch_stats,
             self._momentum(), self.eps, self.activation, self.activation_param, self.variant,
             self.gamma_mode,
         )

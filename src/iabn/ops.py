@@ -125,13 +125,29 @@ def _(z, dz, weight, bias, invstd, scale, training, eps, activation, activation_
     )
 
 
+class _RegisteredOperators:
+    """The registered operators, with the kernel modules' ``forward_``/``backward`` interface:
+    what the layer calls under ``torch.compile``, which needs operators, not Python."""
+
+    forward_ = inplace_abn_forward_
+    backward = inplace_abn_backward
+
+
+def kernels_for(x: Tensor) -> Any:
+    """What runs a layer on ``x``: the registered operators when compiling, else the kernel
+    module :func:`~iabn.kernels.dispatch.backend_for` picks, called directly. Resolved once per
+    layer call; backward reuses the forward's choice."""
+    return _RegisteredOperators if torch.compiler.is_compiling() else backend_for(x)
+
+
 def forward_(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
-    running_var: Tensor | None, config: LayerConfig,
+    running_var: Tensor | None, config: LayerConfig, kernels: Any = None,
 ) -> tuple[Tensor, Tensor]:
-    """Run the forward kernel in place: the registered operator when compiling, else direct."""
-    kernel = inplace_abn_forward_ if torch.compiler.is_compiling() else backend_for(x).forward_
-    return kernel(
+    """Run the forward kernel in place (``kernels`` as :func:`kernels_for` gives them)."""
+    if kernels is None:
+        kernels = kernels_for(x)
+    return kernels.forward_(
         x, weight, bias, running_mean, running_var, config.training, config.momentum,
         config.eps, config.activation, config.activation_param, config.gamma_mode,
     )
@@ -175,10 +191,12 @@ class InPlaceABNFunction(torch.autograd.Function):
         running_var: Tensor | None,
         config: LayerConfig,
     ) -> Tensor:
-        invstd, scale = forward_(x, weight, bias, running_mean, running_var, config)
+        kernels = kernels_for(x)
+        invstd, scale = forward_(x, weight, bias, running_mean, running_var, config, kernels)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, weight, bias, invstd, scale)
         ctx.config = config
+        ctx.kernels = kernels
         return x
 
     @staticmethod
@@ -186,19 +204,13 @@ class InPlaceABNFunction(torch.autograd.Function):
         refuse_double_backward("InPlaceABN")
         z, weight, bias, invstd, scale = ctx.saved_tensors
         c = ctx.config
-        mask = [
-            ctx.needs_input_grad[0],
-            weight is not None and ctx.needs_input_grad[1],
-            bias is not None and ctx.needs_input_grad[2],
-        ]
-        kernel = (
-            inplace_abn_backward if torch.compiler.is_compiling() else backend_for(z).backward
-        )
-        dx, dgamma, dbeta = kernel(
+        want_dx, want_dweight, want_dbias = ctx.needs_input_grad[:3]
+        mask = [want_dx, want_dweight and weight is not None, want_dbias and bias is not None]
+        dx, dgamma, dbeta = ctx.kernels.backward(
             z, dz, weight, bias, invstd, scale, c.training, c.eps, c.activation,
             c.activation_param, c.gamma_mode, c.variant, mask,
         )
-        grads = tuple(
-            grad if wanted else None for grad, wanted in zip((dx, dgamma, dbeta), mask, strict=True)
+        return (
+            dx if mask[0] else None, dgamma if mask[1] else None, dbeta if mask[2] else None,
+            None, None, None,
         )
-        return (*grads, None, None, None)

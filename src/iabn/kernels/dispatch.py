@@ -15,7 +15,8 @@
     the Triton kernels; raises when they cannot run: Triton missing, or a CPU tensor without
     ``TRITON_INTERPRET=1`` (the interpreter, which is how the kernels are tested on CPU).
 
-The variable is read on every call, so tests and users can switch it at run time.
+The variable is read once per layer call (its backward uses the forward's choice), so tests
+and users can switch it at run time.
 """
 
 from __future__ import annotations
@@ -53,13 +54,27 @@ def _triton_backend() -> ModuleType:
 
 def requested_backend() -> str:
     """The value of ``IABN_BACKEND`` (``auto`` when unset), validated."""
-    choice = os.environ.get(ENV, "").strip().lower() or "auto"
+    raw = os.environ.get(ENV)
+    choice = _PARSED.get(raw)
+    if choice is None:
+        choice = _parse(raw)
+        _PARSED[raw] = choice
+    return choice
+
+
+def _parse(raw: str | None) -> str:
+    choice = (raw or "").strip().lower() or "auto"
     if choice not in CHOICES:
         raise ValueError(
-            f"{ENV}={os.environ[ENV]!r} is not a backend: use one of {', '.join(CHOICES)} "
+            f"{ENV}={raw!r} is not a backend: use one of {', '.join(CHOICES)} "
             f"(or unset it to choose by device)"
         )
     return choice
+
+
+# Valid raw values of the variable seen so far, parsed: a layer call pays one environment
+# lookup (~0.5 µs), not the string handling.
+_PARSED: dict[str | None, str] = {}
 
 
 @contextmanager

@@ -105,6 +105,10 @@ def _elementwise_config(layout: Layout) -> tuple[int, int]:
     return block_r, block_k
 
 
+# The launch configurations depend only on the layout (and device): computed once per shape
+# and cached, so that a layer call does not redo them (issue 14). Bounded: a model sees a
+# handful of shapes per layer, and a sweep of input sizes must not grow the caches forever.
+@functools.lru_cache(maxsize=1024)
 def _elementwise_grid(layout: Layout) -> tuple[int, int, int, int]:
     """``(grid, k_blocks, BLOCK_R, BLOCK_K)`` of a 1-D grid over all tiles (the second and third
     grid axes of CUDA are limited to 65535, the first is not)."""
@@ -123,6 +127,7 @@ class _Reduction(NamedTuple):
     block_b: int
 
 
+@functools.lru_cache(maxsize=1024)
 def _reduction_config(layout: Layout, device: torch.device) -> _Reduction:
     target = _target_programs(device)
     if layout.channel_on_rows:
