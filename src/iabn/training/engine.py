@@ -185,6 +185,7 @@ class _Run:
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
             "best": self.best, "val_metrics": val_metrics, "ranks": per_rank,
+            "dataset": self.splits.metadata,
         }
         log_dir = self.options.log_dir
         if improved:
