@@ -82,7 +82,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
-    from .segment import FUSIONS, OUTPUTS, parse_floats
+    from .segment import FUSIONS, OUTPUTS, PALETTES, parse_floats
 
     seg = subparsers.add_parser(
         "segment", help="semantic segmentation of a folder of images (DeepLabV3)",
@@ -103,7 +103,13 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
     seg.add_argument("--fusion", choices=FUSIONS, default="mean",
                      help="how to combine scales/flips (default: mean of probabilities)")
     seg.add_argument("--output", choices=OUTPUTS, default="palette",
-                     help="palette PNG, raw class-index PNG, or indices + confidence PNG")
+                     help="palette PNG, raw class-index (train id) PNG, indices + confidence "
+                     "PNG, or the dataset's label ids (labelids: e.g. Cityscapes labelIds for "
+                     "its official evaluation) (default: palette)")
+    seg.add_argument("--palette", default="auto", metavar="|".join(PALETTES) + "|VISTAS_CONFIG",
+                     help="the classes' colours and label ids: auto (those a train-seg "
+                     "snapshot stores, else default), default (VOC colour map), cityscapes, "
+                     "voc, or a Mapillary Vistas config.json (or its dataset folder)")
     seg.add_argument("--overlay", action="store_true",
                      help="also write the image and the coloured prediction side by side")
     seg.add_argument("--overwrite", action="store_true", help="redo existing outputs")
