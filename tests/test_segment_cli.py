@@ -83,3 +83,38 @@ def test_bad_snapshot_and_folder(tmp_path, images, capsys):
     assert main(["segment", str(bad), str(images), str(tmp_path / "o")]) == 2
     assert "cannot read snapshot" in capsys.readouterr().err
     assert main(["segment", str(bad), str(tmp_path / "nope"), str(tmp_path / "o")]) == 2
+
+
+# --- palettes and label-id export (--palette, --output labelids) ---
+
+
+def test_labelids_need_a_label_set_and_palettes_must_fit_the_model(snapshot, images, tmp_path,
+                                                                    capsys):
+    out = tmp_path / "out"
+    assert _run(snapshot, images, out, "--output", "labelids") == 2
+    assert "--output labelids needs the dataset's label ids" in capsys.readouterr().err
+    assert _run(snapshot, images, out, "--palette", "cityscapes") == 2
+    assert "predicts 3 classes but the cityscapes palette has 19" in capsys.readouterr().err
+    assert _run(snapshot, images, out, "--palette", str(tmp_path / "nope.json")) == 2
+    assert "not one of auto, default, cityscapes, voc" in capsys.readouterr().err
+    assert not out.exists()  # refused before writing anything
+
+
+def test_vistas_config_gives_colours_and_label_ids(snapshot, images, tmp_path):
+    import json
+
+    # labels 0 and 2 evaluated, 1 void: train ids 0, 1, 2 are Vistas ids 0, 2, 3
+    labels = [{"name": f"l{i}", "readable": f"L{i}", "color": [10 * i, 20 * i, 30 * i],
+               "evaluate": i != 1} for i in range(4)]
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"labels": labels}))
+    for output in ("palette", "labelids", "raw"):
+        assert _run(snapshot, images, tmp_path / output, "--palette", str(config),
+                    "--output", output) == 1  # broken.png
+    with Image.open(tmp_path / "palette" / "a.png") as coloured:
+        assert coloured.getpalette()[:9] == [0, 0, 0, 20, 40, 60, 30, 60, 90]
+    with Image.open(tmp_path / "labelids" / "a.png") as ids, \
+            Image.open(tmp_path / "raw" / "a.png") as raw:
+        expected = bytes((0, 2, 3)[value] for value in raw.tobytes())
+        assert ids.mode == "L" and ids.tobytes() == expected
+    assert not list(tmp_path.rglob("*.partial"))

@@ -205,6 +205,23 @@ def test_resume_with_another_config_is_refused_before_anything_is_written(tmp_pa
     assert (tmp_path / "logs" / "rank0.log").read_text() == log
 
 
+def test_a_snapshot_without_a_newer_key_resumes_at_its_default(tmp_path):
+    """Snapshots written before a config key existed (e.g. data.dataset) still resume when
+    the run uses that key's default; another value is still refused."""
+    config = toy_config()
+    train(ToyTask(), config, TrainOptions(tmp_path / "whole"))
+    run = tmp_path / "run"
+    train(ToyTask(), config, TrainOptions(run, stop_after_steps=3))
+    snapshot = torch.load(run / "last.pth", weights_only=True)
+    del snapshot["config"]["optimizer"]["eps"]
+    torch.save(snapshot, run / "last.pth")
+    with pytest.raises(SnapshotError, match=r"optimizer.eps: 1e-08 -> 0.001"):
+        train(ToyTask(), toy_config(optimizer={"eps": 1e-3}),
+              TrainOptions(run, resume=run / "last.pth"))
+    assert train(ToyTask(), config, TrainOptions(run, resume=run / "last.pth")) == EXIT_FINISHED
+    _assert_same_weights(tmp_path / "whole" / "last.pth", run / "last.pth")
+
+
 def test_batch_that_does_not_fit_the_data_names_the_key(tmp_path):
     with pytest.raises(ValueError, match=r"data.batch_size=64: .*larger than the 48 samples"):
         train(ToyTask(), toy_config(data={"batch_size": 64}), TrainOptions(tmp_path))

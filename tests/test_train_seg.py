@@ -74,8 +74,16 @@ def test_config_errors_name_the_key(sections, message):
 
 
 def test_folder_data_needs_num_classes(tmp_path):
-    task, config = _config(data={"root": str(tmp_path)})
+    task, config = _config(data={"root": str(tmp_path), "dataset": "folder"})
     with pytest.raises(ConfigError, match=r"network\.num_classes"):
+        task.datasets(config)
+
+
+def test_auto_layout_of_an_unknown_folder_lists_the_layouts(tmp_path):
+    from iabn.data.imagefolder import DataLayoutError
+
+    task, config = _config(data={"root": str(tmp_path)})
+    with pytest.raises(DataLayoutError, match="no segmentation layout iabn knows"):
         task.datasets(config)
 
 
@@ -122,6 +130,7 @@ def test_train_seg_writes_snapshots_with_miou(seg_run):
     assert process.returncode == 0, process.stderr
     last = torch.load(root / "whole" / "last.pth", weights_only=True)
     assert last["task"] == "segmentation" and last["global_step"] == 6  # 12 / 4 x 2 epochs
+    assert last["dataset"]["name"] == "digits" and len(last["dataset"]["classes"]) == 11
     metrics = last["val_metrics"]
     assert metrics["count"] == 6 and 0 <= metrics["miou"] <= 100
     assert "iou/digit 7" in metrics and "pixel_accuracy" in metrics
@@ -169,7 +178,13 @@ def test_shipped_segmentation_configs_load_and_check(name):
     from iabn.training.commands import SEGMENTATION_TASK, load_run_config
 
     path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.json"
-    config = load_run_config(path, None, [], SEGMENTATION_TASK)
+    cityscapes = name.endswith("_cityscapes")  # these name their layout: they need a folder
+    config = load_run_config(path, "/data/cityscapes" if cityscapes else None, [],
+                             SEGMENTATION_TASK)
+    assert config["data"]["dataset"] == ("cityscapes" if cityscapes else "auto")
+    if cityscapes:
+        with pytest.raises(ConfigError, match="'cityscapes' needs its folder"):
+            load_run_config(path, None, [], SEGMENTATION_TASK)
     if name.startswith("segmentation"):  # the paper's §4.2 settings
         assert config["optimizer"]["lr"] == 0.0025 and config["schedule"]["power"] == 0.9
         assert config["loss"]["top_fraction"] == 0.25

@@ -82,7 +82,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
-    from .segment import FUSIONS, OUTPUTS, parse_floats
+    from .segment import FUSIONS, OUTPUTS, PALETTES, parse_floats
 
     seg = subparsers.add_parser(
         "segment", help="semantic segmentation of a folder of images (DeepLabV3)",
@@ -103,7 +103,13 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
     seg.add_argument("--fusion", choices=FUSIONS, default="mean",
                      help="how to combine scales/flips (default: mean of probabilities)")
     seg.add_argument("--output", choices=OUTPUTS, default="palette",
-                     help="palette PNG, raw class-index PNG, or indices + confidence PNG")
+                     help="palette PNG, raw class-index (train id) PNG, indices + confidence "
+                     "PNG, or the dataset's label ids (labelids: e.g. Cityscapes labelIds for "
+                     "its official evaluation) (default: palette)")
+    seg.add_argument("--palette", default="auto", metavar="|".join(PALETTES) + "|VISTAS_CONFIG",
+                     help="the classes' colours and label ids: auto (those a train-seg "
+                     "snapshot stores, else default), default (VOC colour map), cityscapes, "
+                     "voc, or a Mapillary Vistas config.json (or its dataset folder)")
     seg.add_argument("--overlay", action="store_true",
                      help="also write the image and the coloured prediction side by side")
     seg.add_argument("--overwrite", action="store_true", help="redo existing outputs")
@@ -126,10 +132,12 @@ _TRAIN_COMMANDS = {
         data="folder with train/CLASS/* and val/CLASS/* images",
         embedded="scikit-learn's handwritten digits", example="configs/digits.json"),
     "train-seg": dict(
-        help="train DeepLabV3 semantic segmentation (image + label folders, or the embedded "
-             "digits canvases)",
+        help="train DeepLabV3 semantic segmentation (Cityscapes, Mapillary Vistas, Pascal VOC, "
+             "image + label folders, or the embedded digits canvases)",
         task="segmentation (see iabn.training.segmentation)",
-        data="folder with train/ and val/, each images/NAME.png|jpg + labels/NAME.png",
+        data="the dataset's folder as unpacked: Cityscapes (leftImg8bit/ + gtFine/), Mapillary "
+             "Vistas v1.2 (config.json + training/, validation/), Pascal VOC 2012 (VOCdevkit/), "
+             "or train/ and val/, each images/NAME.png|jpg + labels/NAME.png",
         embedded="real handwritten digits pasted on canvases", example="configs/digits_seg.json"),
 }
 
@@ -156,6 +164,14 @@ def _add_train_parser(subparsers: argparse._SubParsersAction, command: str) -> N
     train.add_argument("data_root", nargs="?", default=None,
                        help=f"{text['data']} (default: the config's data.root, else the "
                        f"embedded data)")
+    train.add_argument("--data-root", dest="data_root_option", default=None,
+                       metavar="DATA_ROOT", help="the same as the DATA_ROOT argument")
+    if command == "train-seg":
+        from .data.label_sets import LAYOUTS
+
+        train.add_argument("--dataset", choices=LAYOUTS, default=None,
+                           help="the layout of DATA_ROOT (default: the config's data.dataset, "
+                           "auto: told from the folders DATA_ROOT holds)")
     train.add_argument("--log-dir", type=Path, default=None,
                        help="folder for snapshots and logs (default: runs/<config name>)")
     train.add_argument("--resume", nargs="?", const=RESUME_LAST, default=None,
@@ -190,6 +206,8 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
     test.add_argument("data_root", nargs="?", default=None,
                       help="folder with val/CLASS/* images and train/CLASS folders (their "
                       "names give the labels) (default: as iabn train)")
+    test.add_argument("--data-root", dest="data_root_option", default=None,
+                      metavar="DATA_ROOT", help="the same as the DATA_ROOT argument")
     test.add_argument("--crop", type=_positive_int, default=None,
                       help="crop side (default: the config's input.crop_val)")
     test.add_argument("--scale", type=_positive_int, default=None,

@@ -4,10 +4,14 @@ Reads every .png/.jpg/.jpeg of ``IN_DIR`` (``--recursive`` for subfolders), resi
 longer side is ``--long-side`` pixels, normalises it, runs the model at the ``--scales``
 (and mirrored with ``--flip``), fuses the per-scale predictions (``mean`` of probabilities,
 their elementwise ``max``, or ``voting`` of per-scale argmaxes) and writes, at the input's own
-size (nearest neighbour), a palette PNG, a raw class-index PNG, or class indices plus a
-confidence PNG (``--output``). Existing outputs are kept unless ``--overwrite``, so an
-interrupted run resumes. Unreadable images are reported and skipped; the exit status is 1 when
-any image failed.
+size (nearest neighbour), a palette PNG, a raw class-index PNG, class indices plus a
+confidence PNG, or the dataset's own label ids (``labelids``: e.g. Cityscapes ``labelIds``, what
+its official evaluation reads) (``--output``). Colours and label ids come from the dataset's
+:class:`~iabn.data.label_sets.LabelSet` (``--palette``; by default the one an ``iabn
+train-seg`` snapshot stores, else the VOC colour map). Each file is written to a temporary
+name and renamed, and existing outputs are kept unless ``--overwrite``, so an interrupted run
+resumes. Unreadable images are reported and skipped; the exit status is 1 when any image
+failed.
 
 Snapshots: the original package's Vistas file (``{"state_dict": {"body", "head", "cls"}}``,
 loaded with :func:`iabn.models.load_original`), an iabn file holding a
@@ -18,6 +22,7 @@ config stored in it).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .data.label_sets import LabelSet, voc_colormap
 from .models import deeplabv3_wider_resnet38, load_original
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
@@ -35,7 +41,9 @@ EXTENSIONS = (".png", ".jpg", ".jpeg")
 VISTAS_MEAN = (0.41738699, 0.45732192, 0.46886091)
 VISTAS_STD = (0.25685097, 0.26509955, 0.29067996)
 FUSIONS = ("mean", "voting", "max")
-OUTPUTS = ("palette", "raw", "prob")
+OUTPUTS = ("palette", "raw", "prob", "labelids")
+#: ``--palette`` names; anything else is a Mapillary Vistas config file or dataset folder.
+PALETTES = ("auto", "default", "cityscapes", "voc")
 
 
 def _pil():
@@ -60,6 +68,8 @@ class SegmentOptions:
     recursive: bool = False
     mean: tuple[float, float, float] = VISTAS_MEAN
     std: tuple[float, float, float] = VISTAS_STD
+    labels: LabelSet | None = None
+    """Colours and label ids of the classes; None: the VOC colour map, no label ids."""
 
 
 @dataclass
@@ -149,17 +159,7 @@ def find_images(root: Path, recursive: bool) -> list[Path]:
 def palette() -> list[int]:
     """A fixed, well-spread RGB colour for each of 256 classes (bit-interleaving, the PASCAL
     VOC scheme), flattened as PIL's ``putpalette`` wants it."""
-    colours = []
-    for index in range(256):
-        r = g = b = 0
-        c = index
-        for shift in range(7, -1, -1):
-            r |= (c & 1) << shift
-            g |= ((c >> 1) & 1) << shift
-            b |= ((c >> 2) & 1) << shift
-            c >>= 3
-        colours += [r, g, b]
-    return colours
+    return [value for colour in voc_colormap(256) for value in colour]
 
 
 PALETTE = palette()
@@ -207,10 +207,25 @@ def _outputs_for(relative: Path, out_dir: Path, options: SegmentOptions) -> list
     return paths
 
 
+def _save_atomic(image: Any, path: Path) -> None:
+    """Save a PIL image as PNG through a temporary file and a rename: an interrupted run
+    leaves no truncated PNG that the next run would take for done."""
+    partial = path.with_name(path.name + ".partial")
+    try:
+        image.save(partial, format="PNG")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
                    options: SegmentOptions, device: str | torch.device = "cpu",
                    progress: bool = True) -> Summary:
     Image = _pil()
+    colours = options.labels.palette() if options.labels is not None else PALETTE
+    if options.output == "labelids" and options.labels is None:
+        raise ValueError("--output labelids needs the dataset's label ids: a train-seg "
+                         "snapshot of Cityscapes, Vistas or VOC data, or --palette")
     images = find_images(in_dir, options.recursive)
     mean = torch.tensor(options.mean).view(3, 1, 1)
     std = torch.tensor(options.std).view(3, 1, 1)
@@ -243,21 +258,27 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
         targets[0].parent.mkdir(parents=True, exist_ok=True)
         if options.output == "palette":
             coloured = label_image.convert("P")
-            coloured.putpalette(PALETTE)
-            coloured.save(targets[0])
+            coloured.putpalette(colours)
+            _save_atomic(coloured, targets[0])
+        elif options.output == "labelids":
+            assert options.labels is not None  # checked above
+            ids = options.labels.to_label_ids(labels).to(torch.uint8)
+            _save_atomic(_grey_image(Image, ids).resize(original.size, Image.NEAREST),
+                         targets[0])
         else:
-            label_image.save(targets[0])
+            _save_atomic(label_image, targets[0])
         if options.output == "prob":
             scaled = (confidence.clamp(0, 1) * 255).round().to(torch.uint8)
-            _grey_image(Image, scaled).resize(original.size, Image.BILINEAR).save(targets[1])
+            _save_atomic(_grey_image(Image, scaled).resize(original.size, Image.BILINEAR),
+                         targets[1])
         if options.overlay:
             mask = label_image.convert("P")
-            mask.putpalette(PALETTE)
+            mask.putpalette(colours)
             blend = Image.blend(original, mask.convert("RGB"), 0.5)
             side = Image.new("RGB", (original.width * 2, original.height))
             side.paste(original, (0, 0))
             side.paste(blend, (original.width, 0))
-            side.save(targets[-1])
+            _save_atomic(side, targets[-1])
         summary.processed += 1
     return summary
 
@@ -278,13 +299,15 @@ def run(args: Any) -> int:
     try:
         data = read_snapshot(args.snapshot)  # read once: a Vistas file is ~0.5 GB
         model = load_segmentation_model(args.snapshot, args.depth, args.device, data)
-    except (ValueError, KeyError) as error:
+        labels = label_set(getattr(args, "palette", "auto"), data)
+        _check_labels(labels, model, args.output)
+    except (ValueError, KeyError) as error:  # DataLayoutError is a ValueError
         print(f"iabn segment: error: {error}", file=sys.stderr)
         return 2
     options = SegmentOptions(
         long_side=args.long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
         output=args.output, overlay=args.overlay, overwrite=args.overwrite,
-        recursive=args.recursive, **_normalisation(args, data),
+        recursive=args.recursive, labels=labels, **_normalisation(args, data),
     )
     summary = segment_folder(model, in_dir, out_dir, options, args.device,
                              progress=not args.quiet)
@@ -294,6 +317,48 @@ def run(args: Any) -> int:
     for path, reason in summary.failed:
         print(f"  failed: {path}: {reason}")
     return 1 if summary.failed else 0
+
+
+def label_set(choice: str, data: Any = None) -> LabelSet | None:
+    """The classes ``--palette`` names: ``auto``: those an ``iabn train-seg`` snapshot
+    (``data``, its contents) stores, else None; ``default``: None (the VOC colour map, no
+    label ids); ``cityscapes``, ``voc``; any other value is a Mapillary Vistas config file, or
+    the dataset folder holding it. Errors (ValueError) name the file."""
+    if choice == "auto":
+        stored = data.get("dataset") if _is_train_seg(data) else None
+        return LabelSet.from_dict(stored) if stored else None
+    if choice == "default":
+        return None
+    from .data import label_sets
+
+    if choice == "cityscapes":
+        return label_sets.cityscapes_labels()
+    if choice == "voc":
+        return label_sets.voc_labels()
+    path = Path(choice)
+    if path.is_dir():
+        from .data.seg_datasets import vistas_config
+
+        path = vistas_config(path)[0]
+    elif not path.is_file():
+        raise ValueError(f"--palette {choice!r}: not one of {', '.join(PALETTES)}, nor a "
+                         f"Mapillary Vistas config file or folder")
+    return label_sets.vistas_labels(path)
+
+
+def _check_labels(labels: LabelSet | None, model: torch.nn.Module, output: str) -> None:
+    """The label set fits the model's classes, and exists where ``output`` needs it."""
+    if labels is None:
+        if output == "labelids":
+            raise ValueError("--output labelids needs the dataset's label ids: give --palette "
+                             "cityscapes|voc|VISTAS_CONFIG (a train-seg snapshot of such data "
+                             "carries them)")
+        return
+    classes = model.cls.weight.shape[0] if hasattr(model, "cls") else None
+    if classes is not None and classes != labels.num_classes:
+        raise ValueError(f"the snapshot predicts {classes} classes but the {labels.name} "
+                         f"palette has {labels.num_classes}: choose the --palette of the "
+                         f"data the model was trained on")
 
 
 def _normalisation(args: Any, data: Any) -> dict[str, tuple[float, ...]]:
@@ -307,5 +372,5 @@ def parse_floats(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
 
-__all__ = ["SegmentOptions", "load_segmentation_model", "predict", "read_snapshot", "run",
-           "segment_folder", "snapshot_normalisation"]
+__all__ = ["SegmentOptions", "label_set", "load_segmentation_model", "predict", "read_snapshot",
+           "run", "segment_folder", "snapshot_normalisation"]

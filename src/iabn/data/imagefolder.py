@@ -22,13 +22,11 @@ from torchvision.datasets import DatasetFolder
 from torchvision.io import ImageReadMode, decode_image
 from torchvision.transforms.v2 import functional as F
 
+from .errors import DataLayoutError
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".ppm", ".pgm", ".tif", ".tiff", ".webp")
 #: What ``torchvision.io.decode_image`` reads (it has no BMP, TIFF or PNM decoder).
 DECODED_BY_TORCHVISION = (".jpg", ".jpeg", ".png", ".webp", ".gif")
-
-
-class DataLayoutError(ValueError):
-    """A data folder does not have the ``split/CLASS/IMAGE`` layout."""
 
 
 def decode_file(path: str | Path, mode: ImageReadMode = ImageReadMode.RGB) -> Tensor:

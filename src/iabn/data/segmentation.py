@@ -235,17 +235,7 @@ class SegmentationFolder(Dataset):
     def load(self, index: int) -> tuple[Tensor, Tensor]:
         """Sample ``index`` as read: ``uint8 [3, H, W]``, ``int64 [H, W]``."""
         image_path, label_path = self.samples[index]
-        image = read_rgb(image_path)
-        decoded = decode_file(label_path, ImageReadMode.UNCHANGED)  # palette PNG: indices
-        if decoded.shape[0] != 1:
-            raise ValueError(f"{label_path} has {decoded.shape[0]} channels: labels must be "
-                             f"single-channel class ids (8- or 16-bit grey or palette PNG), "
-                             f"not colours")
-        label = decoded[0].to(torch.int64)
-        if image.shape[1:] != label.shape:
-            raise ValueError(f"{image_path} is {image.shape[2]}x{image.shape[1]} but "
-                             f"{label_path} is {label.shape[1]}x{label.shape[0]}: an image "
-                             f"and its label must have the same size")
+        image, label = read_image_and_label(image_path, label_path)
         if self.num_classes is not None:
             bad = label[(label >= self.num_classes) | (label < 0)].unique()
             bad = bad[bad != self.ignore_index]
@@ -260,6 +250,24 @@ class SegmentationFolder(Dataset):
         image, label = self.load(index)
         return (image, label) if self.transform is None else self.transform(image, label,
                                                                             generator)
+
+
+def read_image_and_label(image_path: str | Path, label_path: str | Path) -> tuple[Tensor, Tensor]:
+    """An image as ``uint8 [3, H, W]`` RGB and its label file's values as ``int64 [H, W]``
+    (a palette PNG's indices, not its colours). ValueError naming the file for a label with
+    several channels or of another size than its image."""
+    image = read_rgb(image_path)
+    decoded = decode_file(label_path, ImageReadMode.UNCHANGED)  # palette PNG: indices
+    if decoded.shape[0] != 1:
+        raise ValueError(f"{label_path} has {decoded.shape[0]} channels: labels must be "
+                         f"single-channel class ids (8- or 16-bit grey or palette PNG), "
+                         f"not colours")
+    label = decoded[0].to(torch.int64)
+    if image.shape[1:] != label.shape:
+        raise ValueError(f"{image_path} is {image.shape[2]}x{image.shape[1]} but "
+                         f"{label_path} is {label.shape[1]}x{label.shape[0]}: an image "
+                         f"and its label must have the same size")
+    return image, label
 
 
 def _some(names: Sequence[Any], limit: int = 5) -> str:
@@ -497,5 +505,6 @@ class EvalTransform:
 __all__ = [
     "CANVAS_CLASSES", "CANVAS_MEAN", "CANVAS_STD", "IGNORE_INDEX", "NUM_CANVAS_CLASSES",
     "DigitsCanvas", "EvalTransform", "RandomPaddedCrop", "RandomScale", "SegmentationFolder",
-    "TrainTransform", "class_uniform_pixel", "crop_pair", "random_window", "resize_pair",
+    "TrainTransform", "class_uniform_pixel", "crop_pair", "random_window",
+    "read_image_and_label", "resize_pair",
 ]

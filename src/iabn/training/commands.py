@@ -41,14 +41,26 @@ USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, ImportError)
 
 
 def load_run_config(path: str | Path, data_root: str | None, overrides: list[str],
-                    task: Task = TASK) -> Config:
-    """The checked configuration: defaults, the file, ``--set`` overrides, then DATA_ROOT."""
+                    task: Task = TASK, dataset: str | None = None) -> Config:
+    """The checked configuration: defaults, the file, ``--set`` overrides, then DATA_ROOT
+    and (``iabn train-seg``) ``--dataset``."""
     config = load_config(path, combine(ENGINE_SCHEMA, task.schema), overrides)
     if data_root is not None:
         config["data"]["root"] = str(data_root)
+    if dataset is not None:
+        config["data"]["dataset"] = dataset
     check_engine_config(config, str(path))
     task.check_config(config, str(path))
     return config
+
+
+def data_root_argument(args: argparse.Namespace) -> str | None:
+    """DATA_ROOT given as the positional argument or as ``--data-root`` (not both)."""
+    positional, option = args.data_root, getattr(args, "data_root_option", None)
+    if positional is not None and option is not None and positional != option:
+        raise ConfigError(f"DATA_ROOT {positional!r} and --data-root {option!r} differ: give "
+                          f"the data folder once")
+    return option if option is not None else positional
 
 
 def default_log_dir(config_path: str | Path) -> Path:
@@ -68,7 +80,8 @@ def train_command(args: argparse.Namespace) -> int:
     # epochs were the same to 4 significant digits with and without flushing.
     torch.set_flush_denormal(True)
     try:
-        config = load_run_config(args.config, args.data_root, args.set, task)
+        config = load_run_config(args.config, data_root_argument(args), args.set, task,
+                                 getattr(args, "dataset", None))
         if args.print_config:
             print(json.dumps(config, indent=2))
             return 0
@@ -87,7 +100,7 @@ def train_command(args: argparse.Namespace) -> int:
 def test_command(args: argparse.Namespace) -> int:
     """``iabn test CONFIG CHECKPOINT [DATA_ROOT]`` (see :func:`iabn.cli.build_parser`)."""
     try:
-        config = load_run_config(args.config, args.data_root, args.set)
+        config = load_run_config(args.config, data_root_argument(args), args.set)
         scale = args.scale or config["input"]["scale_val"]
         crop = args.crop or config["input"]["crop_val"]
         if crop > scale:
@@ -108,4 +121,5 @@ def test_command(args: argparse.Namespace) -> int:
 
 
 __all__ = ["COMMAND_TASKS", "RESUME_LAST", "SCHEMA", "SEGMENTATION_TASK", "TASK",
-           "default_log_dir", "load_run_config", "test_command", "train_command"]
+           "data_root_argument", "default_log_dir", "load_run_config", "test_command",
+           "train_command"]

@@ -235,6 +235,18 @@ def check_engine_config(config: Config, source: str = "config") -> None:
                           f"rises to the base rate), got {schedule['warmup_factor']}")
 
 
+def with_defaults(config: Mapping[str, Mapping[str, Any]], schema: Schema) -> Config:
+    """A copy of ``config`` with the keys of ``schema`` it lacks at their defaults: a
+    snapshot written before a key was added compares as if it had the default, which is
+    what that run did."""
+    filled = {section: dict(values) for section, values in config.items()}
+    for section, options in schema.items():
+        target = filled.setdefault(section, {})
+        for key, option in options.items():
+            target.setdefault(key, copy.deepcopy(option.default))
+    return filled
+
+
 def differences(old: Config, new: Config, ignore: Sequence[str] = ()) -> list[str]:
     """``"section.key: old -> new"`` for every value that differs, skipping the sections and
     ``section.key`` names in ``ignore``."""
@@ -255,4 +267,4 @@ def differences(old: Config, new: Config, ignore: Sequence[str] = ()) -> list[st
 
 __all__ = ["ENGINE_SCHEMA", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "Config", "ConfigError",
            "Option", "Schema", "check_engine_config", "combine", "defaults", "differences",
-           "load_config", "merge", "parse_override"]
+           "load_config", "merge", "parse_override", "with_defaults"]

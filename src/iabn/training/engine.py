@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..data.samplers import ExactShardSampler, ShuffledShardSampler
-from .config import Config, ConfigError, check_engine_config
+from .config import ENGINE_SCHEMA, Config, ConfigError, check_engine_config, combine, with_defaults
 from .logs import RunLog, peak_memory_mib, summary_writer_class
 from .loops import autocast, evaluate, memory_format, to_device
 from .optim import build_optimizer
@@ -152,6 +152,9 @@ class _Run:
                     f"--resume, or choose another --log-dir")
             return None
         snapshot = read_snapshot(path)
+        # keys added to the schema since the snapshot was written count at their defaults
+        snapshot["config"] = with_defaults(snapshot["config"],
+                                           combine(ENGINE_SCHEMA, self.task.schema))
         check_resumable(snapshot, path, self.task.name, self.config, self.ranks.world_size)
         return snapshot
 
@@ -185,6 +188,7 @@ class _Run:
             "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
             "best": self.best, "val_metrics": val_metrics, "ranks": per_rank,
+            "dataset": self.splits.metadata,
         }
         log_dir = self.options.log_dir
         if improved:

@@ -1,7 +1,8 @@
 """Semantic segmentation as a :class:`~iabn.training.task.Task` (``iabn train-seg``):
-DeepLabV3 on a dilated WideResNet-A2 or ResNeXt trunk (output stride 8), images + label PNGs
-or the embedded digits-on-canvas set, online bootstrapped cross-entropy (the hardest 25 % of
-each crop's pixels, the paper's setting), mIoU and per-class IoU.
+DeepLabV3 on a dilated WideResNet-A2 or ResNeXt trunk (output stride 8); data from Cityscapes,
+Mapillary Vistas v1.2 or Pascal VOC 2012 as unpacked (:mod:`iabn.data.seg_datasets`), images +
+label PNGs, or the embedded digits-on-canvas set; online bootstrapped cross-entropy (the
+hardest 25 % of each crop's pixels, the paper's setting), mIoU and per-class IoU.
 
 The generic engine brings everything else (DDP, ``iabn_sync``, poly schedule, snapshots and
 exact resume, logs); the paper's segmentation optimiser — SGD, momentum 0.9, weight decay
@@ -16,6 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from ..activation import ALL_ACTIVATIONS
+from ..data.label_sets import LAYOUTS, PUBLISHED, LabelSet, identity_labels
+from ..data.seg_datasets import detect_layout, layout_labels, open_dataset
 from ..data.segmentation import (
     CANVAS_CLASSES,
     CANVAS_MEAN,
@@ -52,8 +55,9 @@ SCHEMA: Schema = {
         "pooling_size": Option([84, 84], "eval-time image pooling window on the features "
                                "(the released model's 84x84); null: global", list,
                                nullable=True, length=2),
-        "num_classes": Option(None, "classes; null: the data's (digits canvases: 11)", int,
-                              nullable=True, minimum=1),
+        "num_classes": Option(None, "classes; null: the data's (digits canvases 11, "
+                              "Cityscapes 19, Vistas v1.2 65, VOC 21; required for folder "
+                              "data)", int, nullable=True, minimum=1),
         "norm_act": Option("iabn", "norm + activation layer: bn, abn, iabn, iabn_sync", str,
                            NORM_ACT_NAMES),
         "activation": Option("leaky_relu", "activation after each norm", str, ALL_ACTIVATIONS),
@@ -74,9 +78,13 @@ SCHEMA: Schema = {
         "std": Option(None, "per-channel std; null as mean", list, nullable=True, length=3),
     },
     "data": {
-        "root": Option(None, "folder with train/ and val/, each images/ + labels/ (the "
-                       "DATA_ROOT argument overrides it); null: the embedded digits canvases",
-                       str, nullable=True),
+        "dataset": Option("auto", "data layout: cityscapes, vistas (v1.2), voc (2012), "
+                          "folder (train|val/images + labels), digits (embedded, no root); "
+                          "auto: told from data.root's folders, digits without a root "
+                          "(--dataset overrides it)", str, LAYOUTS),
+        "root": Option(None, "the dataset's folder as unpacked (DATA_ROOT / --data-root "
+                       "override it); null: the embedded digits canvases", str,
+                       nullable=True),
         "ignore_index": Option(IGNORE_INDEX, "label value of void pixels", int, minimum=0),
         "canvas_size": Option(64, "embedded data: canvas side", int, minimum=40),
         "canvas_train": Option(2000, "embedded data: training canvases", int, minimum=1),
@@ -157,6 +165,13 @@ class SegmentationTask:
         if not 0.0 < config["loss"]["top_fraction"] <= 1.0:
             raise ConfigError(f"{source}: loss.top_fraction must be in (0, 1], got "
                               f"{config['loss']['top_fraction']}")
+        data = config["data"]
+        if data["dataset"] == "digits" and data["root"] is not None:
+            raise ConfigError(f"{source}: data.dataset 'digits' is the embedded data and "
+                              f"takes no DATA_ROOT (data.root={data['root']!r}): drop one")
+        if data["dataset"] not in ("auto", "digits") and data["root"] is None:
+            raise ConfigError(f"{source}: data.dataset {data['dataset']!r} needs its folder: "
+                              f"pass DATA_ROOT (--data-root) or set data.root")
         # The head's image-pooling branch normalises one value per channel and image: a
         # (per-rank) batch of one gives BN a single value. iabn_sync pools over ranks.
         if config["data"]["batch_size"] < 2:
@@ -171,15 +186,27 @@ class SegmentationTask:
         std = section["std"] or (CANVAS_STD if embedded else IMAGENET_STD)
         return mean, std
 
+    @staticmethod
+    def layout(config: Config) -> str:
+        """The data layout to read: ``data.dataset``, or for ``auto`` the one
+        :func:`~iabn.data.seg_datasets.detect_layout` finds in ``data.root``."""
+        data = config["data"]
+        if data["dataset"] != "auto":
+            return data["dataset"]
+        return "digits" if data["root"] is None else detect_layout(data["root"])
+
     def datasets(self, config: Config) -> DataSplits:
         section, data = config["input"], config["data"]
+        layout = self.layout(config)
+        wanted = config["network"]["num_classes"]
         mean, std = self.normalisation(config)
         train_transform = TrainTransform(
             section["crop_train"], mean, std, tuple(section["scale_range_train"]),
             0.5 if section["flip_train"] else 0.0, section["class_uniform_train"],
             data["ignore_index"])
         val_transform = EvalTransform(mean, std, section["long_side_val"])
-        if data["root"] is None:
+        labels: LabelSet
+        if layout == "digits":
             common = {"size": data["canvas_size"], "seed": data["canvas_seed"],
                       "split_seed": data["canvas_seed"],
                       "digit_scale": tuple(data["canvas_digit_scale"]),
@@ -187,28 +214,42 @@ class SegmentationTask:
             train = DigitsCanvas("train", data["canvas_train"], transform=train_transform,
                                  **common)
             val = DigitsCanvas("val", data["canvas_val"], transform=val_transform, **common)
-            classes: tuple[str, ...] = CANVAS_CLASSES
+            labels = identity_labels("digits", CANVAS_CLASSES)
             description = (f"embedded digits canvases ({data['canvas_train']} train / "
                            f"{data['canvas_val']} val, {data['canvas_size']}px, "
-                           f"{len(classes)} classes)")
-        else:
-            wanted = config["network"]["num_classes"]
+                           f"{labels.num_classes} classes)")
+        elif layout == "folder":
             if wanted is None:
-                raise ConfigError("network.num_classes must be set for a DATA_ROOT dataset "
-                                  "(the number of label values other than data.ignore_index)")
+                raise ConfigError("network.num_classes must be set for folder data (the "
+                                  "number of label values other than data.ignore_index)")
             folder = {"ignore_index": data["ignore_index"], "num_classes": wanted}
             train = SegmentationFolder(data["root"], "train", train_transform, **folder)
             val = SegmentationFolder(data["root"], "val", val_transform, **folder)
-            classes = tuple(f"class {i}" for i in range(wanted))
+            labels = identity_labels("folder", [f"class {i}" for i in range(wanted)],
+                                     [data["ignore_index"]])
             description = f"{data['root']} ({len(train)} train / {len(val)} val images)"
-        wanted = config["network"]["num_classes"]
+        else:
+            assert layout in PUBLISHED, layout
+            labels = layout_labels(layout, data["root"])
+            if data["ignore_index"] < labels.num_classes:
+                raise ConfigError(f"data.ignore_index={data['ignore_index']} is one of the "
+                                  f"{labels.num_classes} {layout} train ids: use a value >= "
+                                  f"{labels.num_classes} (255 as shipped)")
+            common = {"ignore_index": data["ignore_index"], "labels": labels}
+            train = open_dataset(layout, data["root"], "train", train_transform, **common)
+            val = open_dataset(layout, data["root"], "val", val_transform, **common)
+            description = (f"{layout} in {data['root']} ({len(train)} train / {len(val)} val "
+                           f"images, {labels.num_classes} classes)")
+        classes = labels.classes
         if wanted is not None and wanted != len(classes):
             raise ConfigError(f"network.num_classes={wanted} but the data has {len(classes)} "
                               f"classes: set it to {len(classes)} or null")
         self.class_names = classes
         self.ignore_index = data["ignore_index"]
         self.top_fraction = config["loss"]["top_fraction"]
-        return DataSplits(train, val, len(classes), description)
+        # the snapshot keeps the classes, colours and label ids: `iabn segment` colours and
+        # exports predictions with them without the data at hand
+        return DataSplits(train, val, len(classes), description, labels.to_dict())
 
     def build_model(self, config: Config, splits: DataSplits, ranks: Ranks) -> nn.Module:
         return build_segmenter(config, splits.num_classes, ranks.distributed)

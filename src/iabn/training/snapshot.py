@@ -3,9 +3,10 @@
 A snapshot is a ``torch.save``d dict holding ``format``/``version``, the ``task`` name, the
 full ``config``, ``world_size``, the position (``epoch``, ``batches_done`` in that epoch,
 ``global_step``), the ``model``/``optimizer``/``scheduler``/``scaler`` state dicts, the best
-validation result so far, the last validation metrics, and per rank the RNG states and the
-running training sums of a partial epoch. Only tensors, numbers, strings and containers, so
-it loads with ``weights_only=True``.
+validation result so far, the last validation metrics, per rank the RNG states and the
+running training sums of a partial epoch, and ``dataset``: what the task says about its data
+(:attr:`~iabn.training.task.DataSplits.metadata`; segmentation: the label set). Only
+tensors, numbers, strings and containers, so it loads with ``weights_only=True``.
 
 Writing goes to a temporary file in the same folder, flushed to disk, then renamed over the
 target: a run killed at any moment leaves either the old snapshot or the new one, never a

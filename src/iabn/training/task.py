@@ -8,8 +8,8 @@ and metrics. See the package docstring for the full contract.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -24,12 +24,15 @@ class DataSplits:
     """A task's data: ``train`` is indexed by the ``(index, seed)`` keys of
     :class:`~iabn.data.samplers.ShuffledShardSampler` (the seed drives its augmentation),
     ``val`` by plain indices. Both yield ``(input, target)`` pairs the default collate can
-    batch. ``description`` is one line for the log."""
+    batch. ``description`` is one line for the log. ``metadata``: plain data (strings,
+    numbers, lists, dicts) the snapshots keep as ``"dataset"``, for tools that use a trained
+    model without its data (e.g. a segmentation dataset's class names and colours)."""
 
     train: Dataset
     val: Dataset
     num_classes: int
     description: str
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class Meter(Protocol):
