@@ -7,6 +7,9 @@ whether the GPU waits for the host (issue 14). Providers, on the same input and 
 ``bn``            ``nn.BatchNorm2d`` + ``nn.LeakyReLU(inplace=True)`` (what users replace)
 ``iabn``          ``iabn.InPlaceABN`` on the default backend (the reference kernels)
 ``iabn_triton``   ``iabn.InPlaceABN`` with ``IABN_BACKEND=triton`` (CUDA only)
+``noop_function`` a Python ``torch.autograd.Function`` that overwrites nothing and computes
+                  nothing (marks its input dirty, saves it, passes the gradient through): the
+                  floor of any layer written as a Python autograd function, as iabn's is
 
 One call is ``layer(leaf.clone()).backward(grad)`` with the gradients reset as
 ``optimizer.zero_grad()`` does; the clone is in every provider's call. Calls are timed in loops
@@ -51,10 +54,35 @@ def _on_backend(step, name: str | None):
     return run
 
 
+class _NoOp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, weight, bias)
+        return x
+
+    @staticmethod
+    def backward(ctx, dz):
+        return dz, None, None
+
+
+class NoOpFunctionLayer(nn.Module):
+    """What every Python-autograd-function layer pays, with the layer's parameters."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _NoOp.apply(x, self.weight, self.bias)
+
+
 def providers(device: torch.device, channels: int) -> dict[str, tuple[nn.Module, str | None]]:
     layers = {
         "bn": (nn.Sequential(nn.BatchNorm2d(channels), nn.LeakyReLU(0.01, inplace=True)), None),
         "iabn": (iabn.InPlaceABN(channels), None),
+        "noop_function": (NoOpFunctionLayer(channels), None),
     }
     if device.type == "cuda":
         layers["iabn_triton"] = (iabn.InPlaceABN(channels), "triton")

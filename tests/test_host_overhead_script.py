@@ -22,7 +22,7 @@ def test_quick_cpu_run_writes_times_and_ratios(tmp_path):
     assert report["machine"]["torch_version"] and report["device"] == "cpu"
     assert [row["shape"] for row in report["rows"]] == [[2, 8, 4, 4], [8, 64, 8, 8]]
     for row in report["rows"]:
-        assert set(row["us_per_call"]) == {"bn", "iabn"}
+        assert set(row["us_per_call"]) == {"bn", "iabn", "noop_function"}
         assert all(len(v) == 3 for v in row["samples_ms"].values())  # --quick: 3 repeats
         for name, us in row["us_per_call"].items():
             assert us > 0
