@@ -27,6 +27,14 @@ import torch
 import triton_interpreter
 from helpers import HAS_CUDA, INTERPRET, TRITON_DEVICE
 
+# One intra-op thread per test process unless OMP_NUM_THREADS says otherwise: the tests run
+# tiny tensors, on which a second OpenMP thread costs more in synchronisation than it computes
+# (tests/test_gradcheck.py on the 2-core machine: 50 s with 2 threads, 9.5 s with 1). The
+# variable is inherited by the tools the tests start as subprocesses.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
     triton_interpreter.install()
