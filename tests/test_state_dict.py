@@ -119,3 +119,27 @@ def test_not_converted_by_sync_batchnorm():
     model = nn.Sequential(iabn.InPlaceABN(4), iabn.ABN(4))
     converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     assert isinstance(converted[0], iabn.InPlaceABN) and isinstance(converted[1], iabn.ABN)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_abn_signed_does_not_clamp_tiny_weights(training):
+    """Issue 16 item 7: the non-in-place ABN inverts nothing, so in signed mode it must compute
+    exactly nn.BatchNorm2d + activation even for |weight| < eps (zero-initialised last BN of a
+    residual branch)."""
+    torch.manual_seed(0)
+    bn = randomise_(nn.BatchNorm2d(4).double())
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([0.0, -0.0, 3e-6, -1e-7], dtype=torch.float64))
+    layer = iabn.ABN(4, activation="leaky_relu", activation_param=0.1).double()
+    layer.load_state_dict(bn.state_dict())
+    bn.train(training)
+    layer.train(training)
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+    expected = nn.functional.leaky_relu(bn(x), 0.1)
+    out = layer(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-15)
+    dy = torch.randn_like(out)
+    ref_grads = torch.autograd.grad(expected, (x, bn.weight, bn.bias), dy)
+    our_grads = torch.autograd.grad(out, (x, layer.weight, layer.bias), dy)
+    for ours, ref in zip(our_grads, ref_grads, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-13)

@@ -17,7 +17,7 @@ from torch import Tensor
 from . import activation as act
 from .checks import check_inputs, check_options
 from .ops import InPlaceABNFunction, LayerConfig, forward_, overwritable
-from .scale import straight_through_scale
+from .scale import ABS
 
 
 def inplace_abn(
@@ -79,7 +79,9 @@ def abn(
     """Activated batch norm without the in-place trick (stores ``input`` and the output).
 
     Same arguments as :func:`inplace_abn`; ``activation`` may also be ``"relu"``. ``input``
-    is not modified.
+    is not modified. In ``"signed"`` mode the weight is used as it is, without the
+    ``|weight| >= eps`` clamp that the in-place backward needs: ``abn`` is exactly
+    ``F.batch_norm`` followed by the activation.
     """
     check_options(activation, activation_param, gamma_mode, in_place=False)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=False)
@@ -116,8 +118,10 @@ def _abn_unchecked(
     weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
     activation: str, activation_param: float, gamma_mode: str,
 ) -> Tensor:
-    if weight is not None:
-        weight = straight_through_scale(weight, eps, gamma_mode)
+    if weight is not None and gamma_mode == ABS:
+        # Signed mode uses the weight as it is: nothing is inverted here, so |weight| < eps
+        # needs no clamp and ABN computes exactly nn.BatchNorm + activation.
+        weight = weight.abs() + eps
     y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     # The batch-norm output is a fresh tensor that batch norm's backward does not need, so the
     # activation may overwrite it.

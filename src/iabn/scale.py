@@ -44,10 +44,3 @@ def gamma_grad(dg: Tensor, gamma: Tensor, gamma_mode: str) -> Tensor:
     if gamma_mode == ABS:
         return dg * torch.sign(gamma)
     return dg
-
-
-def straight_through_scale(gamma: Tensor, eps: float, gamma_mode: str) -> Tensor:
-    """``scale(gamma)`` with the gradients of :func:`gamma_grad`, for autograd (``ABN``)."""
-    if gamma_mode == ABS:
-        return gamma.abs() + eps
-    return gamma + (effective_scale(gamma.detach(), eps, gamma_mode) - gamma.detach())
