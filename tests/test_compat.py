@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import iabn
 from iabn import compat
+from iabn.compat import functions
 
 SRC = str(Path(iabn.__file__).resolve().parents[1])
 
@@ -163,3 +165,210 @@ def test_compat_inplace_abn_is_the_originals_abs_computation(activation, param, 
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-9)
     torch.testing.assert_close(layer.running_mean, rm_ref, rtol=0, atol=1e-14)
     torch.testing.assert_close(layer.running_var, rv_ref, rtol=0, atol=1e-14)
+
+
+# ---- timm: InplaceAbn and TResNet on top of the opt-in ---------------------------------------
+
+def _timm_swapped(model):
+    """Replace each BatchNormAct2d (BN + LeakyReLU or identity) by timm's InplaceAbn with the
+    same state; return (the reference: the BN model with weight |w| + eps, the InplaceAbn
+    model, the list of (InplaceAbn, reference BN) pairs)."""
+    import copy
+
+    from timm.layers import BatchNormAct2d, InplaceAbn
+
+    reference = copy.deepcopy(model)
+    pairs = []
+    names = [n for n, m in model.named_modules() if isinstance(m, BatchNormAct2d)]
+    for name in names:
+        bn = model.get_submodule(name)
+        act = bn.act
+        if isinstance(act, nn.LeakyReLU):
+            kind, param = "leaky_relu", act.negative_slope
+        else:
+            assert isinstance(act, nn.Identity), act
+            kind, param = "identity", 0.01
+        layer = InplaceAbn(bn.num_features, bn.eps, bn.momentum, True, True, kind, param)
+        layer = layer.to(bn.weight.dtype)
+        layer.load_state_dict({k: v for k, v in bn.state_dict().items()
+                               if k != "num_batches_tracked"})
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, layer)
+        ref = reference.get_submodule(name)
+        with torch.no_grad():
+            ref.weight.copy_(ref.weight.abs() + ref.eps)
+        pairs.append((layer, ref))
+    return reference, model, pairs
+
+
+def _train_step_matches(model, x, atol):
+    reference, ours, pairs = _timm_swapped(model)
+    assert pairs
+    reference.train()
+    ours.train()
+    out_ref = reference(x.clone())
+    out = ours(x.clone())
+    torch.manual_seed(3)
+    dy = torch.randn_like(out)
+    (out_ref * dy).sum().backward()
+    (out * dy).sum().backward()
+    errors = {"output": (out - out_ref).abs().max().item()}
+    torch.testing.assert_close(out, out_ref, rtol=0, atol=atol)
+    norm_ids = {id(p) for layer, _ in pairs for p in layer.parameters()}
+    for (name, p), p_ref in zip(ours.named_parameters(), reference.parameters(), strict=True):
+        if id(p) not in norm_ids:
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=0, atol=atol, msg=name)
+            errors[name] = (p.grad - p_ref.grad).abs().max().item()
+    for layer, ref in pairs:
+        # the original's chain rule through |w| + eps: -1 where w < 0, else +1 (also at 0)
+        sign = torch.where(layer.weight.detach() < 0, -1.0, 1.0).to(ref.weight.grad.dtype)
+        expected = sign * ref.weight.grad
+        errors[f"norm:{id(layer)}.weight"] = (layer.weight.grad - expected).abs().max()
+        errors[f"norm:{id(layer)}.bias"] = (layer.bias.grad - ref.bias.grad).abs().max()
+        torch.testing.assert_close(layer.weight.grad, sign * ref.weight.grad, rtol=0, atol=atol)
+        torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=0, atol=atol)
+        torch.testing.assert_close(layer.running_mean, ref.running_mean, rtol=0, atol=atol)
+        torch.testing.assert_close(layer.running_var, ref.running_var, rtol=0, atol=atol)
+    return errors
+
+
+def test_timm_inplace_abn_layer_matches_batchnorm(opted_in):
+    from timm.layers import BatchNormAct2d
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), BatchNormAct2d(6, act_layer=nn.LeakyReLU),
+        nn.Conv2d(6, 5, 3, padding=1), BatchNormAct2d(5, apply_act=False),
+    ).double()
+    with torch.no_grad():
+        model[1].weight.copy_(torch.tensor([0.0, -0.5, 1.5, -2.0, 0.3, 1.0]))
+        model[3].weight.normal_()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    # measured max error 1.4e-14 (outputs and all gradients, float64); 1e-12 is ~70x that
+    _train_step_matches(model, x, atol=1e-12)
+
+
+def test_timm_tresnet_with_inplace_abn_trains_like_batchnorm(opted_in):
+    """timm's TResNet code (SpaceToDepth, BlurPool, SE, BasicBlock and Bottleneck, zero-init
+    last BN per block) at a width and depth that runs in a second; TResNet-M itself below."""
+    from timm.models.tresnet import TResNet
+
+    torch.manual_seed(0)
+    model = TResNet(layers=[1, 1, 1, 1], num_classes=7, width_factor=0.25).double()
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    # measured max error 3.2e-16 (outputs and all gradients, float64); 1e-13 is ~300x that
+    _train_step_matches(model, x, atol=1e-13)
+
+
+def test_timm_tresnet_m_with_inplace_abn_trains_like_batchnorm(opted_in):
+    """timm.create_model("tresnet_m"), its 60 BatchNormAct2d swapped for InplaceAbn (~8 s)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("tresnet_m", pretrained=False, num_classes=10).double()
+    x = torch.randn(2, 3, 64, 64, dtype=torch.float64)
+    # measured max error 5.3e-16 (outputs and all gradients, float64); 1e-13 is ~200x that
+    errors = _train_step_matches(model, x, atol=1e-13)
+    assert sum(name.startswith("norm:") and name.endswith(".weight") for name in errors) == 60
+
+
+@pytest.mark.parametrize("activation,param", [("relu", 0.0), ("leaky_relu", 0.2), ("elu", 0.5)])
+def test_compat_abn_is_plain_batchnorm_with_signed_weights(activation, param):
+    """The original ABN is standard BN + activation: negative and zero weights as they are."""
+    c = 5
+    w, b, _, _ = _params(c, zero=True)
+    layer = compat.ABN(c, 1e-5, 0.1, True, True, activation, param).double()
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+    bn = nn.BatchNorm2d(c).double()
+    bn.load_state_dict(layer.state_dict())
+    x = torch.randn(3, c, 4, 4, dtype=torch.float64, requires_grad=True)
+    for training in (True, False):
+        layer.train(training)
+        bn.train(training)
+        ref = _reference(x, bn.weight, bn.bias, bn.running_mean, bn.running_var, training,
+                         0.1, 1e-5, activation, param, False)
+        torch.testing.assert_close(layer(x), ref, rtol=0, atol=1e-15)
+
+
+# ---- item 4: the functionals in the original's order and defaults ----------------------------
+
+@pytest.mark.filterwarnings("ignore:InPlaceABNSync runs without")
+def test_compat_functional_keeps_the_original_order_and_training_default():
+    c = 4
+    w, b, rm, rv = _params(c)
+    torch.manual_seed(4)
+    x = torch.randn(3, c, 5, dtype=torch.float64)
+    rm_ref, rv_ref = rm.clone(), rv.clone()
+    out = functions.inplace_abn(x.clone(), w, b, rm, rv)  # positional, as the original
+    ref = _reference(x, w, b, rm_ref, rv_ref, True, 0.1, 1e-5, "leaky_relu", 0.01, True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-14)
+    torch.testing.assert_close(rm, rm_ref, rtol=0, atol=1e-15)  # training=True updated them
+    torch.testing.assert_close(rv, rv_ref, rtol=0, atol=1e-15)
+    out = functions.inplace_abn(x.clone(), w, b, rm, rv, False, 0.1, 1e-3, "elu", 0.5)
+    ref = _reference(x, w, b, rm, rv, False, 0.1, 1e-3, "elu", 0.5, True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-14)
+    # no process group: local statistics, as the original (iabn warns once per process)
+    out = functions.inplace_abn_sync(x.clone(), w, b, None, None, True, 0.1, 1e-5,
+                                     "leaky_relu", 0.01, None)
+    ref = _reference(x, w, b, None, None, True, 0.1, 1e-5, "leaky_relu", 0.01, True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("function", ["inplace_abn", "abn"])
+def test_iabn_functional_rejects_the_original_order(function):
+    """iabn.functional follows F.batch_norm's order; a call in the original's order (a
+    parameter where a running statistic belongs) used to give NaN or an ATen error."""
+    layer = nn.BatchNorm2d(4)
+    x = torch.randn(2, 4, 3, 3)
+    before = x.clone()
+    with pytest.raises(ValueError, match=r"running_mean requires grad.*iabn\.compat\.functions"):
+        getattr(iabn.functional, function)(x, layer.weight, layer.bias, layer.running_mean,
+                                           layer.running_var, True)
+    assert torch.equal(x, before)
+
+
+# ---- item 6: InPlaceABNSync's group is positional in the compat API --------------------------
+
+@pytest.mark.filterwarnings("ignore:InPlaceABNSync runs without")
+def test_compat_sync_takes_group_positionally():
+    group = object()  # any process-group handle; stored, used only with torch.distributed
+    layer = compat.InPlaceABNSync(4, 1e-5, 0.1, True, True, "leaky_relu", 0.01, group)
+    assert layer.group is group and layer.gamma_mode == "abs"
+    other = object()
+    compat.set_active_group(nn.Sequential(layer, nn.ReLU()), other)
+    assert layer.group is other
+    layer.set_group(None)
+    assert layer.group is None
+    # without a process group it is the local layer, with the original's |w| + eps
+    w, b, _, _ = _params(4)
+    layer = layer.double()
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        layer.bias.copy_(b)
+    x = torch.randn(3, 4, 2, 2, dtype=torch.float64)
+    out = layer(x.clone())
+    ref = _reference(x, w, b, None, None, True, 0.1, 1e-5, "leaky_relu", 0.01, True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-14)
+
+
+# ---- leaving compatibility mode ---------------------------------------------------------------
+
+def test_to_signed_converts_abs_weights_exactly():
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), compat.InPlaceABN(4), nn.Conv2d(4, 4, 1),
+                          compat.InPlaceABN(4, activation="identity")).eval()
+    with torch.no_grad():
+        model[1].weight.copy_(torch.tensor([0.0, -0.7, 1e-7, 2.0]))
+        model[3].running_var.uniform_(0.5, 2)
+    x = torch.randn(2, 3, 5, 5)
+    before = model(x)
+    compat.to_signed(model)
+    assert model[1].gamma_mode == model[3].gamma_mode == "signed"
+    assert torch.equal(model(x), before)
+    # the state_dict is now a plain BatchNorm's: nn.BatchNorm2d + LeakyReLU gives the same
+    bn = nn.BatchNorm2d(4).eval()
+    bn.load_state_dict(model[1].state_dict())
+    torch.testing.assert_close(F.leaky_relu(bn(model[0](x)), 0.01), model[1](model[0](x)),
+                               rtol=0, atol=1e-6)
