@@ -47,6 +47,9 @@ class TestOptions:
     """Crop side; None: ``input.crop_val``."""
     ten_crops: bool = False
     original: bool = False
+    origin: str = "auto"
+    """With ``original``: the original layer type that trained the weights (``"InPlaceABN"``,
+    ``"ABN"`` or ``"auto"``); see :func:`iabn.models.load_original`."""
     strict: bool = True
     device: str | None = None
     batch_size: int | None = None
@@ -66,15 +69,23 @@ def _read(path: Path) -> Any:
                             f"file): {type(error).__name__}: {error}") from error
 
 
+def _origin_with_name(origin: str, path: Path) -> str:
+    """``load_original`` got the loaded dict, not the path: apply its file-name rule here."""
+    if origin == "auto" and "stdbn" in path.name.lower():
+        return "ABN"
+    return origin
+
+
 def load_weights(model: nn.Module, path: Path, original: bool = False,
-                 strict: bool = True) -> tuple[LoadReport, Config | None]:
+                 strict: bool = True, origin: str = "auto") -> tuple[LoadReport, Config | None]:
     """Load a checkpoint (module doc) into ``model``; returns the key report and, for an
     ``iabn train`` snapshot, the config it was trained with. With ``strict`` a report that is
     not clean raises :class:`SnapshotError` before the model is touched."""
     payload = _read(path)
     if original:
         try:
-            return load_original(model, payload, strict=strict), None
+            return load_original(model, payload, strict=strict,
+                                 origin=_origin_with_name(origin, path)), None
         except ValueError as error:
             raise SnapshotError(f"{path}: {error}; --non-strict loads the matching keys"
                                 ) from None
@@ -131,7 +142,7 @@ def _run_test(config: Config, options: TestOptions, ranks: Ranks) -> dict[str, A
     transform = eval_transform(config["input"], options.scale, options.crop, options.ten_crops)
     model = build_classifier(config, sources.num_classes, ranks.distributed)
     report, trained_config = load_weights(model, options.checkpoint, options.original,
-                                          options.strict)
+                                          options.strict, options.origin)
     network = config["network"]
     model.to(ranks.device, memory_format=memory_format(network["channels_last"]))
     say = print if ranks.is_main else (lambda *args, **kwargs: None)
