@@ -17,8 +17,10 @@ imported, :func:`install` leaves it in place, warns with :class:`CompatWarning` 
 ``False``: ``import inplace_abn`` keeps giving the original. ``install(force=True)`` replaces it
 for this process.
 
-To leave compatibility mode, :func:`to_signed` converts the in-place layers' weights from
-``|weight| + eps`` to signed iabn layers exactly.
+To leave compatibility mode, :func:`to_signed` (a model) or :func:`to_signed_state_dict` (a
+state_dict) converts the in-place layers' weights from ``|weight| + eps`` to signed weights
+exactly; loading abs-trained weights into a signed layer without converting them warns once
+(:class:`iabn.modules.GammaModeWarning`).
 """
 
 from __future__ import annotations
@@ -132,6 +134,36 @@ def to_signed(model: nn.Module) -> nn.Module:
     return model
 
 
+def to_signed_state_dict(state_dict: dict[str, Any], eps: float = 1e-5,
+                         layers: list[str] | None = None) -> dict[str, Any]:
+    """A copy of ``state_dict`` in which each abs-trained layer's ``weight`` is replaced by
+    ``|weight| + eps``, so that signed iabn layers and ``nn.BatchNorm`` compute exactly what the
+    abs layers did. ``layers``: the module names (``""`` for a lone layer) to convert; default:
+    those whose state_dict metadata says ``gamma_mode="abs"`` (iabn saves it); give them
+    explicitly for the original package's files, which carry no such note. ``eps`` must be the
+    layers' eps."""
+    metadata = getattr(state_dict, "_metadata", None)
+    if layers is None:
+        if metadata is None:
+            raise ValueError(
+                "state_dict has no metadata saying which layers are abs-trained (the original "
+                "package's files have none): pass layers=[...] with the norm layers' names"
+            )
+        layers = [name for name, meta in metadata.items() if meta.get("gamma_mode") == ABS]
+    converted = type(state_dict)(state_dict)
+    for name in layers:
+        key = f"{name}.weight" if name else "weight"
+        if key not in state_dict:
+            raise KeyError(f"layers: {name!r} has no {key!r} in the state_dict")
+        converted[key] = state_dict[key].abs() + eps
+    if metadata is not None:
+        converted._metadata = type(metadata)(
+            (name, {k: v for k, v in meta.items() if not (name in layers and k == "gamma_mode")})
+            for name, meta in metadata.items()
+        )
+    return converted
+
+
 __all__ = [
     "ABN",
     "CompatWarning",
@@ -145,5 +177,6 @@ __all__ = [
     "installed",
     "set_active_group",
     "to_signed",
+    "to_signed_state_dict",
     "uninstall",
 ]

@@ -97,6 +97,24 @@ def original_state_dict(checkpoint: Mapping[str, Any] | str | Path,
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
+def abs_into_signed(state: Mapping[str, Any], model: nn.Module) -> list[str]:
+    """Names of ``model``'s signed iabn layers whose entry in ``state``'s metadata says
+    ``gamma_mode="abs"`` (iabn records it when an abs layer saves its state)."""
+    metadata = getattr(state, "_metadata", None) or {}
+    modules = dict(model.named_modules())
+    return [name.removeprefix("module.") for name, meta in metadata.items()
+            if isinstance(meta, Mapping) and meta.get("gamma_mode") == ABS
+            and isinstance(modules.get(name.removeprefix("module.")), ABN)
+            and modules[name.removeprefix("module.")].gamma_mode != ABS]
+
+
+def abs_into_signed_note(layers: list[str]) -> str:
+    shown = ", ".join(layers[:3]) + (", ..." if len(layers) > 3 else "")
+    return (f"{len(layers)} layer(s) ({shown}) get abs-trained weights (|w| + eps) but compute "
+            f"with gamma_mode='signed': outputs change; build them with gamma_mode='abs' or "
+            f"convert with iabn.compat.to_signed_state_dict")
+
+
 def resolve_origin(origin: str, checkpoint: Mapping[str, Any] | str | Path,
                    payload: Mapping[str, Any] | None = None) -> tuple[str, str]:
     """``(origin, reason)``: ``origin`` normalised (``"InPlaceABN"``, ``"InPlaceABNSync"``,

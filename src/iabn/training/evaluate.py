@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from ..data.samplers import ExactShardSampler
 from ..data.transforms import TransformedDataset
 from ..models import LoadReport, load_original
+from ..models.checkpoints import abs_into_signed, abs_into_signed_note
 from .classification import ClassificationTask, build_classifier
 from .classification_data import eval_transform, image_sources
 from .config import Config, differences
@@ -96,6 +97,7 @@ def load_weights(model: nn.Module, path: Path, original: bool = False,
         state = payload.get("state_dict", payload)
     else:
         raise SnapshotError(f"{path} holds a {type(payload).__name__}, not a state_dict")
+    abs_layers = abs_into_signed(state, model)
     state = {key.removeprefix("module."): value for key, value in state.items()
              if isinstance(value, torch.Tensor)}
     own = model.state_dict()
@@ -104,6 +106,8 @@ def load_weights(model: nn.Module, path: Path, original: bool = False,
         unexpected=[k for k in state if k not in own],
         shape_mismatches=[f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
                           for k, v in own.items() if k in state and state[k].shape != v.shape])
+    if abs_layers:
+        report.warnings.append(abs_into_signed_note(abs_layers))
     if strict and not report.ok:
         raise SnapshotError(f"{path} does not fit the config's {type(model).__name__}: {report}"
                             f"; check network.arch, or pass --non-strict to load the matching "
