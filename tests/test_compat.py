@@ -372,3 +372,22 @@ def test_to_signed_converts_abs_weights_exactly():
     bn.load_state_dict(model[1].state_dict())
     torch.testing.assert_close(F.leaky_relu(bn(model[0](x)), 0.01), model[1](model[0](x)),
                                rtol=0, atol=1e-6)
+
+
+# ---- item 3: the README's porting advice, run -------------------------------------------------
+
+def test_readme_porting_examples_run(tmp_path):
+    """The checked examples (those with asserts) of the README's porting sections run against
+    PyTorch's own BatchNorm, in one fresh process: from the original InPlaceABN (|w| + eps),
+    from the original ABN (signed), leaving compat mode, timm's InplaceAbn."""
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("### Porting from `nn.BatchNorm2d` + activation")
+    section = readme[start:readme.index("### Models", start)]
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "assert" in b]
+    assert len(blocks) >= 3, "the porting sections lost their checked examples"
+    assert 'ABN(16, activation="relu")' in section and "never `gamma_mode=\"abs\"`" in section
+    result = _run("\n".join(blocks) + "\nprint('ran', len(__import__('sys').argv))", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ran 1"
