@@ -391,3 +391,47 @@ def test_readme_porting_examples_run(tmp_path):
     result = _run("\n".join(blocks) + "\nprint('ran', len(__import__('sys').argv))", tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ran 1"
+
+
+def test_original_style_training_script_runs_and_trains_like_batchnorm():
+    """The original's example scripts build layers with functools.partial(InPlaceABN, ...),
+    initialise with isinstance(m, ABN) (its in-place layers subclass ABN) and train with SGD.
+    Three SGD steps match nn.BatchNorm2d + LeakyReLU with weight |w| + eps (weights stay
+    positive here, where SGD on w and on |w| + eps take the same steps)."""
+    from functools import partial
+
+    torch.manual_seed(0)
+    norm_act = partial(compat.InPlaceABN, activation="leaky_relu", activation_param=0.1)
+    ours = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), norm_act(8), nn.Conv2d(8, 8, 1),
+                         compat.ABN(8, activation="relu"), nn.Flatten(), nn.Linear(8 * 36, 4))
+    ours = ours.double()
+    for m in ours.modules():
+        if isinstance(m, compat.ABN):  # as the original's train_imagenet.init_weights
+            nn.init.constant_(m.weight, 1.0)
+            nn.init.constant_(m.bias, 0.0)
+    assert isinstance(ours[1], compat.ABN) and isinstance(ours[3], compat.ABN)
+    reference = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8),
+                              nn.LeakyReLU(0.1), nn.Conv2d(8, 8, 1), nn.BatchNorm2d(8),
+                              nn.ReLU(), nn.Flatten(), nn.Linear(8 * 36, 4)).double()
+    mapping = {"0": "0", "1": "1", "2": "3", "3": "4", "5": "7"}
+    reference.load_state_dict({mapping[k.split(".")[0]] + k[k.index("."):]: v
+                               for k, v in ours.state_dict().items()})
+    with torch.no_grad():
+        reference[1].weight.add_(1e-5)  # |w| + eps of ours
+    optimisers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (ours, reference)]
+    for step in range(3):
+        x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+        target = torch.randint(0, 4, (4,))
+        losses = []
+        for model, optimiser in zip((ours, reference), optimisers, strict=True):
+            optimiser.zero_grad()
+            loss = F.cross_entropy(model(x.clone()), target)
+            loss.backward()
+            optimiser.step()
+            losses.append(loss.item())
+        # measured loss differences 0, 0, 4.4e-16; 1e-12 is ~2000x the largest
+        assert abs(losses[0] - losses[1]) < 1e-12, (step, losses)
+    torch.testing.assert_close(ours[1].weight.abs() + 1e-5, reference[1].weight, rtol=0,
+                               atol=1e-12)
+    torch.testing.assert_close(ours[1].running_var, reference[1].running_var, rtol=0,
+                               atol=1e-12)

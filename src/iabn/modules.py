@@ -184,7 +184,7 @@ class InPlaceABN(ABN):
         check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
-            activation_param, device, dtype, gamma_mode=gamma_mode,
+            activation_param, device=device, dtype=dtype, gamma_mode=gamma_mode,
         )
         self.variant = variant
 

@@ -18,7 +18,12 @@ from ..scale import ABS, SIGNED
 
 class ABN(modules.ABN):
     """The original ``ABN``: ``nn.BatchNorm`` followed by ``relu``, ``leaky_relu``, ``elu`` or
-    ``identity``; stores its input. Weights as ``nn.BatchNorm`` (signed)."""
+    ``identity``; stores its input. Weights as ``nn.BatchNorm`` (signed).
+
+    As in the original, the in-place layers below are subclasses of it, so
+    ``isinstance(layer, ABN)`` finds every layer of the package (the original's scripts
+    initialise and exclude from weight decay by it). ``device``, ``dtype`` and ``gamma_mode``
+    are iabn's keyword-only extras."""
 
     def __init__(
         self,
@@ -29,14 +34,18 @@ class ABN(modules.ABN):
         track_running_stats: bool = True,
         activation: str = "leaky_relu",
         activation_param: float = 0.01,
+        *,
+        device=None,
+        dtype=None,
+        gamma_mode: str = SIGNED,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
-            activation_param, gamma_mode=SIGNED,
+            activation_param, device, dtype, gamma_mode=gamma_mode,
         )
 
 
-class InPlaceABN(modules.InPlaceABN):
+class InPlaceABN(modules.InPlaceABN, ABN):
     """The original ``InPlaceABN``: overwrites its input; scale ``|weight| + eps``."""
 
     def __init__(
@@ -55,7 +64,7 @@ class InPlaceABN(modules.InPlaceABN):
         )
 
 
-class InPlaceABNSync(distributed.InPlaceABNSync):
+class InPlaceABNSync(distributed.InPlaceABNSync, ABN):
     """The original ``InPlaceABNSync``: :class:`InPlaceABN` with batch statistics over the
     ranks of ``group`` (``None``: the default group), positional as in the original."""
 
