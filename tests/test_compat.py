@@ -435,3 +435,18 @@ def test_original_style_training_script_runs_and_trains_like_batchnorm():
                                atol=1e-12)
     torch.testing.assert_close(ours[1].running_var, reference[1].running_var, rtol=0,
                                atol=1e-12)
+
+
+def test_active_group_in_a_one_rank_gloo_world(tmp_path):
+    result = _run(f"""
+        import torch.distributed as dist
+        from iabn import compat
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0,
+                                world_size=1)
+        assert compat.active_group(True) is dist.group.WORLD
+        assert compat.active_group(False) is None
+        dist.destroy_process_group()
+        print("ok")
+    """, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
