@@ -108,7 +108,7 @@ def test_running_statistics_updated_once_per_forward():
 
 # (activations of the block input's size, per-channel float32 vectors) kept for backward
 EXPECTED = {
-    "standard": (2, 3),        # x, z + scale(gamma), mean, invstd
+    "standard": (2, 2),        # x, z + mean, invstd (the weight itself: signed ABN, no clamp)
     "checkpoint": (1, 2),      # x + mean, invstd
     "checkpoint_opt": (1, 1),  # xhat + invstd
     "inplace_I": (1, 2),       # z + invstd, scale(gamma)

@@ -82,3 +82,78 @@ def test_vistas_style_snapshot_body_section(tmp_path):
     assert load_original(trunk, snapshot, section="body").ok
     with pytest.raises(KeyError, match="no section 'trunk'"):
         load_original(trunk, snapshot, section="trunk")
+
+
+def _bn_reference(source):
+    """Independent reference: the same network with nn.BatchNorm2d and the weights as stored
+    (the original ABN is standard batch norm + activation)."""
+    reference = create("resnet34", num_classes=10, norm_act="bn").eval()
+    reference.load_state_dict(source.state_dict())
+    return reference
+
+
+@pytest.mark.parametrize("how", ["origin", "file name", "bn_mode"])
+def test_original_abn_checkpoint_keeps_signed_weights(tmp_path, how):
+    """Issue 16 item 2: a checkpoint of the original's ABN (standard BN) must not be read with
+    |w| + eps; before, load_original forced gamma_mode='abs' on every layer."""
+    source = _randomised("resnet34")
+    checkpoint = _original_checkpoint(source)
+    kwargs = {}
+    if how == "origin":
+        kwargs["origin"] = "ABN"
+        target = checkpoint
+    elif how == "file name":
+        target = tmp_path / "resnext101_stdbn_lr_256.pth.tar"
+        torch.save(checkpoint, target)
+    else:
+        target = {**checkpoint, "config": {"network": {"bn_mode": "standard"}}}
+    ours = create("resnet34", num_classes=10).eval()
+    report = load_original(ours, target, **kwargs)
+    assert report.ok and report.origin == "ABN"
+    assert set(report.layers.values()) == {"signed"} and len(report.layers) == 36
+    assert "origin ABN" in str(report) and "36 signed" in str(report)
+    x = torch.randn(2, 3, 64, 64)
+    torch.testing.assert_close(ours(x.clone()), _bn_reference(source)(x), rtol=1e-4, atol=1e-5)
+
+    as_bn = create("resnet34", num_classes=10, norm_act="bn").eval()
+    report = load_original(as_bn, target, **kwargs)
+    assert set(report.layers.values()) == {"bn"}
+    torch.testing.assert_close(as_bn(x), _bn_reference(source)(x), rtol=1e-4, atol=1e-5)
+
+
+def test_origin_is_reported_and_checked():
+    source = _randomised("resnet34")
+    checkpoint = _original_checkpoint(source)
+    ours = create("resnet34", num_classes=10)
+    report = load_original(ours, checkpoint)
+    assert report.origin == "InPlaceABN" and "default" in report.origin_reason
+    assert set(report.layers.values()) == {"abs"}
+    for name in ("InPlaceABNSync", "inplace", "sync"):
+        assert load_original(ours, checkpoint, origin=name).origin == "InPlaceABN"
+    before = {k: v.clone() for k, v in ours.state_dict().items()}
+    with pytest.raises(ValueError, match=r"unknown origin='bn'.*'InPlaceABN'.*'ABN'"):
+        load_original(ours, checkpoint, origin="bn")
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in before.items())
+
+
+def test_iabn_test_original_loads_a_stdbn_file_with_signed_weights(tmp_path):
+    """`iabn test --original` loads through training.evaluate.load_weights: an original
+    standard-BN file (by its name or --origin ABN) must keep its signed weights (item 2)."""
+    from iabn.cli import build_parser
+    from iabn.training.evaluate import load_weights
+
+    source = _randomised("resnet34")
+    path = tmp_path / "resnet34_stdbn.pth.tar"
+    torch.save(_original_checkpoint(source), path)
+    x = torch.randn(2, 3, 64, 64)
+    expected = _bn_reference(source)(x)
+    for origin in ("auto", "ABN"):
+        ours = create("resnet34", num_classes=10).eval()
+        report, _ = load_weights(ours, path, original=True, origin=origin)
+        assert report.origin == "ABN", origin
+        torch.testing.assert_close(ours(x.clone()), expected, rtol=1e-4, atol=1e-5)
+    args = build_parser().parse_args(["test", "config.json", str(path), "--original",
+                                      "--origin", "standard"])
+    assert args.origin == "ABN"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["test", "config.json", str(path), "--origin", "bn"])

@@ -26,7 +26,7 @@ EXPECTED = {
     "iabn": (1, 2),        # z (shared with the conv's input) + invstd, scale(gamma)
     "bn_inplace": (2, 2),  # x, z + save_mean, save_invstd
     "bn": (3, 2),          # x, y, z + save_mean, save_invstd
-    "abn": (2, 3),         # x, z + scale(gamma), save_mean, save_invstd
+    "abn": (2, 2),         # x, z + save_mean, save_invstd (signed: the weight as it is)
 }
 
 

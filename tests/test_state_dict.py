@@ -1,9 +1,11 @@
 """State dicts: the keys of nn.BatchNorm2d, weight portability both ways, old checkpoints."""
 
 import io
+import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import iabn
@@ -119,3 +121,108 @@ def test_not_converted_by_sync_batchnorm():
     model = nn.Sequential(iabn.InPlaceABN(4), iabn.ABN(4))
     converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     assert isinstance(converted[0], iabn.InPlaceABN) and isinstance(converted[1], iabn.ABN)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_abn_signed_does_not_clamp_tiny_weights(training):
+    """Issue 16 item 7: the non-in-place ABN inverts nothing, so in signed mode it must compute
+    exactly nn.BatchNorm2d + activation even for |weight| < eps (zero-initialised last BN of a
+    residual branch)."""
+    torch.manual_seed(0)
+    bn = randomise_(nn.BatchNorm2d(4).double())
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([0.0, -0.0, 3e-6, -1e-7], dtype=torch.float64))
+    layer = iabn.ABN(4, activation="leaky_relu", activation_param=0.1).double()
+    layer.load_state_dict(bn.state_dict())
+    bn.train(training)
+    layer.train(training)
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64, requires_grad=True)
+    expected = nn.functional.leaky_relu(bn(x), 0.1)
+    out = layer(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-15)
+    dy = torch.randn_like(out)
+    ref_grads = torch.autograd.grad(expected, (x, bn.weight, bn.bias), dy)
+    our_grads = torch.autograd.grad(out, (x, layer.weight, layer.bias), dy)
+    for ours, ref in zip(our_grads, ref_grads, strict=True):
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-13)
+
+
+@pytest.fixture
+def fresh_gamma_warning(monkeypatch):
+    import iabn.modules
+
+    monkeypatch.setattr(iabn.modules, "_warned_abs_into_signed", False)
+
+
+def _abs_trained_net():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceABN(4, gamma_mode="abs"),
+                        nn.Conv2d(4, 4, 1), iabn.ABN(4, gamma_mode="abs")).eval()
+    randomise_(net[1])
+    randomise_(net[3])
+    return net
+
+
+def test_abs_state_into_signed_layer_warns_once(fresh_gamma_warning, tmp_path):
+    """Issue 16 item 5: abs-trained weights loaded into default (signed) layers changed the
+    outputs silently."""
+    net = _abs_trained_net()
+    path = tmp_path / "abs.pt"
+    torch.save(net.state_dict(), path)
+    state = torch.load(path, weights_only=True)
+    signed = nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceABN(4), nn.Conv2d(4, 4, 1),
+                           iabn.ABN(4)).eval()
+    with pytest.warns(iabn.modules.GammaModeWarning,
+                      match=r"^1: .*gamma_mode='abs'.*iabn\.compat\.to_signed"):
+        signed.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        signed.load_state_dict(state)  # once per process
+    # and it is right to warn: the outputs differ from the abs model's
+    x = torch.randn(2, 3, 4, 4)
+    assert (signed(x) - net(x)).abs().max() > 1e-3
+
+
+def test_no_warning_when_modes_agree(fresh_gamma_warning):
+    state = _abs_trained_net().state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceABN(4, gamma_mode="abs"),
+                      nn.Conv2d(4, 4, 1), iabn.ABN(4, gamma_mode="abs")).load_state_dict(state)
+        iabn.InPlaceABN(4).load_state_dict(nn.BatchNorm2d(4).state_dict())
+        iabn.InPlaceABN(4).load_state_dict(iabn.InPlaceABN(4).state_dict())
+
+
+def test_abs_to_signed_conversion_is_exact(fresh_gamma_warning):
+    from iabn.compat import to_signed_state_dict
+
+    net = _abs_trained_net()
+    converted = to_signed_state_dict(net.state_dict())
+    signed = nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceABN(4), nn.Conv2d(4, 4, 1),
+                           iabn.ABN(4)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # converted: nothing to warn about
+        signed.load_state_dict(converted)
+    x = torch.randn(2, 3, 4, 4)
+    assert torch.equal(signed(x), net(x))
+    # independent reference: nn.BatchNorm2d + LeakyReLU with the converted weights
+    bn = nn.BatchNorm2d(4).eval()
+    bn.load_state_dict({k.removeprefix("1."): v for k, v in converted.items()
+                        if k.startswith("1.")})
+    torch.testing.assert_close(signed[1](net[0](x)), F.leaky_relu(bn(net[0](x)), 0.01),
+                               rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="layers="):
+        to_signed_state_dict(dict(net.state_dict()))
+
+
+def test_iabn_test_reports_abs_weights_in_signed_layers(tmp_path):
+    from iabn.training.evaluate import load_weights
+
+    net = _abs_trained_net()
+    path = tmp_path / "abs.pt"
+    torch.save({"state_dict": net.state_dict()}, path)
+    signed = nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceABN(4), nn.Conv2d(4, 4, 1),
+                           iabn.ABN(4))
+    report, _ = load_weights(signed, path)
+    assert report.ok and len(report.warnings) == 1
+    assert "2 layer(s) (1, 3)" in str(report) and "to_signed_state_dict" in str(report)

@@ -47,6 +47,18 @@ def _add_int(
     group.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
 
 
+def _origin(text: str) -> str:
+    """``--origin``: normalised by :func:`iabn.models.checkpoints.resolve_origin`."""
+    from .models.checkpoints import resolve_origin
+
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return resolve_origin(text, {})[0]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser(
         "bench",
@@ -215,8 +227,12 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
     test.add_argument("--ten-crops", action="store_true",
                       help="average the softmax of 4 corner + centre crops and their mirrors")
     test.add_argument("--original", action="store_true",
-                      help="CHECKPOINT is from the original inplace_abn package "
-                      "(|gamma| + eps scale)")
+                      help="CHECKPOINT is from the original inplace_abn package")
+    test.add_argument("--origin", default="auto", metavar="LAYER", type=_origin,
+                      help="with --original: the original layer type that trained it: "
+                      "InPlaceABN (also InPlaceABNSync; |gamma| + eps), ABN (standard BN, signed "
+                      "weights) or auto (default: a bn_mode entry in the checkpoint, else ABN "
+                      "when the file name contains 'stdbn', else InPlaceABN)")
     test.add_argument("--non-strict", action="store_true",
                       help="load the keys that fit and report the rest, instead of stopping")
     test.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .checks import check_inputs, check_options
-from .functional import _inplace_abn_unchecked
+from .functional import _check_argument_order, _inplace_abn_unchecked
 from .kernels import reference
 from .kernels import sync_reference as sync
 from .kernels.dispatch import sync_backend_for
@@ -175,6 +175,7 @@ def inplace_abn_sync(
     :func:`check_across_ranks` can be called once beforehand.
     """
     check_options(activation, activation_param, gamma_mode, in_place=True)
+    _check_argument_order("inplace_abn_sync", running_mean, running_var)
     synced_group = _group_to_sync(group, training)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True,
                  synchronised=synced_group is not None)

@@ -5,7 +5,10 @@ non-in-place composition (batch norm, then activation) with the same parametrisa
 
 Argument order follows ``F.batch_norm`` — ``(input, running_mean, running_var, weight, bias,
 training, momentum, eps)`` — not the original ``inplace_abn`` package, whose functional put
-``weight, bias`` before the running statistics. Pass them by keyword when porting.
+``weight, bias`` before the running statistics. Pass them by keyword when porting, or use
+:mod:`iabn.compat.functions`, which keeps the original's order and defaults. A running statistic
+that requires grad (a parameter passed where a buffer belongs, the usual sign of the original's
+order) is rejected with a ``ValueError``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch import Tensor
 from . import activation as act
 from .checks import check_inputs, check_options
 from .ops import InPlaceABNFunction, LayerConfig, forward_, overwritable
-from .scale import straight_through_scale
+from .scale import ABS, abs_sign
 
 
 def inplace_abn(
@@ -55,6 +58,7 @@ def inplace_abn(
             (``|gamma| + eps``, the original package); see :mod:`iabn.scale`.
     """
     check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant)
+    _check_argument_order("inplace_abn", running_mean, running_var)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True)
     return _inplace_abn_unchecked(
         input, running_mean, running_var, weight, bias, training, momentum, eps,
@@ -79,14 +83,34 @@ def abn(
     """Activated batch norm without the in-place trick (stores ``input`` and the output).
 
     Same arguments as :func:`inplace_abn`; ``activation`` may also be ``"relu"``. ``input``
-    is not modified.
+    is not modified. In ``"signed"`` mode the weight is used as it is, without the
+    ``|weight| >= eps`` clamp that the in-place backward needs: ``abn`` is exactly
+    ``F.batch_norm`` followed by the activation.
     """
     check_options(activation, activation_param, gamma_mode, in_place=False)
+    _check_argument_order("abn", running_mean, running_var)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=False)
     return _abn_unchecked(
         input, running_mean, running_var, weight, bias, training, momentum, eps,
         activation, activation_param, gamma_mode,
     )
+
+
+def _check_argument_order(function: str, running_mean: Tensor | None,
+                          running_var: Tensor | None) -> None:
+    """Running statistics are buffers; one that requires grad is almost always a ``weight`` or
+    ``bias`` passed in the original package's order ``(x, weight, bias, running_mean, ...)``,
+    which would otherwise give NaN or an obscure ATen error."""
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if isinstance(t, Tensor) and t.requires_grad:
+            raise ValueError(
+                f"iabn.functional.{function}: {name} requires grad, so it looks like a weight or "
+                f"bias: iabn's order is (input, running_mean, running_var, weight, bias, "
+                f"training, ...) like F.batch_norm, not the original inplace_abn's (x, weight, "
+                f"bias, running_mean, running_var, ...). Pass the tensors by keyword, or use "
+                f"iabn.compat.functions.{function if function != 'abn' else 'inplace_abn'}, "
+                f"which keeps the original order and defaults (training=True, |weight| + eps)"
+            )
 
 
 def _inplace_abn_unchecked(
@@ -116,8 +140,11 @@ def _abn_unchecked(
     weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
     activation: str, activation_param: float, gamma_mode: str,
 ) -> Tensor:
-    if weight is not None:
-        weight = straight_through_scale(weight, eps, gamma_mode)
+    if weight is not None and gamma_mode == ABS:
+        # Signed mode uses the weight as it is: nothing is inverted here, so |weight| < eps
+        # needs no clamp and ABN computes exactly nn.BatchNorm + activation.
+        # |weight| + eps with d/dweight = +1 at 0 (scale.gamma_grad), not autograd's 0
+        weight = weight * abs_sign(weight.detach()) + eps
     y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     # The batch-norm output is a fresh tensor that batch norm's backward does not need, so the
     # activation may overwrite it.

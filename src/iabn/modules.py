@@ -12,12 +12,38 @@ Any input rank from ``(N, C)`` to ``(N, C, D, H, W)`` is accepted, like the orig
 
 from __future__ import annotations
 
+import warnings
+
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from .checks import check_inputs, check_options, check_per_call, input_signature
 from .functional import _abn_unchecked, _inplace_abn_unchecked
-from .scale import SIGNED
+from .scale import ABS, SIGNED
+
+
+class GammaModeWarning(UserWarning):
+    """A state_dict trained with ``gamma_mode="abs"`` was loaded into a signed layer."""
+
+
+_warned_abs_into_signed = False
+
+
+def _warn_abs_into_signed(prefix: str) -> None:
+    global _warned_abs_into_signed
+    if _warned_abs_into_signed:
+        return
+    _warned_abs_into_signed = True
+    layer = prefix[:-1] or "the layer"
+    warnings.warn(
+        f"{layer}: this state_dict was saved by a layer with gamma_mode='abs' (scale |weight| + "
+        f"eps, the original inplace_abn's) and is loaded into a gamma_mode='signed' layer, which "
+        f"uses the weight as it is, so the outputs change. Build the layers with "
+        f"gamma_mode='abs' (or use iabn.compat's), or convert the weights exactly first: "
+        f"iabn.compat.to_signed(model) on the abs model, or "
+        f"iabn.compat.to_signed_state_dict(state_dict). Warned once per process.",
+        GammaModeWarning, stacklevel=4,
+    )
 
 
 class ABN(_NormBase):
@@ -103,6 +129,19 @@ class ABN(_NormBase):
             self._momentum(), self.eps, self.activation, self.activation_param, self.gamma_mode,
         )
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # Record the parametrisation next to the version, so that loading abs-trained weights
+        # into a signed layer can be noticed (the keys and shapes are the same).
+        metadata = getattr(destination, "_metadata", None)
+        if self.gamma_mode == ABS and metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]]["gamma_mode"] = ABS
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
+        if local_metadata.get("gamma_mode") == ABS and self.gamma_mode != ABS:
+            _warn_abs_into_signed(prefix)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
+
     def extra_repr(self) -> str:
         text = (
             f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
@@ -145,7 +184,7 @@ class InPlaceABN(ABN):
         check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
-            activation_param, device, dtype, gamma_mode=gamma_mode,
+            activation_param, device=device, dtype=dtype, gamma_mode=gamma_mode,
         )
         self.variant = variant
 

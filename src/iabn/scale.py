@@ -10,7 +10,9 @@ The in-place layer divides by ``g`` in backward, so ``g`` must stay away from ze
     clamp can still move out of it.
 ``"abs"``
     ``g = |gamma| + eps``, the parametrisation of the original ``inplace_abn`` package; use it to
-    load that package's checkpoints. ``dgamma = sign(gamma) * dg``, the derivative of ``|gamma|``.
+    load that package's checkpoints. ``dgamma = -dg`` where ``gamma < 0``, else ``+dg``: the
+    derivative of ``|gamma|`` taken as +1 at 0, as that package did, so a zero-initialised
+    gamma (e.g. TResNet's last BN of each residual branch) still trains.
 """
 
 from __future__ import annotations
@@ -42,12 +44,11 @@ def effective_scale(gamma: Tensor, eps: float, gamma_mode: str) -> Tensor:
 def gamma_grad(dg: Tensor, gamma: Tensor, gamma_mode: str) -> Tensor:
     """Chain ``dL/dg`` back to ``dL/dgamma``."""
     if gamma_mode == ABS:
-        return dg * torch.sign(gamma)
+        return torch.where(gamma < 0, -dg, dg)
     return dg
 
 
-def straight_through_scale(gamma: Tensor, eps: float, gamma_mode: str) -> Tensor:
-    """``scale(gamma)`` with the gradients of :func:`gamma_grad`, for autograd (``ABN``)."""
-    if gamma_mode == ABS:
-        return gamma.abs() + eps
-    return gamma + (effective_scale(gamma.detach(), eps, gamma_mode) - gamma.detach())
+def abs_sign(gamma: Tensor) -> Tensor:
+    """The factor ``d|gamma|/dgamma`` of abs mode: -1 where ``gamma < 0``, else +1 (also at
+    ``+0.0`` and ``-0.0``)."""
+    return torch.where(gamma < 0, -1.0, 1.0).to(gamma.dtype)

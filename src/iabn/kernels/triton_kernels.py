@@ -386,7 +386,7 @@ def finalize_backward_kernel(
         dgamma = dg
         if GAMMA_ABS:
             gamma = tl.load(weight_ptr + c, mask=c_mask, other=0.0).to(ACC)
-            dgamma = tl.where(gamma > 0, dg, tl.where(gamma < 0, -dg, 0.0))
+            dgamma = tl.where(gamma < 0, -dg, dg)  # +dg at 0, as scale.gamma_grad
         tl.store(dgamma_ptr + c, dgamma.to(dgamma_ptr.dtype.element_ty), mask=c_mask)
     if WANT_DBETA:
         tl.store(dbeta_ptr + c, sum_dy.to(dbeta_ptr.dtype.element_ty), mask=c_mask)

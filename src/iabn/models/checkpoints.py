@@ -1,8 +1,11 @@
 """Loading checkpoints of the original ``inplace_abn`` package into iabn's models.
 
 Those files store ``{"state_dict": {"module.<key>": tensor}}`` (ImageNet models) or
-``{"state_dict": {"body": ..., "head": ..., "cls": ...}}`` (the Vistas segmentation model), were
-saved before ``num_batches_tracked`` existed, and computed with ``|weight| + eps`` as the scale.
+``{"state_dict": {"body": ..., "head": ..., "cls": ...}}`` (the Vistas segmentation model) and
+were saved before ``num_batches_tracked`` existed. What their norm weights mean depends on the
+layer that trained them (the *origin*): the original ``InPlaceABN``/``InPlaceABNSync`` computed
+with ``|weight| + eps``, its ``ABN`` (``bn_mode: standard``, the ``stdbn`` files) with the
+weight as it is, like ``nn.BatchNorm2d``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,18 @@ import torch
 from torch import Tensor, nn
 
 from ..modules import ABN
-from ..scale import ABS
+from ..scale import ABS, SIGNED
+
+IN_PLACE = "InPlaceABN"
+"""Origin: the original's in-place layers (``InPlaceABN``, ``InPlaceABNSync``): ``|w| + eps``."""
+STANDARD = "ABN"
+"""Origin: the original's ``ABN`` (standard batch norm + activation): signed weights."""
+AUTO = "auto"
+ORIGINS = (AUTO, IN_PLACE, STANDARD)
+_ORIGIN_ALIASES = {
+    "auto": AUTO, "inplaceabn": IN_PLACE, "inplaceabnsync": IN_PLACE, "inplace": IN_PLACE,
+    "sync": IN_PLACE, "abn": STANDARD, "standard": STANDARD, "stdbn": STANDARD,
+}
 
 
 @dataclass
@@ -26,14 +40,34 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     shape_mismatches: list[str] = field(default_factory=list)
+    origin: str | None = None
+    """The original layer type the weights were trained with (``"InPlaceABN"``/``"ABN"``)."""
+    origin_reason: str = ""
+    """Why that origin: given, or what ``origin="auto"`` found."""
+    layers: dict[str, str] = field(default_factory=dict)
+    """Norm layer name -> how it now computes: ``"abs"`` / ``"signed"`` (iabn layers'
+    ``gamma_mode``), ``"bn |w|+eps"`` (an ``nn.BatchNorm2d`` given ``|w| + eps``) or
+    ``"bn"`` (an ``nn.BatchNorm2d`` left as it is)."""
+    warnings: list[str] = field(default_factory=list)
+    """Notes that do not make the load fail (e.g. abs-trained weights in a signed layer)."""
 
     @property
     def ok(self) -> bool:
         return not (self.missing or self.unexpected or self.shape_mismatches)
 
     def __str__(self) -> str:
-        if self.ok:
-            return "all keys matched"
+        text = "all keys matched" if self.ok else self._key_problems()
+        if self.origin is not None:
+            counts: dict[str, int] = {}
+            for mode in self.layers.values():
+                counts[mode] = counts.get(mode, 0) + 1
+            modes = ", ".join(f"{n} {mode}" for mode, n in counts.items()) or "no norm layers"
+            text += f"; origin {self.origin} ({self.origin_reason}): {modes}"
+        for note in self.warnings:
+            text += f"; warning: {note}"
+        return text
+
+    def _key_problems(self) -> str:
         parts = []
         for title, keys in (("missing", self.missing), ("unexpected", self.unexpected),
                             ("shape mismatch", self.shape_mismatches)):
@@ -63,19 +97,84 @@ def original_state_dict(checkpoint: Mapping[str, Any] | str | Path,
     return {k.removeprefix("module."): v for k, v in state.items()}
 
 
-def load_original(model: nn.Module, checkpoint: Mapping[str, Any] | str | Path,
-                  section: str | None = None, strict: bool = True) -> LoadReport:
-    """Load an original-package checkpoint into ``model`` so that it computes what the
-    original did: every iabn norm layer switches to ``gamma_mode="abs"`` (the parametrisation
-    the weights were trained with); a plain ``nn.BatchNorm2d`` (``norm_act="bn"``) gets
-    ``|weight| + eps`` as its weight instead.
+def abs_into_signed(state: Mapping[str, Any], model: nn.Module) -> list[str]:
+    """Names of ``model``'s signed iabn layers whose entry in ``state``'s metadata says
+    ``gamma_mode="abs"`` (iabn records it when an abs layer saves its state)."""
+    metadata = getattr(state, "_metadata", None) or {}
+    modules = dict(model.named_modules())
+    return [name.removeprefix("module.") for name, meta in metadata.items()
+            if isinstance(meta, Mapping) and meta.get("gamma_mode") == ABS
+            and isinstance(modules.get(name.removeprefix("module.")), ABN)
+            and modules[name.removeprefix("module.")].gamma_mode != ABS]
 
-    Missing ``num_batches_tracked`` entries are filled with 0. With ``strict=True`` any other
-    missing, unexpected or mis-shaped key raises a ``ValueError`` listing them, before the
-    model is touched; with ``strict=False`` the matching keys are loaded and the report says
-    what was left out.
+
+def abs_into_signed_note(layers: list[str]) -> str:
+    shown = ", ".join(layers[:3]) + (", ..." if len(layers) > 3 else "")
+    return (f"{len(layers)} layer(s) ({shown}) get abs-trained weights (|w| + eps) but compute "
+            f"with gamma_mode='signed': outputs change; build them with gamma_mode='abs' or "
+            f"convert with iabn.compat.to_signed_state_dict")
+
+
+def resolve_origin(origin: str, checkpoint: Mapping[str, Any] | str | Path,
+                   payload: Mapping[str, Any] | None = None) -> tuple[str, str]:
+    """``(origin, reason)``: ``origin`` normalised (``"InPlaceABN"``, ``"InPlaceABNSync"``,
+    ``"inplace"``, ``"sync"`` -> ``"InPlaceABN"``; ``"ABN"``, ``"standard"``, ``"stdbn"`` ->
+    ``"ABN"``), or for ``"auto"`` what the checkpoint says: a ``bn_mode`` entry (top level or
+    under ``config``/``config["network"]``, the original's experiment files), else ``stdbn`` in
+    the file name (the original's standard-BN runs), else ``"InPlaceABN"``."""
+    key = str(origin).replace("_", "").replace("-", "").lower()
+    if key not in _ORIGIN_ALIASES:
+        raise ValueError(
+            f"unknown origin={origin!r}: use 'InPlaceABN' (weights trained with the original "
+            f"InPlaceABN/InPlaceABNSync, |w| + eps), 'ABN' (the original's standard ABN, signed "
+            f"weights) or 'auto'"
+        )
+    resolved = _ORIGIN_ALIASES[key]
+    if resolved != AUTO:
+        return resolved, "given"
+    if isinstance(payload, Mapping):
+        config = payload.get("config")
+        for where, holder in (("checkpoint", payload), ("config", config),
+                              ("config.network", config.get("network")
+                               if isinstance(config, Mapping) else None)):
+            if isinstance(holder, Mapping) and isinstance(holder.get("bn_mode"), str):
+                mode = holder["bn_mode"]
+                found = _ORIGIN_ALIASES.get(mode.lower())
+                if found in (IN_PLACE, STANDARD):
+                    return found, f"{where} bn_mode={mode!r}"
+    if isinstance(checkpoint, (str, Path)) and "stdbn" in Path(checkpoint).name.lower():
+        return STANDARD, "file name contains 'stdbn'"
+    return IN_PLACE, "default: no bn_mode in the checkpoint, no 'stdbn' in its name"
+
+
+def load_original(model: nn.Module, checkpoint: Mapping[str, Any] | str | Path,
+                  section: str | None = None, strict: bool = True,
+                  origin: str = AUTO) -> LoadReport:
+    """Load an original-package checkpoint into ``model`` so that it computes what the
+    original did. ``origin`` is the original layer type that trained the weights:
+
+    - ``"InPlaceABN"`` (also its ``InPlaceABNSync``): every iabn norm layer switches to
+      ``gamma_mode="abs"``; a plain ``nn.BatchNorm2d`` (``norm_act="bn"``) gets
+      ``|weight| + eps`` as its weight instead.
+    - ``"ABN"`` (the original's standard batch norm): every iabn norm layer switches to
+      ``gamma_mode="signed"``; ``nn.BatchNorm2d`` weights load as they are.
+    - ``"auto"`` (default): see :func:`resolve_origin`.
+
+    The report says which origin was used and why, and how each norm layer now computes
+    (``report.layers``). Missing ``num_batches_tracked`` entries are filled with 0. With
+    ``strict=True`` any other missing, unexpected or mis-shaped key raises a ``ValueError``
+    listing them, before the model is touched; with ``strict=False`` the matching keys are
+    loaded and the report says what was left out.
     """
-    state = original_state_dict(checkpoint, section)
+    payload = checkpoint
+    if not isinstance(checkpoint, Mapping):
+        path = Path(checkpoint)
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as error:  # a clear message naming the file, whatever torch raised
+            raise ValueError(f"cannot read checkpoint {path}: {error}") from error
+    resolved, reason = resolve_origin(origin, checkpoint, payload)
+    state = original_state_dict(payload, section)
     own = model.state_dict()
     report = LoadReport()
     for key, value in own.items():
@@ -93,10 +192,26 @@ def load_original(model: nn.Module, checkpoint: Mapping[str, Any] | str | Path,
     usable = {k: v for k, v in state.items()
               if k in own and tuple(v.shape) == tuple(own[k].shape)}
     model.load_state_dict(usable, strict=False)
-    for module in model.modules():
+    report.origin, report.origin_reason = resolved, reason
+    for name, module in model.named_modules():
         if isinstance(module, ABN):
-            module.gamma_mode = ABS
-        elif isinstance(module, nn.BatchNorm2d) and module.weight is not None:
-            with torch.no_grad():
-                module.weight.copy_(module.weight.abs() + module.eps)
+            module.gamma_mode = ABS if resolved == IN_PLACE else SIGNED
+            report.layers[name] = module.gamma_mode
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+            if resolved == IN_PLACE and module.weight is not None:
+                with torch.no_grad():
+                    module.weight.copy_(module.weight.abs() + module.eps)
+                report.layers[name] = "bn |w|+eps"
+            else:
+                report.layers[name] = "bn"
+    if resolved == STANDARD:
+        tiny = [name for name, module in model.named_modules()
+                if isinstance(module, ABN) and module._in_place and module.weight is not None
+                and bool((module.weight.abs() < module.eps).any())]
+        if tiny:
+            shown = ", ".join(tiny[:3]) + (", ..." if len(tiny) > 3 else "")
+            report.warnings.append(
+                f"{len(tiny)} in-place layer(s) ({shown}) have |weight| < eps, which "
+                f"InPlaceABN clamps to eps (it divides by the scale); use ABN there to compute "
+                f"exactly the original ABN")
     return report

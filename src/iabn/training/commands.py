@@ -108,7 +108,8 @@ def test_command(args: argparse.Namespace) -> int:
                               f"input.crop_val/scale_val): the crop must fit the resized image")
         options = TestOptions(
             checkpoint=Path(args.checkpoint), scale=args.scale, crop=args.crop,
-            ten_crops=args.ten_crops, original=args.original, strict=not args.non_strict,
+            ten_crops=args.ten_crops, original=args.original, origin=args.origin,
+            strict=not args.non_strict,
             device=args.device, batch_size=args.batch_size, workers=args.workers,
             progress=not args.quiet)
         result = run_test(config, options)

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader
 from ..data.samplers import ExactShardSampler
 from ..data.transforms import TransformedDataset
 from ..models import LoadReport, load_original
+from ..models.checkpoints import abs_into_signed, abs_into_signed_note
 from .classification import ClassificationTask, build_classifier
 from .classification_data import eval_transform, image_sources
 from .config import Config, differences
@@ -47,6 +48,9 @@ class TestOptions:
     """Crop side; None: ``input.crop_val``."""
     ten_crops: bool = False
     original: bool = False
+    origin: str = "auto"
+    """With ``original``: the original layer type that trained the weights (``"InPlaceABN"``,
+    ``"ABN"`` or ``"auto"``); see :func:`iabn.models.load_original`."""
     strict: bool = True
     device: str | None = None
     batch_size: int | None = None
@@ -66,15 +70,23 @@ def _read(path: Path) -> Any:
                             f"file): {type(error).__name__}: {error}") from error
 
 
+def _origin_with_name(origin: str, path: Path) -> str:
+    """``load_original`` got the loaded dict, not the path: apply its file-name rule here."""
+    if origin == "auto" and "stdbn" in path.name.lower():
+        return "ABN"
+    return origin
+
+
 def load_weights(model: nn.Module, path: Path, original: bool = False,
-                 strict: bool = True) -> tuple[LoadReport, Config | None]:
+                 strict: bool = True, origin: str = "auto") -> tuple[LoadReport, Config | None]:
     """Load a checkpoint (module doc) into ``model``; returns the key report and, for an
     ``iabn train`` snapshot, the config it was trained with. With ``strict`` a report that is
     not clean raises :class:`SnapshotError` before the model is touched."""
     payload = _read(path)
     if original:
         try:
-            return load_original(model, payload, strict=strict), None
+            return load_original(model, payload, strict=strict,
+                                 origin=_origin_with_name(origin, path)), None
         except ValueError as error:
             raise SnapshotError(f"{path}: {error}; --non-strict loads the matching keys"
                                 ) from None
@@ -85,6 +97,7 @@ def load_weights(model: nn.Module, path: Path, original: bool = False,
         state = payload.get("state_dict", payload)
     else:
         raise SnapshotError(f"{path} holds a {type(payload).__name__}, not a state_dict")
+    abs_layers = abs_into_signed(state, model)
     state = {key.removeprefix("module."): value for key, value in state.items()
              if isinstance(value, torch.Tensor)}
     own = model.state_dict()
@@ -93,6 +106,8 @@ def load_weights(model: nn.Module, path: Path, original: bool = False,
         unexpected=[k for k in state if k not in own],
         shape_mismatches=[f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}"
                           for k, v in own.items() if k in state and state[k].shape != v.shape])
+    if abs_layers:
+        report.warnings.append(abs_into_signed_note(abs_layers))
     if strict and not report.ok:
         raise SnapshotError(f"{path} does not fit the config's {type(model).__name__}: {report}"
                             f"; check network.arch, or pass --non-strict to load the matching "
@@ -131,7 +146,7 @@ def _run_test(config: Config, options: TestOptions, ranks: Ranks) -> dict[str, A
     transform = eval_transform(config["input"], options.scale, options.crop, options.ten_crops)
     model = build_classifier(config, sources.num_classes, ranks.distributed)
     report, trained_config = load_weights(model, options.checkpoint, options.original,
-                                          options.strict)
+                                          options.strict, options.origin)
     network = config["network"]
     model.to(ranks.device, memory_format=memory_format(network["channels_last"]))
     say = print if ranks.is_main else (lambda *args, **kwargs: None)

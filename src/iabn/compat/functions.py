@@ -1,0 +1,62 @@
+"""``inplace_abn.functions`` of the original package, computed by iabn.
+
+Same names, positional order and defaults as the original 1.1.0:
+``inplace_abn(x, weight, bias, running_mean, running_var, training=True, momentum=0.1,
+eps=1e-5, activation="leaky_relu", activation_param=0.01)`` (``inplace_abn_sync`` adds
+``group``), with the original's scale ``|weight| + eps`` (``gamma_mode="abs"``). ``x`` is
+overwritten with the result, which is returned.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from .. import functional
+from ..scale import ABS
+
+
+def inplace_abn(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-05,
+    activation: str = "leaky_relu",
+    activation_param: float = 0.01,
+) -> Tensor:
+    """``x <- act((|weight| + eps) * xhat + bias)``; see :func:`iabn.functional.inplace_abn`."""
+    return functional.inplace_abn(
+        x, running_mean, running_var, weight, bias, training, momentum, eps, activation,
+        activation_param, gamma_mode=ABS,
+    )
+
+
+def inplace_abn_sync(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    running_mean: Tensor | None,
+    running_var: Tensor | None,
+    training: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-05,
+    activation: str = "leaky_relu",
+    activation_param: float = 0.01,
+    group: Any = None,
+) -> Tensor:
+    """:func:`inplace_abn` with batch statistics over the ranks of ``group`` (``None``: the
+    whole world); see :func:`iabn.distributed.inplace_abn_sync`."""
+    from ..distributed import inplace_abn_sync as synchronised
+
+    return synchronised(
+        x, running_mean, running_var, weight, bias, training, momentum, eps, activation,
+        activation_param, gamma_mode=ABS, group=group,
+    )
+
+
+__all__ = ["inplace_abn", "inplace_abn_sync"]
