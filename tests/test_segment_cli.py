@@ -118,3 +118,20 @@ def test_vistas_config_gives_colours_and_label_ids(snapshot, images, tmp_path):
         expected = bytes((0, 2, 3)[value] for value in raw.tobytes())
         assert ids.mode == "L" and ids.tobytes() == expected
     assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_default_long_side_follows_the_snapshot():
+    from iabn.segment import snapshot_long_side
+
+    def train_seg(input_section, data_section):
+        return {"task": "segmentation", "config": {"input": input_section, "data": data_section}}
+
+    assert snapshot_long_side({"state_dict": {}})[0] == 2048  # the released Vistas model
+    digits = train_seg({"long_side_val": None}, {"dataset": "auto", "root": None,
+                                                 "canvas_size": 96})
+    assert snapshot_long_side(digits)[0] == 96
+    assert snapshot_long_side(train_seg({"long_side_val": 1024},
+                                        {"dataset": "cityscapes", "root": "/d"}))[0] == 1024
+    # validated at the images' own size: keep it
+    assert snapshot_long_side(train_seg({"long_side_val": None},
+                                        {"dataset": "auto", "root": "/d"}))[0] == 0

@@ -94,9 +94,11 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
     seg.add_argument("in_dir", help="folder of input images")
     seg.add_argument("out_dir", help="folder for the outputs (mirrors IN_DIR's layout)")
     seg.add_argument("--recursive", action="store_true", help="also process subfolders")
-    seg.add_argument("--long-side", type=_non_negative_int, default=2048,
+    seg.add_argument("--long-side", type=_non_negative_int, default=None,
                      help="resize so the longer side has this many pixels; 0 keeps the size "
-                     "(default: 2048)")
+                     "(default: the resolution the model was trained at: a train-seg "
+                     "snapshot's input.long_side_val, its canvas size for the embedded "
+                     "digits, else the images' own size; 2048 for the Vistas model)")
     seg.add_argument("--scales", type=parse_floats, default=[1.0],
                      help="test-time scales, e.g. 0.7,1.0,1.2 (default: 1.0)")
     seg.add_argument("--flip", action="store_true", help="also predict on the mirrored image")

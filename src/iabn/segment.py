@@ -1,7 +1,8 @@
 """``iabn segment``: semantic segmentation of a folder of images with a DeepLabV3 model.
 
 Reads every .png/.jpg/.jpeg of ``IN_DIR`` (``--recursive`` for subfolders), resizes it so its
-longer side is ``--long-side`` pixels, normalises it, runs the model at the ``--scales``
+longer side is ``--long-side`` pixels (default: the resolution the model was trained and
+validated at, :func:`snapshot_long_side`), normalises it, runs the model at the ``--scales``
 (and mirrored with ``--flip``), fuses the per-scale predictions (``mean`` of probabilities,
 their elementwise ``max``, or ``voting`` of per-scale argmaxes) and writes, at the input's own
 size (nearest neighbour), a palette PNG, a raw class-index PNG, class indices plus a
@@ -44,6 +45,8 @@ FUSIONS = ("mean", "voting", "max")
 OUTPUTS = ("palette", "raw", "prob", "labelids")
 #: ``--palette`` names; anything else is a Mapillary Vistas config file or dataset folder.
 PALETTES = ("auto", "default", "cityscapes", "voc")
+#: ``--long-side`` for snapshots that do not say their resolution (the released Vistas model's).
+VISTAS_LONG_SIDE = 2048
 
 
 def _pil():
@@ -148,6 +151,24 @@ def snapshot_normalisation(data: Any) -> tuple[tuple[float, ...], tuple[float, .
         mean, std = SegmentationTask().normalisation(data["config"])
         return tuple(mean), tuple(std)
     return VISTAS_MEAN, VISTAS_STD
+
+
+def snapshot_long_side(data: Any) -> tuple[int, str]:
+    """The default ``--long-side`` for a snapshot (its contents, :func:`read_snapshot`) and
+    where it comes from: an ``iabn train-seg`` snapshot's validation resolution
+    (``input.long_side_val``; the canvas side for the embedded digits; else 0, the images as
+    they are, as its validation ran), else the released Vistas model's 2048."""
+    if _is_train_seg(data):
+        config = data["config"]
+        long_side = config.get("input", {}).get("long_side_val")
+        if long_side:
+            return int(long_side), "the snapshot's input.long_side_val"
+        section = config.get("data", {})
+        if section.get("dataset") == "digits" or (section.get("dataset", "auto") == "auto"
+                                                  and section.get("root") is None):
+            return int(section.get("canvas_size", 64)), "the snapshot's canvas size"
+        return 0, "the snapshot validated at the images' own size"
+    return VISTAS_LONG_SIDE, "the Vistas model's"
 
 
 def find_images(root: Path, recursive: bool) -> list[Path]:
@@ -304,8 +325,14 @@ def run(args: Any) -> int:
     except (ValueError, KeyError) as error:  # DataLayoutError is a ValueError
         print(f"iabn segment: error: {error}", file=sys.stderr)
         return 2
+    long_side, source = snapshot_long_side(data)
+    if args.long_side is not None:
+        long_side, source = args.long_side, "--long-side"
+    if not args.quiet:
+        print(f"iabn segment: long side {long_side or 'as stored'} ({source})",
+              file=sys.stderr, flush=True)
     options = SegmentOptions(
-        long_side=args.long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
+        long_side=long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
         output=args.output, overlay=args.overlay, overwrite=args.overwrite,
         recursive=args.recursive, labels=labels, **_normalisation(args, data),
     )
@@ -373,4 +400,4 @@ def parse_floats(text: str) -> list[float]:
 
 
 __all__ = ["SegmentOptions", "label_set", "load_segmentation_model", "predict", "read_snapshot",
-           "run", "segment_folder", "snapshot_normalisation"]
+           "run", "segment_folder", "snapshot_long_side", "snapshot_normalisation"]
