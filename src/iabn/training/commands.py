@@ -27,6 +27,7 @@ from .config import (
 )
 from .engine import TrainOptions, train
 from .evaluate import TestOptions, run_test, write_json
+from .logdir import LogDirError
 from .segmentation import SegmentationTask
 from .snapshot import LAST, RESUME_LAST, SnapshotError
 from .task import Task
@@ -37,7 +38,7 @@ SCHEMA = combine(ENGINE_SCHEMA, TASK.schema)
 #: The task each training command runs.
 COMMAND_TASKS = {"train": TASK, "train-seg": SEGMENTATION_TASK}
 #: What ``--resume`` without a value means.
-USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, ImportError)
+USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, LogDirError, ImportError)
 
 
 def load_run_config(path: str | Path, data_root: str | None, overrides: list[str],

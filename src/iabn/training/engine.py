@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 
 from ..data.samplers import ExactShardSampler, ShuffledShardSampler
 from .config import ENGINE_SCHEMA, Config, ConfigError, check_engine_config, combine, with_defaults
+from .logdir import LogDirError, LogDirLock, check_writable
 from .logs import RunLog, peak_memory_mib, summary_writer_class
 from .loops import autocast, evaluate, memory_format, to_device
 from .optim import build_optimizer
@@ -108,7 +109,10 @@ class _Run:
 
     def __init__(self, task: Task, config: Config, options: TrainOptions, ranks: Ranks) -> None:
         self.task, self.config, self.options, self.ranks = task, config, options, ranks
+        self.lock = LogDirLock(options.log_dir)
         data, network = config["data"], config["network"]
+        if ranks.is_main:
+            check_writable(options.log_dir)
         if config["logging"]["tensorboard"] and ranks.is_main:
             summary_writer_class()  # a missing package fails now, not after the first write
         snapshot = self._snapshot_to_resume()
@@ -142,6 +146,29 @@ class _Run:
         if ranks.distributed:
             device_ids = [ranks.device.index] if ranks.device.type == "cuda" else None
             self.trained = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+        self._lock_log_dir()
+
+    def _lock_log_dir(self) -> None:
+        """Take the log directory (rank 0), last of the checks: a second run pointed at it
+        stops here, on every rank, naming the run that holds it (:mod:`.logdir`)."""
+        error: LogDirError | SnapshotError | None = None
+        if self.ranks.is_main:
+            try:
+                self.lock.acquire()
+                if self.options.resume is None and (self.options.log_dir / LAST).exists():
+                    self.lock.release()  # written since the first check, by a run now gone
+                    self._snapshot_to_resume()
+            except (LogDirError, SnapshotError) as raised:
+                error = raised
+        failed = error is not None
+        if self.ranks.distributed:
+            failed = any_rank(failed, self.ranks)
+        if failed:
+            raise error or LogDirError(f"{self.options.log_dir}: rank 0 could not take the "
+                                       f"log directory (its message says why)")
+
+    def release(self) -> None:
+        self.lock.release()
 
     def _snapshot_to_resume(self) -> dict[str, Any] | None:
         path = self.options.resume
@@ -276,11 +303,15 @@ class _Run:
 
     def run(self) -> int:
         options, config, ranks = self.options, self.config, self.ranks
-        options.log_dir.mkdir(parents=True, exist_ok=True)
-        if ranks.is_main:
-            remove_stale_temporaries(options.log_dir)
-        log = RunLog(options.log_dir, ranks, config["logging"]["tensorboard"],
-                     purge_step=self.global_step if options.resume else None)
+        try:
+            options.log_dir.mkdir(parents=True, exist_ok=True)
+            if ranks.is_main:
+                remove_stale_temporaries(options.log_dir)
+            log = RunLog(options.log_dir, ranks, config["logging"]["tensorboard"],
+                         purge_step=self.global_step if options.resume else None)
+        except OSError as error:  # e.g. a read-only folder inside a writable one
+            raise LogDirError(f"cannot write in --log-dir {options.log_dir}: "
+                              f"{error.strerror or error} ({error.filename or ''})") from None
         try:
             if ranks.is_main:
                 (options.log_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -361,11 +392,15 @@ def train(task: Task, config: Config, options: TrainOptions) -> int:
     task.check_config(config, "config")
     ranks = start(options.device)
     finished = False
+    run = None
     try:
-        code = _Run(task, config, options, ranks).run()
+        run = _Run(task, config, options, ranks)
+        code = run.run()
         finished = True
         return code
     finally:
+        if run is not None:
+            run.release()
         if finished:
             finish(ranks)
         elif dist.is_initialized():

@@ -1,0 +1,72 @@
+"""Issue 18: the tools under bad input and faults (user errors exit 2 with one line, nothing
+written; concurrent runs; signals; corrupt files)."""
+
+import json
+import os
+
+import pytest
+
+from iabn.cli import main
+from iabn.training.engine import EXIT_FINISHED, TrainOptions, train
+from iabn.training.logdir import LogDirError, LogDirLock
+from test_train_engine import ToyTask, toy_config
+from train_tiny import write_config
+
+pytestmark = pytest.mark.without_gpu
+
+
+def _one_line_error(capsys, command):
+    err = capsys.readouterr().err
+    assert err.startswith(f"iabn {command}: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
+# --- item 8: an unwritable log directory is a user error (exit 2, one line) ---
+
+
+@pytest.mark.parametrize("command", ["train", "train-seg"])
+def test_log_dir_under_a_file_exits_2_with_one_line(tmp_path, capsys, command):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    config = write_config(tmp_path / "c.json") if command == "train" else (
+        tmp_path / "s.json")
+    if command == "train-seg":
+        config.write_text(json.dumps({"data": {"workers": 0}}))
+    assert main([command, str(config), "--log-dir", str(blocker / "run")]) == 2
+    assert "is a file, not a folder" in _one_line_error(capsys, command)
+
+
+def test_unwritable_log_dir_is_refused_before_writing(tmp_path, monkeypatch):
+    # as if read-only (the tests may run as root, who may write anywhere)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(LogDirError, match="no permission to write in"):
+        train(ToyTask(), toy_config(), TrainOptions(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+# --- item 5: two runs in one log directory ---
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_log_dir_in_use_is_refused_naming_the_holder(tmp_path, resume):
+    config = toy_config()
+    run = tmp_path / "run"
+    if resume:
+        train(ToyTask(), config, TrainOptions(run, stop_after_steps=2))
+    lock = LogDirLock(run)
+    lock.acquire()  # another run holds the folder (flock conflicts across open files)
+    try:
+        files = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
+        with pytest.raises(LogDirError, match=rf"in use by another run \(pid {os.getpid()} "):
+            train(ToyTask(), config,
+                  TrainOptions(run, resume=run / "last.pth" if resume else None))
+        assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == files
+    finally:
+        lock.release()
+    # released: the folder can be used again (and a finished run releases it too)
+    assert train(ToyTask(), config, TrainOptions(
+        run, resume=run / "last.pth" if resume else None)) == EXIT_FINISHED
+    again = LogDirLock(run)
+    again.acquire()
+    again.release()
