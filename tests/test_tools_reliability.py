@@ -70,3 +70,20 @@ def test_a_log_dir_in_use_is_refused_naming_the_holder(tmp_path, resume):
     again = LogDirLock(run)
     again.acquire()
     again.release()
+
+
+# --- item 9: non-finite or negative learning rates and clip norms in config files ---
+
+
+@pytest.mark.parametrize("text", [
+    '"lr": NaN', '"lr": Infinity', '"lr": -0.1', '"clip_grad_norm": NaN',
+    '"clip_grad_norm": -Infinity', '"betas": [NaN, 0.999]'])
+def test_non_finite_or_negative_optimizer_values_in_a_file_exit_2(tmp_path, capsys, text):
+    config = tmp_path / "c.json"
+    write_config(config)
+    data = json.loads(config.read_text())
+    config.write_text(json.dumps(data)[:-1] + ', "optimizer": {' + text + '}}')
+    assert main(["train", str(config), "--log-dir", str(tmp_path / "run")]) == 2
+    err = _one_line_error(capsys, "train")
+    assert "must be a finite number" in err or "must be at least 0.0" in err
+    assert not (tmp_path / "run").exists()
