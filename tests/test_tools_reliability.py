@@ -87,3 +87,23 @@ def test_non_finite_or_negative_optimizer_values_in_a_file_exit_2(tmp_path, caps
     err = _one_line_error(capsys, "train")
     assert "must be a finite number" in err or "must be at least 0.0" in err
     assert not (tmp_path / "run").exists()
+
+
+# --- item 10: an empty batch (N = 0) when training ---
+
+
+@pytest.mark.parametrize("layer", ["InPlaceABN", "ABN", "InPlaceABNSync"])
+@pytest.mark.filterwarnings("ignore:InPlaceABNSync runs without")
+def test_empty_training_batch_is_refused_before_anything_is_counted(layer):
+    import torch
+
+    import iabn
+
+    module = getattr(iabn, layer)(3)
+    module.train()
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"empty input of shape \(0, 3, 4, 4\) when training"):
+        module(torch.randn(0, 3, 4, 4))
+    assert all(torch.equal(v, module.state_dict()[k]) for k, v in state.items())
+    module.eval()  # normalising with running statistics: an empty output, as nn.BatchNorm2d
+    assert module(torch.randn(0, 3, 4, 4)).shape == (0, 3, 4, 4)
