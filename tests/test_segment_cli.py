@@ -135,3 +135,34 @@ def test_default_long_side_follows_the_snapshot():
     # validated at the images' own size: keep it
     assert snapshot_long_side(train_seg({"long_side_val": None},
                                         {"dataset": "auto", "root": "/d"}))[0] == 0
+
+
+# --- issue 18 item 11: argument errors, --std 0, 16-bit PNGs ---
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--std", "0"], "std must be positive"), (["--std", "0.2,0,0.2"], "std must be positive"),
+    (["--mean", "1,2"], "expected 3 numbers"), (["--scales", ","], "at least one number"),
+    (["--scales", "0"], "scales must be positive"), (["--mean", "nan"], "finite numbers"),
+    (["--device", "foo"], "not a torch device")])
+def test_bad_arguments_exit_2_with_a_message(snapshot, images, tmp_path, capsys, args,
+                                              message):
+    try:
+        code = _run(snapshot, images, tmp_path / "out", *args)
+    except SystemExit as stop:  # argparse's usage error
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_16_bit_png_is_scaled_not_clipped(snapshot, tmp_path):
+    import numpy as np
+
+    root = tmp_path / "in"
+    root.mkdir()
+    Image.fromarray(np.full((20, 30), 30000, np.uint16)).save(root / "grey16.png")
+    assert _run(snapshot, root, tmp_path / "out", "--overlay") == 0
+    with Image.open(tmp_path / "out" / "grey16_overlay.png") as overlay:
+        assert overlay.getpixel((0, 0)) == (117, 117, 117)  # 30000 / 257, not white

@@ -82,7 +82,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
-    from .segment import FUSIONS, OUTPUTS, PALETTES, parse_floats
+    from .segment import FUSIONS, OUTPUTS, PALETTES, parse_mean, parse_scales, parse_std
 
     seg = subparsers.add_parser(
         "segment", help="semantic segmentation of a folder of images (DeepLabV3)",
@@ -99,7 +99,7 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
                      "(default: the resolution the model was trained at: a train-seg "
                      "snapshot's input.long_side_val, its canvas size for the embedded "
                      "digits, else the images' own size; 2048 for the Vistas model)")
-    seg.add_argument("--scales", type=parse_floats, default=[1.0],
+    seg.add_argument("--scales", type=parse_scales, default=[1.0],
                      help="test-time scales, e.g. 0.7,1.0,1.2 (default: 1.0)")
     seg.add_argument("--flip", action="store_true", help="also predict on the mirrored image")
     seg.add_argument("--fusion", choices=FUSIONS, default="mean",
@@ -115,11 +115,12 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
     seg.add_argument("--overlay", action="store_true",
                      help="also write the image and the coloured prediction side by side")
     seg.add_argument("--overwrite", action="store_true", help="redo existing outputs")
-    seg.add_argument("--mean", type=parse_floats, default=None,
-                     help="input normalisation mean, RGB in [0, 1] (default: a train-seg "
+    seg.add_argument("--mean", type=parse_mean, default=None,
+                     help="input normalisation mean, RGB in [0, 1], or one value for all "
+                     "channels (default: a train-seg "
                           "snapshot's own, else the Vistas model's)")
-    seg.add_argument("--std", type=parse_floats, default=None,
-                     help="input normalisation std (default: as --mean)")
+    seg.add_argument("--std", type=parse_std, default=None,
+                     help="input normalisation std, positive (default: as --mean)")
     seg.add_argument("--depth", type=int, choices=(16, 20, 38), default=38,
                      help="WideResNet trunk depth of the snapshot (default: 38)")
     seg.add_argument("--device", default="cpu", help="torch device (default: cpu)")

@@ -23,6 +23,8 @@ config stored in it).
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import sys
 import time
@@ -260,8 +262,7 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
         if progress:
             print(f"[{number}/{len(images)}] {relative}", file=sys.stderr, flush=True)
         try:
-            with Image.open(path) as opened:
-                original = opened.convert("RGB")
+            original = _read_rgb(Image, path)
         except Exception as error:  # unreadable or corrupt: report, go on with the others
             summary.failed.append((path, f"{type(error).__name__}: {error}"))
             print(f"  skipped: cannot read {path}: {error}", file=sys.stderr, flush=True)
@@ -304,6 +305,18 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
     return summary
 
 
+def _read_rgb(Image: Any, path: Path) -> Any:
+    """An image file as a PIL RGB image, decoded as the training data is
+    (:func:`iabn.data.imagefolder.read_rgb`): 16-bit PNGs scaled to 8 bits, where Pillow's
+    ``convert("RGB")`` clips them (white)."""
+    from .data.imagefolder import read_rgb
+
+    pixels = read_rgb(path)
+    height, width = pixels.shape[-2:]
+    return Image.frombytes("RGB", (width, height),
+                           pixels.permute(1, 2, 0).contiguous().numpy().tobytes())
+
+
 def _grey_image(Image: Any, values: Tensor) -> Any:
     """A mode-L PIL image from a ``(H, W)`` uint8 tensor (without requiring NumPy)."""
     height, width = values.shape
@@ -318,6 +331,7 @@ def run(args: Any) -> int:
         print(f"iabn segment: error: IN_DIR {in_dir} is not a folder", file=sys.stderr)
         return 2
     try:
+        _check_device(args.device)
         data = read_snapshot(args.snapshot)  # read once: a Vistas file is ~0.5 GB
         model = load_segmentation_model(args.snapshot, args.depth, args.device, data)
         labels = label_set(getattr(args, "palette", "auto"), data)
@@ -395,8 +409,54 @@ def _normalisation(args: Any, data: Any) -> dict[str, tuple[float, ...]]:
             "std": tuple(args.std) if args.std is not None else std}
 
 
+def _check_device(text: str) -> None:
+    """ValueError unless ``--device`` names a device this machine has."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device {text!r}: not a torch device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {text}: no CUDA device is available here; use --device cpu")
+
+
 def parse_floats(text: str) -> list[float]:
-    return [float(part) for part in text.split(",") if part.strip()]
+    """Comma-separated finite numbers (an argparse ``type``)."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}"
+                                         ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one number, got {text!r}")
+    if not all(math.isfinite(value) for value in values):
+        raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
+    return values
+
+
+def parse_scales(text: str) -> list[float]:
+    """``--scales``: positive numbers."""
+    values = parse_floats(text)
+    if min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"scales must be positive, got {text!r}")
+    return values
+
+
+def parse_mean(text: str) -> list[float]:
+    """``--mean``: three numbers (RGB), or one for all channels."""
+    values = parse_floats(text)
+    if len(values) not in (1, 3):
+        raise argparse.ArgumentTypeError(f"expected 3 numbers (R,G,B) or one for all, got "
+                                         f"{len(values)} in {text!r}")
+    return values * 3 if len(values) == 1 else values
+
+
+def parse_std(text: str) -> list[float]:
+    """``--std``: as ``--mean``, positive (the input is divided by it)."""
+    values = parse_mean(text)
+    if min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"std must be positive (the input is divided by "
+                                         f"it), got {text!r}")
+    return values
 
 
 __all__ = ["SegmentOptions", "label_set", "load_segmentation_model", "predict", "read_snapshot",
