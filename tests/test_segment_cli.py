@@ -166,3 +166,27 @@ def test_16_bit_png_is_scaled_not_clipped(snapshot, tmp_path):
     assert _run(snapshot, root, tmp_path / "out", "--overlay") == 0
     with Image.open(tmp_path / "out" / "grey16_overlay.png") as overlay:
         assert overlay.getpixel((0, 0)) == (117, 117, 117)  # 30000 / 257, not white
+
+
+# --- issue 18 item 7: inputs whose outputs would share a name ---
+
+
+def test_same_name_with_two_extensions_keeps_both_outputs(snapshot, tmp_path, capsys):
+    root = tmp_path / "in"
+    root.mkdir()
+    Image.new("RGB", (20, 10), (255, 0, 0)).save(root / "x.png")
+    Image.new("RGB", (12, 16), (0, 0, 255)).save(root / "x.jpg")
+    Image.new("RGB", (8, 8)).save(root / "y.png")
+    out = tmp_path / "out"
+    assert _run(snapshot, root, out) == 0
+    sizes = {}
+    for name in ("x_png.png", "x_jpg.png", "y.png"):
+        with Image.open(out / name) as result:
+            sizes[name] = result.size
+    assert sizes == {"x_png.png": (20, 10), "x_jpg.png": (12, 16), "y.png": (8, 8)}
+    assert not (out / "x.png").exists()
+    # another clash (an input named like another's overlay) is refused before writing
+    Image.new("RGB", (8, 8)).save(root / "y_overlay.png")
+    assert _run(snapshot, root, tmp_path / "out2", "--overlay") == 2
+    assert "y.png and y_overlay.png would both be written to" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists()

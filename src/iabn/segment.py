@@ -220,14 +220,45 @@ def predict(
     return labels, fused.gather(0, labels.unsqueeze(0))[0]
 
 
-def _outputs_for(relative: Path, out_dir: Path, options: SegmentOptions) -> list[Path]:
+def _outputs_for(relative: Path, out_dir: Path, options: SegmentOptions,
+                 keep_suffix: bool = False) -> list[Path]:
     base = out_dir / relative.with_suffix("")
+    if keep_suffix:  # x.jpg -> x_jpg.png when x.png is there too
+        base = base.with_name(f"{base.name}_{relative.suffix[1:]}")
     paths = [base.with_suffix(".png")]
     if options.output == "prob":
         paths.append(base.parent / f"{base.name}_confidence.png")
     if options.overlay:
         paths.append(base.parent / f"{base.name}_overlay.png")
     return paths
+
+
+class OutputClash(ValueError):
+    """Two inputs whose outputs would have the same name."""
+
+
+def plan_outputs(images: list[Path], in_dir: Path, out_dir: Path,
+                 options: SegmentOptions) -> dict[Path, list[Path]]:
+    """The output files of each image. Inputs that differ only in their extension (``x.jpg``
+    and ``x.png``) keep it in their outputs' names (``x_jpg.png``, ``x_png.png``); any other
+    clash between outputs raises :class:`OutputClash` naming the inputs, before anything is
+    written."""
+    stems: dict[Path, int] = {}
+    for path in images:
+        stem = path.relative_to(in_dir).with_suffix("")
+        stems[stem] = stems.get(stem, 0) + 1
+    plan, owners = {}, {}
+    for path in images:
+        relative = path.relative_to(in_dir)
+        targets = _outputs_for(relative, out_dir, options,
+                               keep_suffix=stems[relative.with_suffix("")] > 1)
+        for target in targets:
+            if target in owners:
+                raise OutputClash(f"{owners[target]} and {relative} would both be written to "
+                                 f"{target}: rename one of them")
+            owners[target] = relative
+        plan[path] = targets
+    return plan
 
 
 def _save_atomic(image: Any, path: Path) -> None:
@@ -250,12 +281,13 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
         raise ValueError("--output labelids needs the dataset's label ids: a train-seg "
                          "snapshot of Cityscapes, Vistas or VOC data, or --palette")
     images = find_images(in_dir, options.recursive)
+    plan = plan_outputs(images, in_dir, out_dir, options)
     mean = torch.tensor(options.mean).view(3, 1, 1)
     std = torch.tensor(options.std).view(3, 1, 1)
     summary = Summary()
     for number, path in enumerate(images, 1):
         relative = path.relative_to(in_dir)
-        targets = _outputs_for(relative, out_dir, options)
+        targets = plan[path]
         if not options.overwrite and all(t.exists() for t in targets):
             summary.skipped += 1
             continue
@@ -350,8 +382,12 @@ def run(args: Any) -> int:
         output=args.output, overlay=args.overlay, overwrite=args.overwrite,
         recursive=args.recursive, labels=labels, **_normalisation(args, data),
     )
-    summary = segment_folder(model, in_dir, out_dir, options, args.device,
-                             progress=not args.quiet)
+    try:
+        summary = segment_folder(model, in_dir, out_dir, options, args.device,
+                                 progress=not args.quiet)
+    except OutputClash as error:  # raised before any image is processed
+        print(f"iabn segment: error: {error}", file=sys.stderr)
+        return 2
     print(f"iabn segment: {summary.processed} segmented, {summary.skipped} already done "
           f"(kept; --overwrite to redo), {len(summary.failed)} failed, "
           f"{time.perf_counter() - start:.1f} s")
