@@ -107,3 +107,34 @@ def test_empty_training_batch_is_refused_before_anything_is_counted(layer):
     assert all(torch.equal(v, module.state_dict()[k]) for k, v in state.items())
     module.eval()  # normalising with running statistics: an empty output, as nn.BatchNorm2d
     assert module(torch.randn(0, 3, 4, 4)).shape == (0, 3, 4, 4)
+
+
+# --- item 4: SIGTERM to the whole process group (job schedulers, torchrun) ---
+
+
+def test_sigterm_to_the_process_group_still_writes_the_snapshot(tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    from train_tiny import environment, iabn_command
+
+    config = write_config(tmp_path / "c.json", data={"workers": 2},
+                          schedule={"epochs": 2, "max_steps_per_epoch": 400})
+    run = tmp_path / "run"
+    process = subprocess.Popen(iabn_command("train", str(config), "--log-dir", str(run)),
+                               env=environment(), start_new_session=True, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log = run / "logs" / "rank0.log"
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "epoch 1/2 [" in log.read_text()):
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr
+            time.sleep(0.1)
+        os.killpg(process.pid, signal.SIGTERM)  # the workers get it too
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 3, err
+    assert (run / "last.pth").is_file() and "Traceback" not in err

@@ -100,6 +100,43 @@ def _stop_requests(log: RunLog):
             signal.signal(sig, handler)
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _worker_ignores_stop_signals(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: SIGINT/SIGTERM sent to the whole process group (Ctrl-C,
+    job schedulers, ``torchrun``) must not kill the workers before the main process has
+    finished its step and written its snapshot; the workers stop when the main process shuts
+    them down or exits. The signals were blocked while the worker started
+    (:class:`_ShieldedLoader`); ignoring them, then unblocking, discards a pending one."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+class _ShieldedLoader:
+    """A DataLoader whose worker processes are started with SIGINT/SIGTERM blocked (they
+    inherit the mask, so a signal in the start-up window cannot kill them either); the main
+    process's own mask is restored right after, and a signal that came meanwhile is then
+    delivered to it."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        if (self.loader.num_workers == 0
+                or threading.current_thread() is not threading.main_thread()):
+            return iter(self.loader)
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            return iter(self.loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def _format_metrics(metrics: dict[str, float]) -> str:
     return " ".join(f"{name} {value:.4g}" for name, value in metrics.items() if name != "count")
 
@@ -227,16 +264,17 @@ class _Run:
             save_atomic(payload, log_dir / LAST)
 
     # ------------------------------------------------------------------ loop
-    def _loaders(self) -> tuple[DataLoader, DataLoader]:
+    def _loaders(self) -> tuple[_ShieldedLoader, _ShieldedLoader]:
         data, ranks = self.config["data"], self.ranks
-        common = {"num_workers": data["workers"], "pin_memory": ranks.device.type == "cuda"}
+        common = {"num_workers": data["workers"], "pin_memory": ranks.device.type == "cuda",
+                  "worker_init_fn": _worker_ignores_stop_signals}
         train = DataLoader(self.splits.train, batch_size=self.sampler.per_rank,
                            sampler=self.sampler, generator=self.loader_generator, **common)
         val_batch = data["val_batch_size"] or data["batch_size"]
         val = DataLoader(self.splits.val, batch_size=max(1, val_batch // ranks.world_size),
                          sampler=ExactShardSampler(len(self.splits.val), ranks.world_size,
                                                    ranks.rank), **common)
-        return train, val
+        return _ShieldedLoader(train), _ShieldedLoader(val)
 
     def _train_step(self, batch: Any, meter: Meter) -> None:
         network, optimizer = self.config["network"], self.optimizer
@@ -263,7 +301,7 @@ class _Run:
             for buffer in self.model.buffers():
                 dist.broadcast(buffer, 0)
 
-    def _validate(self, val_loader: DataLoader, log: RunLog,
+    def _validate(self, val_loader: _ShieldedLoader, log: RunLog,
                   progress: ProgressLine) -> dict[str, float]:
         self._sync_buffers()
         network = self.config["network"]
@@ -363,7 +401,7 @@ class _Run:
                  f"(epoch {best.get('epoch')}); snapshots in {self.options.log_dir}")
         return EXIT_FINISHED
 
-    def _end_epoch(self, meter: Meter, val_loader: DataLoader, log: RunLog,
+    def _end_epoch(self, meter: Meter, val_loader: _ShieldedLoader, log: RunLog,
                    progress: ProgressLine) -> None:
         config = self.config
         if config["schedule"]["update"] == "epoch":
