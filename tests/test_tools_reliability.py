@@ -138,3 +138,49 @@ def test_sigterm_to_the_process_group_still_writes_the_snapshot(tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == 3, err
     assert (run / "last.pth").is_file() and "Traceback" not in err
+
+
+# --- item 3: the progress line fits the terminal ---
+
+
+class _Terminal:
+    def __init__(self):
+        self.text = ""
+
+    def isatty(self):
+        return True
+
+    def write(self, text):
+        self.text += text
+
+    def flush(self):
+        pass
+
+
+def test_progress_line_fits_the_terminal_and_is_plain_elsewhere(monkeypatch):
+    import io
+    import shutil
+
+    from iabn.training.progress import ProgressLine
+
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *a: os.terminal_size((80, 24)))
+    terminal = _Terminal()
+    line = ProgressLine(True, terminal)
+    line.show("x" * 318)
+    line.show("short")
+    line.end()
+    shown = terminal.text.split("\r")[1:]
+    assert all(len(part.rstrip("\n")) <= 79 for part in shown), [len(p) for p in shown]
+    assert shown[0].endswith("...") and shown[1].startswith("short")
+    plain = io.StringIO()  # not a terminal: whole lines, one per update
+    line = ProgressLine(True, plain)
+    line.show("x" * 318)
+    assert plain.getvalue() == "x" * 318 + "\n"
+
+
+def test_segmentation_progress_leaves_out_per_class_iou():
+    from iabn.training.engine import _format_metrics
+
+    metrics = {"loss": 0.5, "miou": 40.0, "count": 3.0, "iou/background": 90.0}
+    assert _format_metrics(metrics, per_class=False) == "loss 0.5 miou 40"
+    assert "iou/background 90" in _format_metrics(metrics)

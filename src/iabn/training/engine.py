@@ -137,8 +137,11 @@ class _ShieldedLoader:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
-def _format_metrics(metrics: dict[str, float]) -> str:
-    return " ".join(f"{name} {value:.4g}" for name, value in metrics.items() if name != "count")
+def _format_metrics(metrics: dict[str, float], per_class: bool = True) -> str:
+    """``name value`` pairs; ``per_class=False`` leaves out ``group/name`` entries (e.g. the
+    segmentation task's ``iou/<class>``), which the progress line has no room for."""
+    return " ".join(f"{name} {value:.4g}" for name, value in metrics.items()
+                    if name != "count" and (per_class or "/" not in name))
 
 
 class _Run:
@@ -322,11 +325,11 @@ class _Run:
         speed = images / seconds if seconds > 0 else 0.0
         memory = peak_memory_mib(self.ranks.device)
         epochs, steps = self.config["schedule"]["epochs"], self.sampler.batches_per_epoch
-        line = (f"epoch {self.epoch + 1}/{epochs} {bar(self.batches_done, steps)} "
-                f"{self.batches_done}/{steps} {_format_metrics(metrics)} lr {lr:.4g} "
-                f"{speed:.0f} img/s {memory:.0f} MiB peak")
-        progress.show(line)
-        log.info(line, console=False)
+        position = f"epoch {self.epoch + 1}/{epochs} {bar(self.batches_done, steps)} " \
+                   f"{self.batches_done}/{steps}"
+        rest = f"lr {lr:.4g} {speed:.0f} img/s {memory:.0f} MiB peak"
+        progress.show(f"{position} {_format_metrics(metrics, per_class=False)} {rest}")
+        log.info(f"{position} {_format_metrics(metrics)} {rest}", console=False)
         log.scalars({**{f"train/{k}": v for k, v in metrics.items() if k != "count"},
                      "train/lr": lr, "train/images_per_s": speed,
                      "train/peak_memory_mib": memory}, self.global_step)
