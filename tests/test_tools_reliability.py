@@ -184,3 +184,23 @@ def test_segmentation_progress_leaves_out_per_class_iou():
     metrics = {"loss": 0.5, "miou": 40.0, "count": 3.0, "iou/background": 90.0}
     assert _format_metrics(metrics, per_class=False) == "loss 0.5 miou 40"
     assert "iou/background 90" in _format_metrics(metrics)
+
+
+# --- item 6: TensorBoard curves of a stopped and resumed run ---
+
+
+@pytest.mark.parametrize("stop_at", [3, 4])  # 4: the end of epoch 1 (validated there)
+def test_resumed_tensorboard_curves_equal_an_uninterrupted_run(tmp_path, stop_at):
+    pytest.importorskip("tensorboard")
+    from train_tiny import tensorboard_scalars
+
+    config = toy_config(logging={"tensorboard": True, "log_every": 1})
+    train(ToyTask(), config, TrainOptions(tmp_path / "whole"))
+    run = tmp_path / "run"
+    train(ToyTask(), config, TrainOptions(run, stop_after_steps=stop_at))
+    train(ToyTask(), config, TrainOptions(run, resume=run / "last.pth"))
+    whole, resumed = tensorboard_scalars(tmp_path / "whole"), tensorboard_scalars(run)
+    for tag in ("train/loss", "train/lr", "val/loss"):
+        assert [step for step, _ in resumed[tag]] == [step for step, _ in whole[tag]], tag
+        assert [value for _, value in resumed[tag]] == pytest.approx(
+            [value for _, value in whole[tag]]), tag

@@ -349,7 +349,9 @@ class _Run:
             if ranks.is_main:
                 remove_stale_temporaries(options.log_dir)
             log = RunLog(options.log_dir, ranks, config["logging"]["tensorboard"],
-                         purge_step=self.global_step if options.resume else None)
+                         # the snapshot's own step was logged before it was written: keep
+                         # it, drop only what a killed run logged after it
+                         purge_step=self.global_step + 1 if options.resume else None)
         except OSError as error:  # e.g. a read-only folder inside a writable one
             raise LogDirError(f"cannot write in --log-dir {options.log_dir}: "
                               f"{error.strerror or error} ({error.filename or ''})") from None
