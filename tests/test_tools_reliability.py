@@ -204,3 +204,36 @@ def test_resumed_tensorboard_curves_equal_an_uninterrupted_run(tmp_path, stop_at
         assert [step for step, _ in resumed[tag]] == [step for step, _ in whole[tag]], tag
         assert [value for _, value in resumed[tag]] == pytest.approx(
             [value for _, value in whole[tag]]), tag
+
+
+# --- item 12: a bit-flipped snapshot ---
+
+
+def test_a_bit_flipped_last_snapshot_falls_back_to_the_previous_one(tmp_path, capsys):
+    import torch
+
+    from iabn.training.snapshot import SnapshotError, read_snapshot
+
+    config = toy_config()
+    run = tmp_path / "run"
+    train(ToyTask(), config, TrainOptions(run, stop_after_steps=6))  # epoch 1 end, then step 6
+    last = run / "last.pth"
+    assert torch.load(run / "previous.pth", weights_only=True)["global_step"] == 4
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one bit, somewhere in the tensors
+    last.write_bytes(bytes(data))
+    snapshot = read_snapshot(last)
+    assert snapshot["global_step"] == 4
+    err = capsys.readouterr().err
+    assert "last.pth (corrupt: its SHA-256 does not match" in err and "previous.pth" in err
+    # the resumed run ends where an uninterrupted one does
+    assert train(ToyTask(), config, TrainOptions(run, resume=last)) == EXIT_FINISHED
+    train(ToyTask(), config, TrainOptions(tmp_path / "whole"))
+    whole = torch.load(tmp_path / "whole" / "last.pth", weights_only=True)["model"]
+    again = torch.load(last, weights_only=True)["model"]
+    assert all(torch.equal(whole[k], again[k]) for k in whole)
+    # no good snapshot to fall back to: the error names the file
+    (run / "previous.pth").write_bytes(b"")
+    last.write_bytes(bytes(data))
+    with pytest.raises(SnapshotError, match=r"last\.pth \(corrupt: its SHA-256"):
+        read_snapshot(last)
