@@ -237,3 +237,28 @@ def test_a_bit_flipped_last_snapshot_falls_back_to_the_previous_one(tmp_path, ca
     last.write_bytes(bytes(data))
     with pytest.raises(SnapshotError, match=r"last\.pth \(corrupt: its SHA-256"):
         read_snapshot(last)
+
+
+# --- item 13: benchmarks leave the committed results alone ---
+
+
+def test_benchmarks_write_to_runs_unless_asked_and_git_ignores_runs(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from iabn.bench import results_folder
+
+    root = Path(__file__).resolve().parents[1]
+    committed = root / "benchmarks" / "results" / "slope_errors_cpu.json"
+    before = committed.read_bytes()
+    done = subprocess.run([sys.executable, str(root / "benchmarks" / "slope_errors.py"),
+                           "--device", "cpu", "--shapes", "2x3x8x8", "--dtypes", "float32",
+                           "--layouts", "nchw", "--seeds", "0"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "runs" / "benchmarks" / "slope_errors_cpu.json").is_file()
+    assert committed.read_bytes() == before
+    monkeypatch.setenv("IABN_COMMIT_RESULTS", "1")
+    assert results_folder(committed.parent) == committed.parent
+    assert "runs/" in (root / ".gitignore").read_text().split()
