@@ -276,7 +276,7 @@ def _bench(args: argparse.Namespace) -> int:
         # Batch statistics need two values per channel; say so before building anything.
         print("iabn bench: error: --batch x --size^2 must be at least 2", file=sys.stderr)
         return 2
-    set_threads(args.threads)
+    threads = set_threads(args.threads)
     config = BenchConfig(
         batch=args.batch, channels=args.channels, size=args.size, blocks=args.blocks,
         repeats=args.repeats, iters=args.iters, warmup=args.warmup, seed=args.seed,
@@ -284,6 +284,8 @@ def _bench(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = run_bench(config, progress=not args.quiet)
     print(format_table(result))
+    # the run's own wall time: it depends on the machine and its load far more than on iabn
+    print(f"wall time {time.perf_counter() - start:.1f} s ({threads} threads)")
     if args.json is not None:
         arguments = {k: str(v) if isinstance(v, Path) else v
                      for k, v in vars(args).items() if k != "handler"}
