@@ -262,3 +262,23 @@ def test_benchmarks_write_to_runs_unless_asked_and_git_ignores_runs(tmp_path, mo
     monkeypatch.setenv("IABN_COMMIT_RESULTS", "1")
     assert results_folder(committed.parent) == committed.parent
     assert "runs/" in (root / ".gitignore").read_text().split()
+
+
+# --- item 8, continued: the other tools' output paths ---
+
+
+def test_unwritable_outputs_of_bench_test_and_segment_exit_2_with_one_line(tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    config = write_config(tmp_path / "c.json")
+    (tmp_path / "in").mkdir()
+    cases = {
+        "bench": ["bench", "--json", str(blocker / "x.json"), "--quiet"],
+        "test": ["test", str(config), str(tmp_path / "none.pth"), "--json",
+                 str(blocker / "x.json")],
+        "segment": ["segment", str(tmp_path / "none.pth"), str(tmp_path / "in"),
+                    str(blocker / "out")],
+    }
+    for command, argv in cases.items():
+        assert main(argv) == 2, command
+        assert "afile is a file, not a folder" in _one_line_error(capsys, command)

@@ -276,6 +276,14 @@ def _bench(args: argparse.Namespace) -> int:
         # Batch statistics need two values per channel; say so before building anything.
         print("iabn bench: error: --batch x --size^2 must be at least 2", file=sys.stderr)
         return 2
+    if args.json is not None:
+        from .training.logdir import LogDirError, check_writable
+
+        try:  # before the minute of measuring, not after
+            check_writable(args.json.parent, f"--json {args.json}: folder")
+        except LogDirError as error:
+            print(f"iabn bench: error: {error}", file=sys.stderr)
+            return 2
     threads = set_threads(args.threads)
     config = BenchConfig(
         batch=args.batch, channels=args.channels, size=args.size, blocks=args.blocks,

@@ -364,6 +364,9 @@ def run(args: Any) -> int:
         return 2
     try:
         _check_device(args.device)
+        from .training.logdir import check_writable
+
+        check_writable(out_dir, "OUT_DIR")
         data = read_snapshot(args.snapshot)  # read once: a Vistas file is ~0.5 GB
         model = load_segmentation_model(args.snapshot, args.depth, args.device, data)
         labels = label_set(getattr(args, "palette", "auto"), data)

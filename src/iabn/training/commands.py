@@ -27,7 +27,7 @@ from .config import (
 )
 from .engine import TrainOptions, train
 from .evaluate import TestOptions, run_test, write_json
-from .logdir import LogDirError
+from .logdir import LogDirError, check_writable
 from .segmentation import SegmentationTask
 from .snapshot import LAST, RESUME_LAST, SnapshotError
 from .task import Task
@@ -101,6 +101,8 @@ def train_command(args: argparse.Namespace) -> int:
 def test_command(args: argparse.Namespace) -> int:
     """``iabn test CONFIG CHECKPOINT [DATA_ROOT]`` (see :func:`iabn.cli.build_parser`)."""
     try:
+        if args.json is not None:
+            check_writable(Path(args.json).parent, f"--json {args.json}: folder")
         config = load_run_config(args.config, data_root_argument(args), args.set)
         scale = args.scale or config["input"]["scale_val"]
         crop = args.crop or config["input"]["crop_val"]

@@ -26,21 +26,22 @@ class LogDirError(ValueError):
     """A log directory that cannot be written, or that another run is using."""
 
 
-def check_writable(log_dir: str | Path) -> None:
+def check_writable(log_dir: str | Path, what: str = "--log-dir") -> None:
     """Raise :class:`LogDirError` unless ``log_dir`` is, or can be created as, a folder this
-    process can write in (checked without creating anything)."""
+    process can write in (checked without creating anything); ``what`` names the option in
+    the message (the tools' output folders use it too)."""
     log_dir = Path(log_dir)
     probe = log_dir
     while not probe.exists():
         if probe.is_symlink():  # a dangling link: mkdir would fail
-            raise LogDirError(f"--log-dir {log_dir}: {probe} is a broken symbolic link")
+            raise LogDirError(f"{what} {log_dir}: {probe} is a broken symbolic link")
         if probe.parent == probe:
             break
         probe = probe.parent
     if not probe.is_dir():
-        raise LogDirError(f"--log-dir {log_dir}: {probe} is a file, not a folder")
+        raise LogDirError(f"{what} {log_dir}: {probe} is a file, not a folder")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise LogDirError(f"--log-dir {log_dir}: no permission to write in {probe}")
+        raise LogDirError(f"{what} {log_dir}: no permission to write in {probe}")
 
 
 def _holder(text: str) -> str:
