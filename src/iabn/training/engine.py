@@ -151,8 +151,7 @@ class _Run:
         self.task, self.config, self.options, self.ranks = task, config, options, ranks
         self.lock = LogDirLock(options.log_dir)
         data, network = config["data"], config["network"]
-        if ranks.is_main:
-            check_writable(options.log_dir)
+        check_writable(options.log_dir)  # every rank writes its log file there
         if config["logging"]["tensorboard"] and ranks.is_main:
             summary_writer_class()  # a missing package fails now, not after the first write
         snapshot = self._snapshot_to_resume()
