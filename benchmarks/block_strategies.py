@@ -27,6 +27,7 @@ from iabn.bench import (
     RESNEXT101_STAGES,
     machine_info,
     progress_printer,
+    results_folder,
     set_threads,
     time_interleaved,
     training_step,
@@ -37,7 +38,7 @@ from iabn.memory import saved_tensor_bytes
 
 SHAPES = RESNEXT101_STAGES
 BASELINE = "standard"
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "block_strategies.json"
+DEFAULT_JSON = results_folder(Path(__file__).resolve().parent / "results") / "block_strategies.json"
 
 
 def bench_shape(batch: int, channels: int, size: int, args: argparse.Namespace) -> dict:

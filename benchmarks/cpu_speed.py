@@ -56,6 +56,7 @@ from iabn.bench import (
     RESNEXT101_STAGES,
     machine_info,
     progress_printer,
+    results_folder,
     set_threads,
     time_interleaved,
     training_step,
@@ -69,7 +70,7 @@ HEADLINE = "iabn_II"
 PREP = "prep"
 TARGET_RATIO = 1.10
 NEGATIVE_SLOPE = 0.01
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "cpu_speed.json"
+DEFAULT_JSON = results_folder(Path(__file__).resolve().parent / "results") / "cpu_speed.json"
 
 
 def make_layer(provider: str, channels: int) -> nn.Module:

@@ -42,7 +42,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import iabn
-from iabn.bench import machine_info, write_json
+from iabn.bench import machine_info, results_folder, write_json
 from iabn.memory import compiled_saved_bytes, saved_storages
 from iabn.models import create
 from iabn.offloading import DEFAULT_LAYERS
@@ -51,7 +51,8 @@ MODELS = (("vgg19", "bn"), ("resnet50", "bn"), ("resnet50", "iabn"), ("resnet101
           ("resnet101", "iabn"), ("mobilenet_v2", "bn"))
 STRATEGIES = ("eager", "offload_all", "offload_half", "checkpoint_2", "checkpoint_4",
               "checkpoint_8", "save_on_cpu", "compile_1.0", "compile_0.5", "compile_0.1")
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "memory_strategies.json"
+DEFAULT_JSON = (results_folder(Path(__file__).resolve().parent / "results")
+                / "memory_strategies.json")
 MIB = 2**20
 
 

@@ -32,14 +32,14 @@ from statistics import median
 import torch
 from torch import nn
 
-from iabn.bench import machine_info, write_json
+from iabn.bench import machine_info, results_folder, write_json
 from iabn.models import create
 from iabn.offloading import OffloadModel
 from memory_strategies import MODELS, body_and_head, offload_layers, run_checkpointed
 
 STRATEGIES = ("eager", "offload_all", "offload_half", "checkpoint_2", "checkpoint_4",
               "checkpoint_8", "save_on_cpu", "compile_1.0", "compile_0.5")
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 
 
 def forward_for(model: nn.Module, strategy: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -122,6 +122,7 @@ def pareto_png(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("peak memory / eager")
     ax.legend(fontsize=7)
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
     print(f"wrote {path}")
 

@@ -79,12 +79,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iabn.bench import machine_info, set_threads, time_interleaved, write_json, write_text_atomic
+from iabn.bench import (
+    machine_info,
+    results_folder,
+    set_threads,
+    time_interleaved,
+    write_json,
+    write_text_atomic,
+)
 from iabn.kernels.dispatch import use_backend
 from iabn.memory import saved_tensor_bytes
 from iabn.models import create
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 #: Models and their batch in issue 14's table (224 x 224 images).
 MODELS = {"resnet50": 64, "resnext101": 32, "wider_resnet38_a2": 16}
 PROVIDERS = ("bn", "iabn", "iabn_triton", "original")

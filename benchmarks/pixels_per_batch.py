@@ -34,10 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-from iabn.bench import machine_info, write_json
+from iabn.bench import machine_info, results_folder, write_json
 from iabn.bench.pixels import BODIES, ByteCounter, PixelsRow, pixels_per_batch
 
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "pixels_per_batch.json"
+DEFAULT_JSON = results_folder(Path(__file__).resolve().parent / "results") / "pixels_per_batch.json"
 GIB = 2**30
 
 #: Table 3 of the paper (Cityscapes columns): (batch, crop) per setting, gains in brackets.

@@ -15,7 +15,9 @@ import json
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from iabn.bench import results_folder
+
+RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 
 
 def relative_full_times(rows: list[dict]) -> dict[tuple[str, str], dict[str, dict[str, float]]]:
@@ -66,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"triton {machine.get('triton_version')}, {machine.get('date_utc', '')[:10]}",
                  fontsize=9)
     fig.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
     return 0

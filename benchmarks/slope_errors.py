@@ -24,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from iabn.bench import results_folder
+
+RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 GPU_SHAPES = "32x64x56x56,8x64x128x128,8x256x128x128,16x64x128x128,2x64x512x512"
 CPU_SHAPES = "32x64x56x56"
 

@@ -5,6 +5,7 @@ Issue 13 asks for the log of every whole-suite run on a GPU machine to be commit
 that switching ``IABN_BACKEND=auto`` to the Triton kernels rests on a green run anyone can read.
 This script runs ``python -m pytest -q`` with the given arguments (default ``-n 8`` when
 pytest-xdist is installed), streams its output, and writes the header and the whole output to
+``runs/benchmarks/suite_<device>.log``, or with ``IABN_COMMIT_RESULTS=1`` the committed
 ``benchmarks/results/suite_<device>.log`` (atomically). It exits with pytest's exit code.
 
 Usage::
@@ -63,7 +64,8 @@ def header() -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--log", type=Path, default=None,
-                        help="log file (default: benchmarks/results/suite_<cuda|cpu>.log)")
+                        help="log file (default: runs/benchmarks/suite_<cuda|cpu>.log; "
+                        "benchmarks/results/ with IABN_COMMIT_RESULTS=1)")
     parser.add_argument("pytest_args", nargs="*", help="arguments for pytest (after --)")
     args = parser.parse_args(argv)
     import torch
@@ -84,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line.rstrip("\n"))
     code = process.wait()
     lines.append(f"exit code: {code}")
-    path = args.log or RESULTS / f"suite_{'cuda' if torch.cuda.is_available() else 'cpu'}.log"
+    from iabn.bench import results_folder
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    path = args.log or results_folder(RESULTS) / f"suite_{device}.log"
     write_text_atomic(path, "\n".join(lines) + "\n")
     print(f"log written to {path}")
     return code

@@ -59,14 +59,14 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import iabn
-from iabn.bench import machine_info, progress_printer, training_step
+from iabn.bench import machine_info, progress_printer, results_folder, training_step
 
 #: ``(channels, height = width)`` of the timed inputs; the batch is ``--batch`` per rank.
 SHAPES = ((64, 56), (256, 28), (512, 14), (1024, 7))
 LOCAL, SYNC, COMM, TORCH_SYNC = "iabn", "iabn_sync", "allgather+allreduce", "nn_syncbn"
 NEGATIVE_SLOPE = 0.01
 MAX_ITERS = 1000
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "sync_overhead.json"
+DEFAULT_JSON = results_folder(Path(__file__).resolve().parent / "results") / "sync_overhead.json"
 CPU_NOTE = (
     "note: nn.SyncBatchNorm only runs on CUDA, so there is no CPU baseline from PyTorch; the "
     "GPU comparison (nn.SyncBatchNorm + LeakyReLU, world size 1) is left for a session with a "

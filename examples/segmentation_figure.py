@@ -5,13 +5,17 @@ validation canvases, the input, the ground truth and the prediction (palette col
 Usage::
 
     python examples/segmentation_figure.py runs/digits_seg/best.pth docs/segmentation_digits.png
-        [--count 4] [--scale 3]
+        [--count 4] [--scale 3] [--canvases DIR]
+
+``--canvases DIR`` also writes the input canvases as ``DIR/canvas_N.png``, e.g. to try
+``iabn segment`` on them (README).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -40,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out")
     parser.add_argument("--count", type=int, default=4)
     parser.add_argument("--scale", type=int, default=3, help="pixel magnification")
+    parser.add_argument("--canvases", default=None, metavar="DIR",
+                        help="also write the input canvases as DIR/canvas_N.png")
     args = parser.parse_args(argv)
     snapshot = read_snapshot(args.snapshot)
     data = snapshot["config"]["data"]
@@ -53,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for index in range(args.count):
             image, truth = canvases.canvas(index)
+            if args.canvases is not None:
+                Path(args.canvases).mkdir(parents=True, exist_ok=True)
+                Image.fromarray(image.permute(1, 2, 0).numpy()).save(
+                    Path(args.canvases) / f"canvas_{index}.png")
             normalised = (image.float() / 255 - torch.tensor(mean)[:, None, None]) / torch.tensor(
                 std)[:, None, None]
             labels, _ = predict(model, normalised, SegmentOptions())

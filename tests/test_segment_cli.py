@@ -118,3 +118,75 @@ def test_vistas_config_gives_colours_and_label_ids(snapshot, images, tmp_path):
         expected = bytes((0, 2, 3)[value] for value in raw.tobytes())
         assert ids.mode == "L" and ids.tobytes() == expected
     assert not list(tmp_path.rglob("*.partial"))
+
+
+def test_default_long_side_follows_the_snapshot():
+    from iabn.segment import snapshot_long_side
+
+    def train_seg(input_section, data_section):
+        return {"task": "segmentation", "config": {"input": input_section, "data": data_section}}
+
+    assert snapshot_long_side({"state_dict": {}})[0] == 2048  # the released Vistas model
+    digits = train_seg({"long_side_val": None}, {"dataset": "auto", "root": None,
+                                                 "canvas_size": 96})
+    assert snapshot_long_side(digits)[0] == 96
+    assert snapshot_long_side(train_seg({"long_side_val": 1024},
+                                        {"dataset": "cityscapes", "root": "/d"}))[0] == 1024
+    # validated at the images' own size: keep it
+    assert snapshot_long_side(train_seg({"long_side_val": None},
+                                        {"dataset": "auto", "root": "/d"}))[0] == 0
+
+
+# --- issue 18 item 11: argument errors, --std 0, 16-bit PNGs ---
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--std", "0"], "std must be positive"), (["--std", "0.2,0,0.2"], "std must be positive"),
+    (["--mean", "1,2"], "expected 3 numbers"), (["--scales", ","], "at least one number"),
+    (["--scales", "0"], "scales must be positive"), (["--mean", "nan"], "finite numbers"),
+    (["--device", "foo"], "not a torch device")])
+def test_bad_arguments_exit_2_with_a_message(snapshot, images, tmp_path, capsys, args,
+                                              message):
+    try:
+        code = _run(snapshot, images, tmp_path / "out", *args)
+    except SystemExit as stop:  # argparse's usage error
+        code = stop.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_16_bit_png_is_scaled_not_clipped(snapshot, tmp_path):
+    import numpy as np
+
+    root = tmp_path / "in"
+    root.mkdir()
+    Image.fromarray(np.full((20, 30), 30000, np.uint16)).save(root / "grey16.png")
+    assert _run(snapshot, root, tmp_path / "out", "--overlay") == 0
+    with Image.open(tmp_path / "out" / "grey16_overlay.png") as overlay:
+        assert overlay.getpixel((0, 0)) == (117, 117, 117)  # 30000 / 257, not white
+
+
+# --- issue 18 item 7: inputs whose outputs would share a name ---
+
+
+def test_same_name_with_two_extensions_keeps_both_outputs(snapshot, tmp_path, capsys):
+    root = tmp_path / "in"
+    root.mkdir()
+    Image.new("RGB", (20, 10), (255, 0, 0)).save(root / "x.png")
+    Image.new("RGB", (12, 16), (0, 0, 255)).save(root / "x.jpg")
+    Image.new("RGB", (8, 8)).save(root / "y.png")
+    out = tmp_path / "out"
+    assert _run(snapshot, root, out) == 0
+    sizes = {}
+    for name in ("x_png.png", "x_jpg.png", "y.png"):
+        with Image.open(out / name) as result:
+            sizes[name] = result.size
+    assert sizes == {"x_png.png": (20, 10), "x_jpg.png": (12, 16), "y.png": (8, 8)}
+    assert not (out / "x.png").exists()
+    # another clash (an input named like another's overlay) is refused before writing
+    Image.new("RGB", (8, 8)).save(root / "y_overlay.png")
+    assert _run(snapshot, root, tmp_path / "out2", "--overlay") == 2
+    assert "y.png and y_overlay.png would both be written to" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists()

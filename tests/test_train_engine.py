@@ -215,6 +215,7 @@ def test_a_snapshot_without_a_newer_key_resumes_at_its_default(tmp_path):
     snapshot = torch.load(run / "last.pth", weights_only=True)
     del snapshot["config"]["optimizer"]["eps"]
     torch.save(snapshot, run / "last.pth")
+    (run / "last.pth.sha256").unlink()  # edited by hand: its checksum no longer fits
     with pytest.raises(SnapshotError, match=r"optimizer.eps: 1e-08 -> 0.001"):
         train(ToyTask(), toy_config(optimizer={"eps": 1e-3}),
               TrainOptions(run, resume=run / "last.pth"))

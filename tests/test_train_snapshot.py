@@ -29,7 +29,9 @@ def test_save_replaces_the_file_and_leaves_no_temporary(tmp_path):
     save_atomic(_payload(epoch=1), path)
     save_atomic(_payload(epoch=2), path)
     assert read_snapshot(path)["epoch"] == 2
-    assert [p.name for p in tmp_path.iterdir()] == ["last.pth"]
+    # each with its checksum; the replaced last.pth kept as previous.pth
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "last.pth", "last.pth.sha256", "previous.pth", "previous.pth.sha256"]
     copy_atomic(path, tmp_path / "best.pth")
     assert read_snapshot(tmp_path / "best.pth")["epoch"] == 2
 
@@ -47,7 +49,7 @@ def test_a_write_that_fails_midway_keeps_the_old_snapshot(tmp_path, monkeypatch)
         save_atomic(_payload(epoch=2), path)
     monkeypatch.undo()
     assert read_snapshot(path)["epoch"] == 1
-    assert [p.name for p in tmp_path.iterdir()] == ["last.pth"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pth", "last.pth.sha256"]
 
 
 def test_truncated_and_foreign_files_are_reported_by_name(tmp_path):
@@ -57,6 +59,7 @@ def test_truncated_and_foreign_files_are_reported_by_name(tmp_path):
     with pytest.raises(SnapshotError, match=f"cannot read snapshot {path} .*corrupt"):
         read_snapshot(path)
     torch.save({"state_dict": {}}, path)
+    (tmp_path / "last.pth.sha256").unlink()  # a file without a checksum is read unverified
     with pytest.raises(SnapshotError, match=f"{path} is not an iabn training snapshot"):
         read_snapshot(path)
     torch.save(_payload(version=VERSION + 1), path)

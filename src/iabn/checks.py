@@ -86,6 +86,15 @@ def check_inputs(
         )
     if training and not synchronised:
         values_per_channel = input.numel() // max(channels, 1)
+        if input.numel() == 0:
+            # nn.BatchNorm2d returns an empty output here (and counts the batch); refusing
+            # before anything is counted is the clearer of the two (ATen's own error came
+            # after num_batches_tracked had advanced)
+            raise ValueError(
+                f"empty input of shape {tuple(input.shape)} when training: batch statistics "
+                f"need at least one value per channel; skip empty batches (e.g. "
+                f"drop_last=True), or use eval mode"
+            )
         if values_per_channel == 1:
             raise ValueError(
                 f"expected more than 1 value per channel when training, got input of shape "

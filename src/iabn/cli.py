@@ -94,7 +94,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
-    from .segment import FUSIONS, OUTPUTS, PALETTES, parse_floats
+    from .segment import FUSIONS, OUTPUTS, PALETTES, parse_mean, parse_scales, parse_std
 
     seg = subparsers.add_parser(
         "segment", help="semantic segmentation of a folder of images (DeepLabV3)",
@@ -106,10 +106,12 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
     seg.add_argument("in_dir", help="folder of input images")
     seg.add_argument("out_dir", help="folder for the outputs (mirrors IN_DIR's layout)")
     seg.add_argument("--recursive", action="store_true", help="also process subfolders")
-    seg.add_argument("--long-side", type=_non_negative_int, default=2048,
+    seg.add_argument("--long-side", type=_non_negative_int, default=None,
                      help="resize so the longer side has this many pixels; 0 keeps the size "
-                     "(default: 2048)")
-    seg.add_argument("--scales", type=parse_floats, default=[1.0],
+                     "(default: the resolution the model was trained at: a train-seg "
+                     "snapshot's input.long_side_val, its canvas size for the embedded "
+                     "digits, else the images' own size; 2048 for the Vistas model)")
+    seg.add_argument("--scales", type=parse_scales, default=[1.0],
                      help="test-time scales, e.g. 0.7,1.0,1.2 (default: 1.0)")
     seg.add_argument("--flip", action="store_true", help="also predict on the mirrored image")
     seg.add_argument("--fusion", choices=FUSIONS, default="mean",
@@ -125,11 +127,12 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
     seg.add_argument("--overlay", action="store_true",
                      help="also write the image and the coloured prediction side by side")
     seg.add_argument("--overwrite", action="store_true", help="redo existing outputs")
-    seg.add_argument("--mean", type=parse_floats, default=None,
-                     help="input normalisation mean, RGB in [0, 1] (default: a train-seg "
+    seg.add_argument("--mean", type=parse_mean, default=None,
+                     help="input normalisation mean, RGB in [0, 1], or one value for all "
+                     "channels (default: a train-seg "
                           "snapshot's own, else the Vistas model's)")
-    seg.add_argument("--std", type=parse_floats, default=None,
-                     help="input normalisation std (default: as --mean)")
+    seg.add_argument("--std", type=parse_std, default=None,
+                     help="input normalisation std, positive (default: as --mean)")
     seg.add_argument("--depth", type=int, choices=(16, 20, 38), default=38,
                      help="WideResNet trunk depth of the snapshot (default: 38)")
     seg.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -289,7 +292,15 @@ def _bench(args: argparse.Namespace) -> int:
         # Batch statistics need two values per channel; say so before building anything.
         print("iabn bench: error: --batch x --size^2 must be at least 2", file=sys.stderr)
         return 2
-    set_threads(args.threads)
+    if args.json is not None:
+        from .training.logdir import LogDirError, check_writable
+
+        try:  # before the minute of measuring, not after
+            check_writable(args.json.parent, f"--json {args.json}: folder")
+        except LogDirError as error:
+            print(f"iabn bench: error: {error}", file=sys.stderr)
+            return 2
+    threads = set_threads(args.threads)
     config = BenchConfig(
         batch=args.batch, channels=args.channels, size=args.size, blocks=args.blocks,
         repeats=args.repeats, iters=args.iters, warmup=args.warmup, seed=args.seed,
@@ -297,6 +308,8 @@ def _bench(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     result = run_bench(config, progress=not args.quiet)
     print(format_table(result))
+    # the run's own wall time: it depends on the machine and its load far more than on iabn
+    print(f"wall time {time.perf_counter() - start:.1f} s ({threads} threads)")
     if args.json is not None:
         arguments = {k: str(v) if isinstance(v, Path) else v
                      for k, v in vars(args).items() if k != "handler"}

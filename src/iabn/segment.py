@@ -1,7 +1,8 @@
 """``iabn segment``: semantic segmentation of a folder of images with a DeepLabV3 model.
 
 Reads every .png/.jpg/.jpeg of ``IN_DIR`` (``--recursive`` for subfolders), resizes it so its
-longer side is ``--long-side`` pixels, normalises it, runs the model at the ``--scales``
+longer side is ``--long-side`` pixels (default: the resolution the model was trained and
+validated at, :func:`snapshot_long_side`), normalises it, runs the model at the ``--scales``
 (and mirrored with ``--flip``), fuses the per-scale predictions (``mean`` of probabilities,
 their elementwise ``max``, or ``voting`` of per-scale argmaxes) and writes, at the input's own
 size (nearest neighbour), a palette PNG, a raw class-index PNG, class indices plus a
@@ -22,6 +23,8 @@ config stored in it).
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import sys
 import time
@@ -44,6 +47,8 @@ FUSIONS = ("mean", "voting", "max")
 OUTPUTS = ("palette", "raw", "prob", "labelids")
 #: ``--palette`` names; anything else is a Mapillary Vistas config file or dataset folder.
 PALETTES = ("auto", "default", "cityscapes", "voc")
+#: ``--long-side`` for snapshots that do not say their resolution (the released Vistas model's).
+VISTAS_LONG_SIDE = 2048
 
 
 def _pil():
@@ -150,6 +155,24 @@ def snapshot_normalisation(data: Any) -> tuple[tuple[float, ...], tuple[float, .
     return VISTAS_MEAN, VISTAS_STD
 
 
+def snapshot_long_side(data: Any) -> tuple[int, str]:
+    """The default ``--long-side`` for a snapshot (its contents, :func:`read_snapshot`) and
+    where it comes from: an ``iabn train-seg`` snapshot's validation resolution
+    (``input.long_side_val``; the canvas side for the embedded digits; else 0, the images as
+    they are, as its validation ran), else the released Vistas model's 2048."""
+    if _is_train_seg(data):
+        config = data["config"]
+        long_side = config.get("input", {}).get("long_side_val")
+        if long_side:
+            return int(long_side), "the snapshot's input.long_side_val"
+        section = config.get("data", {})
+        if section.get("dataset") == "digits" or (section.get("dataset", "auto") == "auto"
+                                                  and section.get("root") is None):
+            return int(section.get("canvas_size", 64)), "the snapshot's canvas size"
+        return 0, "the snapshot validated at the images' own size"
+    return VISTAS_LONG_SIDE, "the Vistas model's"
+
+
 def find_images(root: Path, recursive: bool) -> list[Path]:
     pattern = "**/*" if recursive else "*"
     return sorted(p for p in root.glob(pattern)
@@ -197,14 +220,45 @@ def predict(
     return labels, fused.gather(0, labels.unsqueeze(0))[0]
 
 
-def _outputs_for(relative: Path, out_dir: Path, options: SegmentOptions) -> list[Path]:
+def _outputs_for(relative: Path, out_dir: Path, options: SegmentOptions,
+                 keep_suffix: bool = False) -> list[Path]:
     base = out_dir / relative.with_suffix("")
+    if keep_suffix:  # x.jpg -> x_jpg.png when x.png is there too
+        base = base.with_name(f"{base.name}_{relative.suffix[1:]}")
     paths = [base.with_suffix(".png")]
     if options.output == "prob":
         paths.append(base.parent / f"{base.name}_confidence.png")
     if options.overlay:
         paths.append(base.parent / f"{base.name}_overlay.png")
     return paths
+
+
+class OutputClash(ValueError):
+    """Two inputs whose outputs would have the same name."""
+
+
+def plan_outputs(images: list[Path], in_dir: Path, out_dir: Path,
+                 options: SegmentOptions) -> dict[Path, list[Path]]:
+    """The output files of each image. Inputs that differ only in their extension (``x.jpg``
+    and ``x.png``) keep it in their outputs' names (``x_jpg.png``, ``x_png.png``); any other
+    clash between outputs raises :class:`OutputClash` naming the inputs, before anything is
+    written."""
+    stems: dict[Path, int] = {}
+    for path in images:
+        stem = path.relative_to(in_dir).with_suffix("")
+        stems[stem] = stems.get(stem, 0) + 1
+    plan, owners = {}, {}
+    for path in images:
+        relative = path.relative_to(in_dir)
+        targets = _outputs_for(relative, out_dir, options,
+                               keep_suffix=stems[relative.with_suffix("")] > 1)
+        for target in targets:
+            if target in owners:
+                raise OutputClash(f"{owners[target]} and {relative} would both be written to "
+                                 f"{target}: rename one of them")
+            owners[target] = relative
+        plan[path] = targets
+    return plan
 
 
 def _save_atomic(image: Any, path: Path) -> None:
@@ -227,20 +281,20 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
         raise ValueError("--output labelids needs the dataset's label ids: a train-seg "
                          "snapshot of Cityscapes, Vistas or VOC data, or --palette")
     images = find_images(in_dir, options.recursive)
+    plan = plan_outputs(images, in_dir, out_dir, options)
     mean = torch.tensor(options.mean).view(3, 1, 1)
     std = torch.tensor(options.std).view(3, 1, 1)
     summary = Summary()
     for number, path in enumerate(images, 1):
         relative = path.relative_to(in_dir)
-        targets = _outputs_for(relative, out_dir, options)
+        targets = plan[path]
         if not options.overwrite and all(t.exists() for t in targets):
             summary.skipped += 1
             continue
         if progress:
             print(f"[{number}/{len(images)}] {relative}", file=sys.stderr, flush=True)
         try:
-            with Image.open(path) as opened:
-                original = opened.convert("RGB")
+            original = _read_rgb(Image, path)
         except Exception as error:  # unreadable or corrupt: report, go on with the others
             summary.failed.append((path, f"{type(error).__name__}: {error}"))
             print(f"  skipped: cannot read {path}: {error}", file=sys.stderr, flush=True)
@@ -283,6 +337,18 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
     return summary
 
 
+def _read_rgb(Image: Any, path: Path) -> Any:
+    """An image file as a PIL RGB image, decoded as the training data is
+    (:func:`iabn.data.imagefolder.read_rgb`): 16-bit PNGs scaled to 8 bits, where Pillow's
+    ``convert("RGB")`` clips them (white)."""
+    from .data.imagefolder import read_rgb
+
+    pixels = read_rgb(path)
+    height, width = pixels.shape[-2:]
+    return Image.frombytes("RGB", (width, height),
+                           pixels.permute(1, 2, 0).contiguous().numpy().tobytes())
+
+
 def _grey_image(Image: Any, values: Tensor) -> Any:
     """A mode-L PIL image from a ``(H, W)`` uint8 tensor (without requiring NumPy)."""
     height, width = values.shape
@@ -297,6 +363,10 @@ def run(args: Any) -> int:
         print(f"iabn segment: error: IN_DIR {in_dir} is not a folder", file=sys.stderr)
         return 2
     try:
+        _check_device(args.device)
+        from .training.logdir import check_writable
+
+        check_writable(out_dir, "OUT_DIR")
         data = read_snapshot(args.snapshot)  # read once: a Vistas file is ~0.5 GB
         model = load_segmentation_model(args.snapshot, args.depth, args.device, data)
         labels = label_set(getattr(args, "palette", "auto"), data)
@@ -304,13 +374,23 @@ def run(args: Any) -> int:
     except (ValueError, KeyError) as error:  # DataLayoutError is a ValueError
         print(f"iabn segment: error: {error}", file=sys.stderr)
         return 2
+    long_side, source = snapshot_long_side(data)
+    if args.long_side is not None:
+        long_side, source = args.long_side, "--long-side"
+    if not args.quiet:
+        print(f"iabn segment: long side {long_side or 'as stored'} ({source})",
+              file=sys.stderr, flush=True)
     options = SegmentOptions(
-        long_side=args.long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
+        long_side=long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
         output=args.output, overlay=args.overlay, overwrite=args.overwrite,
         recursive=args.recursive, labels=labels, **_normalisation(args, data),
     )
-    summary = segment_folder(model, in_dir, out_dir, options, args.device,
-                             progress=not args.quiet)
+    try:
+        summary = segment_folder(model, in_dir, out_dir, options, args.device,
+                                 progress=not args.quiet)
+    except OutputClash as error:  # raised before any image is processed
+        print(f"iabn segment: error: {error}", file=sys.stderr)
+        return 2
     print(f"iabn segment: {summary.processed} segmented, {summary.skipped} already done "
           f"(kept; --overwrite to redo), {len(summary.failed)} failed, "
           f"{time.perf_counter() - start:.1f} s")
@@ -368,9 +448,55 @@ def _normalisation(args: Any, data: Any) -> dict[str, tuple[float, ...]]:
             "std": tuple(args.std) if args.std is not None else std}
 
 
+def _check_device(text: str) -> None:
+    """ValueError unless ``--device`` names a device this machine has."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device {text!r}: not a torch device (cpu, cuda, cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {text}: no CUDA device is available here; use --device cpu")
+
+
 def parse_floats(text: str) -> list[float]:
-    return [float(part) for part in text.split(",") if part.strip()]
+    """Comma-separated finite numbers (an argparse ``type``)."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}"
+                                         ) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected at least one number, got {text!r}")
+    if not all(math.isfinite(value) for value in values):
+        raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
+    return values
+
+
+def parse_scales(text: str) -> list[float]:
+    """``--scales``: positive numbers."""
+    values = parse_floats(text)
+    if min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"scales must be positive, got {text!r}")
+    return values
+
+
+def parse_mean(text: str) -> list[float]:
+    """``--mean``: three numbers (RGB), or one for all channels."""
+    values = parse_floats(text)
+    if len(values) not in (1, 3):
+        raise argparse.ArgumentTypeError(f"expected 3 numbers (R,G,B) or one for all, got "
+                                         f"{len(values)} in {text!r}")
+    return values * 3 if len(values) == 1 else values
+
+
+def parse_std(text: str) -> list[float]:
+    """``--std``: as ``--mean``, positive (the input is divided by it)."""
+    values = parse_mean(text)
+    if min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"std must be positive (the input is divided by "
+                                         f"it), got {text!r}")
+    return values
 
 
 __all__ = ["SegmentOptions", "label_set", "load_segmentation_model", "predict", "read_snapshot",
-           "run", "segment_folder", "snapshot_normalisation"]
+           "run", "segment_folder", "snapshot_long_side", "snapshot_normalisation"]

@@ -66,6 +66,16 @@ def training_step(model: torch.nn.Module, leaf: torch.Tensor, grad: torch.Tensor
     return partial(train_step, model, leaf, grad)
 
 
+def results_folder(committed: Path) -> Path:
+    """Where a benchmark script writes by default: ``runs/benchmarks`` under the current
+    folder (git ignores ``runs/``), so that running a benchmark never rewrites the figures
+    committed in ``benchmarks/results/`` (``committed``). Set ``IABN_COMMIT_RESULTS=1`` to
+    write those on purpose (or name the file with the script's ``--json``)."""
+    if os.environ.get("IABN_COMMIT_RESULTS") == "1":
+        return committed
+    return Path("runs") / "benchmarks"
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` through a temporary file and a rename: an interrupted run
     leaves the old file or none, never half of one."""

@@ -27,6 +27,7 @@ from .config import (
 )
 from .engine import TrainOptions, train
 from .evaluate import TestOptions, run_test, write_json
+from .logdir import LogDirError, check_writable
 from .segmentation import SegmentationTask
 from .snapshot import LAST, RESUME_LAST, SnapshotError
 from .task import Task
@@ -37,7 +38,7 @@ SCHEMA = combine(ENGINE_SCHEMA, TASK.schema)
 #: The task each training command runs.
 COMMAND_TASKS = {"train": TASK, "train-seg": SEGMENTATION_TASK}
 #: What ``--resume`` without a value means.
-USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, ImportError)
+USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, LogDirError, ImportError)
 
 
 def load_run_config(path: str | Path, data_root: str | None, overrides: list[str],
@@ -100,6 +101,8 @@ def train_command(args: argparse.Namespace) -> int:
 def test_command(args: argparse.Namespace) -> int:
     """``iabn test CONFIG CHECKPOINT [DATA_ROOT]`` (see :func:`iabn.cli.build_parser`)."""
     try:
+        if args.json is not None:
+            check_writable(Path(args.json).parent, f"--json {args.json}: folder")
         config = load_run_config(args.config, data_root_argument(args), args.set)
         scale = args.scale or config["input"]["scale_val"]
         crop = args.crop or config["input"]["crop_val"]

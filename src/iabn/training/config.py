@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import difflib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +154,11 @@ def _checked(option: Option, value: Any, where: str) -> Any:
     if not kind_ok:
         wanted = "a list of numbers" if option.kind is list else f"a {option.kind.__name__}"
         raise ConfigError(f"{where}: expected {wanted}, got {json.dumps(value)}")
+    numbers = value if option.kind is list else [value] if option.kind in (int, float) else []
+    if not all(math.isfinite(number) for number in numbers):
+        # JSON files may hold NaN and Infinity (Python's json reads them); a NaN learning
+        # rate trained to the end with loss nan and exit status 0
+        raise ConfigError(f"{where}: must be a finite number, got {json.dumps(value)}")
     if option.choices and value not in option.choices:
         raise _unknown("value", value, option.choices, where)
     if option.length is not None and len(value) != option.length:

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 
 from ..data.samplers import ExactShardSampler, ShuffledShardSampler
 from .config import ENGINE_SCHEMA, Config, ConfigError, check_engine_config, combine, with_defaults
+from .logdir import LogDirError, LogDirLock, check_writable
 from .logs import RunLog, peak_memory_mib, summary_writer_class
 from .loops import autocast, evaluate, memory_format, to_device
 from .optim import build_optimizer
@@ -99,8 +100,48 @@ def _stop_requests(log: RunLog):
             signal.signal(sig, handler)
 
 
-def _format_metrics(metrics: dict[str, float]) -> str:
-    return " ".join(f"{name} {value:.4g}" for name, value in metrics.items() if name != "count")
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _worker_ignores_stop_signals(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: SIGINT/SIGTERM sent to the whole process group (Ctrl-C,
+    job schedulers, ``torchrun``) must not kill the workers before the main process has
+    finished its step and written its snapshot; the workers stop when the main process shuts
+    them down or exits. The signals were blocked while the worker started
+    (:class:`_ShieldedLoader`); ignoring them, then unblocking, discards a pending one."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
+
+
+class _ShieldedLoader:
+    """A DataLoader whose worker processes are started with SIGINT/SIGTERM blocked (they
+    inherit the mask, so a signal in the start-up window cannot kill them either); the main
+    process's own mask is restored right after, and a signal that came meanwhile is then
+    delivered to it."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        self.loader = loader
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        if (self.loader.num_workers == 0
+                or threading.current_thread() is not threading.main_thread()):
+            return iter(self.loader)
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            return iter(self.loader)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _format_metrics(metrics: dict[str, float], per_class: bool = True) -> str:
+    """``name value`` pairs; ``per_class=False`` leaves out ``group/name`` entries (e.g. the
+    segmentation task's ``iou/<class>``), which the progress line has no room for."""
+    return " ".join(f"{name} {value:.4g}" for name, value in metrics.items()
+                    if name != "count" and (per_class or "/" not in name))
 
 
 class _Run:
@@ -108,7 +149,9 @@ class _Run:
 
     def __init__(self, task: Task, config: Config, options: TrainOptions, ranks: Ranks) -> None:
         self.task, self.config, self.options, self.ranks = task, config, options, ranks
+        self.lock = LogDirLock(options.log_dir)
         data, network = config["data"], config["network"]
+        check_writable(options.log_dir)  # every rank writes its log file there
         if config["logging"]["tensorboard"] and ranks.is_main:
             summary_writer_class()  # a missing package fails now, not after the first write
         snapshot = self._snapshot_to_resume()
@@ -142,6 +185,29 @@ class _Run:
         if ranks.distributed:
             device_ids = [ranks.device.index] if ranks.device.type == "cuda" else None
             self.trained = nn.parallel.DistributedDataParallel(self.model, device_ids=device_ids)
+        self._lock_log_dir()
+
+    def _lock_log_dir(self) -> None:
+        """Take the log directory (rank 0), last of the checks: a second run pointed at it
+        stops here, on every rank, naming the run that holds it (:mod:`.logdir`)."""
+        error: LogDirError | SnapshotError | None = None
+        if self.ranks.is_main:
+            try:
+                self.lock.acquire()
+                if self.options.resume is None and (self.options.log_dir / LAST).exists():
+                    self.lock.release()  # written since the first check, by a run now gone
+                    self._snapshot_to_resume()
+            except (LogDirError, SnapshotError) as raised:
+                error = raised
+        failed = error is not None
+        if self.ranks.distributed:
+            failed = any_rank(failed, self.ranks)
+        if failed:
+            raise error or LogDirError(f"{self.options.log_dir}: rank 0 could not take the "
+                                       f"log directory (its message says why)")
+
+    def release(self) -> None:
+        self.lock.release()
 
     def _snapshot_to_resume(self) -> dict[str, Any] | None:
         path = self.options.resume
@@ -200,16 +266,17 @@ class _Run:
             save_atomic(payload, log_dir / LAST)
 
     # ------------------------------------------------------------------ loop
-    def _loaders(self) -> tuple[DataLoader, DataLoader]:
+    def _loaders(self) -> tuple[_ShieldedLoader, _ShieldedLoader]:
         data, ranks = self.config["data"], self.ranks
-        common = {"num_workers": data["workers"], "pin_memory": ranks.device.type == "cuda"}
+        common = {"num_workers": data["workers"], "pin_memory": ranks.device.type == "cuda",
+                  "worker_init_fn": _worker_ignores_stop_signals}
         train = DataLoader(self.splits.train, batch_size=self.sampler.per_rank,
                            sampler=self.sampler, generator=self.loader_generator, **common)
         val_batch = data["val_batch_size"] or data["batch_size"]
         val = DataLoader(self.splits.val, batch_size=max(1, val_batch // ranks.world_size),
                          sampler=ExactShardSampler(len(self.splits.val), ranks.world_size,
                                                    ranks.rank), **common)
-        return train, val
+        return _ShieldedLoader(train), _ShieldedLoader(val)
 
     def _train_step(self, batch: Any, meter: Meter) -> None:
         network, optimizer = self.config["network"], self.optimizer
@@ -236,7 +303,7 @@ class _Run:
             for buffer in self.model.buffers():
                 dist.broadcast(buffer, 0)
 
-    def _validate(self, val_loader: DataLoader, log: RunLog,
+    def _validate(self, val_loader: _ShieldedLoader, log: RunLog,
                   progress: ProgressLine) -> dict[str, float]:
         self._sync_buffers()
         network = self.config["network"]
@@ -257,11 +324,11 @@ class _Run:
         speed = images / seconds if seconds > 0 else 0.0
         memory = peak_memory_mib(self.ranks.device)
         epochs, steps = self.config["schedule"]["epochs"], self.sampler.batches_per_epoch
-        line = (f"epoch {self.epoch + 1}/{epochs} {bar(self.batches_done, steps)} "
-                f"{self.batches_done}/{steps} {_format_metrics(metrics)} lr {lr:.4g} "
-                f"{speed:.0f} img/s {memory:.0f} MiB peak")
-        progress.show(line)
-        log.info(line, console=False)
+        position = f"epoch {self.epoch + 1}/{epochs} {bar(self.batches_done, steps)} " \
+                   f"{self.batches_done}/{steps}"
+        rest = f"lr {lr:.4g} {speed:.0f} img/s {memory:.0f} MiB peak"
+        progress.show(f"{position} {_format_metrics(metrics, per_class=False)} {rest}")
+        log.info(f"{position} {_format_metrics(metrics)} {rest}", console=False)
         log.scalars({**{f"train/{k}": v for k, v in metrics.items() if k != "count"},
                      "train/lr": lr, "train/images_per_s": speed,
                      "train/peak_memory_mib": memory}, self.global_step)
@@ -276,11 +343,17 @@ class _Run:
 
     def run(self) -> int:
         options, config, ranks = self.options, self.config, self.ranks
-        options.log_dir.mkdir(parents=True, exist_ok=True)
-        if ranks.is_main:
-            remove_stale_temporaries(options.log_dir)
-        log = RunLog(options.log_dir, ranks, config["logging"]["tensorboard"],
-                     purge_step=self.global_step if options.resume else None)
+        try:
+            options.log_dir.mkdir(parents=True, exist_ok=True)
+            if ranks.is_main:
+                remove_stale_temporaries(options.log_dir)
+            log = RunLog(options.log_dir, ranks, config["logging"]["tensorboard"],
+                         # the snapshot's own step was logged before it was written: keep
+                         # it, drop only what a killed run logged after it
+                         purge_step=self.global_step + 1 if options.resume else None)
+        except OSError as error:  # e.g. a read-only folder inside a writable one
+            raise LogDirError(f"cannot write in --log-dir {options.log_dir}: "
+                              f"{error.strerror or error} ({error.filename or ''})") from None
         try:
             if ranks.is_main:
                 (options.log_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -332,7 +405,7 @@ class _Run:
                  f"(epoch {best.get('epoch')}); snapshots in {self.options.log_dir}")
         return EXIT_FINISHED
 
-    def _end_epoch(self, meter: Meter, val_loader: DataLoader, log: RunLog,
+    def _end_epoch(self, meter: Meter, val_loader: _ShieldedLoader, log: RunLog,
                    progress: ProgressLine) -> None:
         config = self.config
         if config["schedule"]["update"] == "epoch":
@@ -361,11 +434,15 @@ def train(task: Task, config: Config, options: TrainOptions) -> int:
     task.check_config(config, "config")
     ranks = start(options.device)
     finished = False
+    run = None
     try:
-        code = _Run(task, config, options, ranks).run()
+        run = _Run(task, config, options, ranks)
+        code = run.run()
         finished = True
         return code
     finally:
+        if run is not None:
+            run.release()
         if finished:
             finish(ranks)
         elif dist.is_initialized():

@@ -3,8 +3,9 @@
     LOG_DIR/logs/rank{R}.log    every rank: timestamped lines, appended across resumptions
     LOG_DIR/tensorboard/        rank 0: scalars, x-axis = global training step
 
-On resume, TensorBoard events after the snapshot's step are purged, so a killed and resumed
-run shows one clean curve.
+On resume, TensorBoard events after the snapshot's step are purged (those at its step were
+written before the snapshot and are kept), so a killed and resumed run shows one curve, the
+same as an uninterrupted run's.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
-"""A dependency-free progress line on stderr: rewritten in place on a terminal, one line per
-update otherwise (log files and CI stay readable)."""
+"""A dependency-free progress line on stderr: rewritten in place on a terminal, cut to the
+terminal's width so it never wraps (a wrapped line cannot be rewritten and floods the screen);
+one full line per update otherwise (log files and CI stay readable)."""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import TextIO
 
@@ -28,7 +30,12 @@ class ProgressLine:
         if not self.enabled:
             return
         if self.in_place:
+            # one column short of the width: writing the last column wraps on some terminals
+            columns = max(10, shutil.get_terminal_size().columns - 1)
+            if len(text) > columns:
+                text = text[:columns - 3] + "..."
             # Pad with spaces so a shorter line fully covers the previous one.
+            self.width = min(self.width, columns)
             self.stream.write("\r" + text.ljust(self.width))
             self.width = max(self.width, len(text))
         else:

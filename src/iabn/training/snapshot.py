@@ -11,12 +11,23 @@ tensors, numbers, strings and containers, so it loads with ``weights_only=True``
 Writing goes to a temporary file in the same folder, flushed to disk, then renamed over the
 target: a run killed at any moment leaves either the old snapshot or the new one, never a
 truncated file (at most a stale temporary, which the next run in that folder deletes).
+
+Checksums: next to each snapshot ``NAME.pth``, ``NAME.pth.sha256`` holds its SHA-256 in
+``sha256sum`` format (``sha256sum -c`` checks it), written after the snapshot. Before
+``last.pth`` is replaced, the old one becomes ``previous.pth`` (with its checksum).
+:func:`read_snapshot` verifies the checksum; when ``last.pth`` is corrupt (a bit flip, a
+partial copy) or missing while ``previous.pth`` is good, it says so and returns the previous
+one, so ``--resume`` continues from the snapshot before (repeating at most an epoch). A
+snapshot without a checksum file (older iabn, or a kill between the two writes, after the
+snapshot itself was complete) is read unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,7 +38,8 @@ from .config import Config, differences
 
 FORMAT = "iabn-training-snapshot"
 VERSION = 1
-LAST, BEST = "last.pth", "best.pth"
+LAST, BEST, PREVIOUS = "last.pth", "best.pth", "previous.pth"
+CHECKSUM_SUFFIX = ".sha256"
 #: What ``--resume`` without a path resumes from (shown in the CLI's help).
 RESUME_LAST = f"LOG_DIR/{LAST}"
 # Keys that may change between a run and its resumption: they do not alter the training.
@@ -51,8 +63,55 @@ def _replace_durably(temporary: Path, path: Path) -> None:
         os.close(directory)
 
 
+def checksum_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_checksum(path: Path, digest: str) -> None:
+    target = checksum_path(path)
+    temporary = _temporary(target)
+    try:
+        with open(temporary, "w") as file:
+            file.write(f"{digest}  {path.name}\n")
+            file.flush()
+            os.fsync(file.fileno())
+        _replace_durably(temporary, target)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def _keep_previous(path: Path) -> None:
+    """Before ``last.pth`` is replaced: the current one (and its checksum) becomes
+    ``previous.pth``, the fallback of a corrupt ``last.pth``."""
+    if path.name != LAST or not path.is_file():
+        return
+    previous = path.with_name(PREVIOUS)
+    checksum_path(previous).unlink(missing_ok=True)
+    os.replace(path, previous)
+    if checksum_path(path).is_file():
+        os.replace(checksum_path(path), checksum_path(previous))
+
+
+def _install(temporary: Path, path: Path) -> None:
+    digest = file_sha256(temporary)
+    _keep_previous(path)
+    checksum_path(path).unlink(missing_ok=True)  # never a stale checksum next to a new file
+    _replace_durably(temporary, path)
+    _write_checksum(path, digest)
+
+
 def save_atomic(payload: dict[str, Any], path: str | Path) -> None:
-    """``torch.save(payload)`` to ``path`` via a temporary file and a rename."""
+    """``torch.save(payload)`` to ``path`` via a temporary file and a rename, then its
+    checksum file (``last.pth``: the old one kept as ``previous.pth``)."""
     path = Path(path)
     temporary = _temporary(path)
     try:
@@ -60,20 +119,20 @@ def save_atomic(payload: dict[str, Any], path: str | Path) -> None:
             torch.save(payload, file)
             file.flush()
             os.fsync(file.fileno())
-        _replace_durably(temporary, path)
+        _install(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
 
 
 def copy_atomic(source: str | Path, path: str | Path) -> None:
-    """Copy ``source`` to ``path`` via a temporary file and a rename."""
+    """Copy ``source`` to ``path`` as :func:`save_atomic` writes."""
     path = Path(path)
     temporary = _temporary(path)
     try:
         shutil.copyfile(source, temporary)
         with open(temporary, "rb+") as file:
             os.fsync(file.fileno())
-        _replace_durably(temporary, path)
+        _install(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
 
@@ -89,10 +148,34 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
 
 def read_snapshot(path: str | Path) -> dict[str, Any]:
     """Load a training snapshot (CPU tensors), or raise :class:`SnapshotError` naming the file
-    and what is wrong with it."""
+    and what is wrong with it. A corrupt or missing ``last.pth`` falls back to a good
+    ``previous.pth`` next to it, with a warning on stderr (see module doc)."""
     path = Path(path)
+    try:
+        return _read_verified(path)
+    except SnapshotError as error:
+        previous = path.with_name(PREVIOUS)
+        if path.name != LAST or not previous.is_file():
+            raise
+        try:
+            payload = _read_verified(previous)
+        except SnapshotError:
+            raise error from None
+        print(f"iabn: warning: {error}; resuming from the snapshot before it, {previous} "
+              f"(epoch {payload.get('epoch')}, step {payload.get('global_step')})",
+              file=sys.stderr, flush=True)
+        return payload
+
+
+def _read_verified(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise SnapshotError(f"snapshot {path} does not exist")
+    checksum = checksum_path(path)
+    if checksum.is_file():
+        expected = checksum.read_text().split(maxsplit=1)[0] if checksum.stat().st_size else ""
+        if file_sha256(path) != expected:
+            raise SnapshotError(f"cannot read snapshot {path} (corrupt: its SHA-256 does not "
+                                f"match {checksum.name}; a bit flip or a partial copy)")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # whatever torch raised, say which file and what to do
@@ -137,6 +220,7 @@ def load_state(target: Any, state: dict[str, Any], what: str, path: str | Path) 
         raise SnapshotError(f"snapshot {path}: the {what} state does not fit: {error}"
                             ) from error
 
-__all__ = ["BEST", "FORMAT", "LAST", "RESUME_LAST", "RESUME_MAY_CHANGE", "VERSION", "SnapshotError",
-           "check_resumable", "copy_atomic", "load_state", "read_snapshot",
+__all__ = ["BEST", "CHECKSUM_SUFFIX", "FORMAT", "LAST", "PREVIOUS", "RESUME_LAST",
+           "RESUME_MAY_CHANGE", "VERSION", "SnapshotError", "check_resumable", "checksum_path",
+           "copy_atomic", "file_sha256", "load_state", "read_snapshot",
            "remove_stale_temporaries", "save_atomic"]
