@@ -81,6 +81,7 @@ from torch import nn
 
 from iabn.bench import (
     machine_info,
+    pixels,
     results_folder,
     set_threads,
     time_interleaved,
@@ -272,25 +273,12 @@ def fit_saved_bytes(runner: Runner, cell: Cell) -> SavedFit:
 
 
 def largest_fitting(fits: Callable[[int], bool], guess: int, minimum: int = 2) -> int:
-    """The largest batch >= ``minimum`` with ``fits(batch)`` (0 when ``minimum`` does not fit):
-    gallop from ``guess`` (strides 1, 2, 4, ...) until the answer is bracketed, then bisect.
-    ``fits`` must be monotone."""
-    value, stride = max(minimum, guess), 1
-    if fits(value):
-        low = value
-        while fits(low + stride):
-            low, stride = low + stride, 2 * stride
-        high = low + stride
-    else:
-        high = value
-        while not fits(low := max(minimum, high - stride)):
-            if low == minimum:
-                return 0
-            high, stride = low, 2 * stride
-    while high - low > 1:  # low fits, high does not
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
+    """The largest batch >= ``minimum`` with ``fits(batch)``, 0 when ``minimum`` does not fit:
+    :func:`iabn.bench.pixels.largest_fitting` (gallop from ``guess``, then bisect)."""
+    try:
+        return pixels.largest_fitting(fits, guess, step=1, minimum=minimum)
+    except ValueError:  # minimum does not fit
+        return 0
 
 
 def largest_batch_peak(provider: str, cell: Cell, device: torch.device,
