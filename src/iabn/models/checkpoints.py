@@ -78,17 +78,23 @@ class LoadReport:
         return "; ".join(parts)
 
 
+def _read(checkpoint: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
+    """An already loaded checkpoint as it is, or the file loaded on CPU (weights only)."""
+    if isinstance(checkpoint, Mapping):
+        return checkpoint
+    path = Path(checkpoint)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a clear message naming the file, whatever torch raised
+        raise ValueError(f"cannot read checkpoint {path}: {error}") from error
+
+
 def original_state_dict(checkpoint: Mapping[str, Any] | str | Path,
                         section: str | None = None) -> dict[str, Tensor]:
     """The flat state_dict inside an original checkpoint (a path or an already loaded dict),
     ``module.`` prefixes removed; ``section`` picks ``body``/``head``/``cls`` of a Vistas
     snapshot."""
-    if not isinstance(checkpoint, Mapping):
-        path = Path(checkpoint)
-        try:
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # a clear message naming the file, whatever torch raised
-            raise ValueError(f"cannot read checkpoint {path}: {error}") from error
+    checkpoint = _read(checkpoint)
     state = checkpoint.get("state_dict", checkpoint)
     if section is not None:
         if section not in state:
@@ -166,13 +172,7 @@ def load_original(model: nn.Module, checkpoint: Mapping[str, Any] | str | Path,
     listing them, before the model is touched; with ``strict=False`` the matching keys are
     loaded and the report says what was left out.
     """
-    payload = checkpoint
-    if not isinstance(checkpoint, Mapping):
-        path = Path(checkpoint)
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as error:  # a clear message naming the file, whatever torch raised
-            raise ValueError(f"cannot read checkpoint {path}: {error}") from error
+    payload = _read(checkpoint)
     resolved, reason = resolve_origin(origin, checkpoint, payload)
     state = original_state_dict(payload, section)
     own = model.state_dict()
