@@ -2,6 +2,7 @@
 
 from . import functional, memory
 from .blocks import BNActConv
+from .conversion import ConversionReport, convert
 from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
 from .modules import ABN, InPlaceABN
 from .offloading import Offloader, OffloadModel, offload
@@ -12,11 +13,13 @@ __all__ = [
     "ABN",
     "ABNSync",
     "BNActConv",
+    "ConversionReport",
     "InPlaceABN",
     "InPlaceABNSync",
     "OffloadModel",
     "Offloader",
     "__version__",
+    "convert",
     "convert_local",
     "convert_sync",
     "functional",

@@ -1,0 +1,309 @@
+"""``iabn.convert``: replace the normalisation layers of an existing model by iabn's."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, fx, nn
+from torch.utils._pytree import tree_leaves
+
+from ..memory import _storage_key, saved_tensor_bytes
+from ..modules import ABN
+from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
+from .graph import find_sites, is_convertible_norm, module_activation, node_activation, trace
+from .report import ConversionReport, LayerRow
+from .rewrite import as_graph_module, new_layer, swap, swap_obstacle
+
+
+class ConversionWarning(UserWarning):
+    """The model could not be traced; only module-level rules were applied."""
+
+
+def convert(
+    model: nn.Module,
+    example_input: Tensor | tuple[Any, ...],
+    policy: str = LOSSLESS,
+    *,
+    verify: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[nn.Module, ConversionReport]:
+    """Replace each batch norm (and the activation that follows it) by iabn's layers where
+    that is provably safe; return ``(converted model, report)``. ``model`` is not modified.
+
+    Every ``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm`` and timm ``BatchNormAct2d`` becomes:
+
+    - :class:`iabn.InPlaceABN` (``InPlaceABNSync``) where its input is produced by a
+      convolution, linear layer, addition or concatenation and used by nothing else, nothing
+      writes into its output later, its activation (LeakyReLU, ELU, Identity, none) is
+      invertible, and, under the lossless policy, no ``|weight| < eps`` would be clamped;
+    - :class:`iabn.ABN` (``ABNSync``) where it is followed by an activation that an in-place
+      layer may not absorb there (ReLU under the lossless policy, an input used twice...);
+    - untouched otherwise; the report gives the reason for each layer.
+
+    The rules are checked on ``torch.fx`` graphs of the forward in training and in eval mode.
+    Where every decision can be expressed by swapping modules, the result is ``model``'s own
+    class with modules swapped (fused activation modules become ``nn.Identity``); otherwise
+    (an activation module shared by several calls, ``F.relu`` in forward) it is a
+    :class:`~iabn.conversion.rewrite.TrainEvalGraphModule` generated from the graphs, with
+    the same ``state_dict`` keys. A model that cannot be traced gets module-level rules only
+    (a norm followed by ReLU in the same ``nn.Sequential`` becomes ``ABN``) and a
+    :class:`ConversionWarning`.
+
+    Args:
+        model: the network, on any device; its weights and buffers are carried over.
+        example_input: a tensor (or a tuple of ``forward``'s arguments) on the model's device;
+            used to measure the saved bytes and to compare outputs, never to train.
+        policy: ``"lossless"`` (default): outputs equal the original's to floating-point
+            rounding, in train and eval mode. ``"leaky_relu"``: ReLU after a norm becomes
+            LeakyReLU(0.01) so that the layer can go in place; this changes the model (plan
+            to fine-tune), and ``|weight| < eps`` is clamped.
+        verify: run the original and the converted model on ``example_input`` in eval and in
+            train mode (on copies: the returned model's running statistics are untouched),
+            run a backward pass through the converted one, and put the largest output
+            differences in the report.
+        progress: called with a line of text at each stage (e.g. ``print``).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r}: use one of {', '.join(map(repr, POLICIES))} "
+                         f"('lossless' keeps the outputs, 'leaky_relu' swaps ReLU for "
+                         f"LeakyReLU(0.01) to go in place)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args = example_input if isinstance(example_input, tuple) else (example_input,)
+    if not args or not any(isinstance(a, Tensor) for a in args):
+        raise TypeError("example_input must be a tensor or a tuple of forward's arguments "
+                        "with at least one tensor, e.g. torch.randn(8, 3, 224, 224)")
+    say = progress or (lambda _text: None)
+    # ``original`` is traced (the tracer adds its constants to it) and is the reference of
+    # the comparisons; ``work`` becomes the result. ``model`` itself is never run.
+    original = copy.deepcopy(model)
+    work = copy.deepcopy(model)
+
+    say("tracing the model in train and eval mode")
+    try:
+        graphs = {mode: trace(original, mode) for mode in (True, False)}
+    except Exception as error:  # fx raises many kinds for untraceable code
+        return _convert_untraced(original, work, args, policy, verify, error, say)
+
+    modules = dict(original.named_modules())
+    sites = {mode: find_sites(graph, modules) for mode, graph in graphs.items()}
+    rows_info: list[tuple[str, str, Decision]] = []
+    layers, fused = {}, []
+    for name, norm in modules.items():
+        if not is_convertible_norm(norm):
+            continue
+        per_graph = [[s for s in sites[mode] if s.norm == name] for mode in (True, False)]
+        found = [s for calls in per_graph for s in calls]
+        if not found:
+            decision = Decision(UNTOUCHED, "forward never calls it")
+        elif any(len(calls) > 1 for calls in per_graph):
+            decision = Decision(UNTOUCHED, "forward calls it more than once (a shared layer)")
+        else:
+            decision = decide(norm, found, policy)
+        rows_info.append((name, pattern(norm, found[0] if found else None), decision))
+        if decision.layer != UNTOUCHED:
+            layers[name] = new_layer(work.get_submodule(name), decision)
+            fused.extend(s for s in found if s.activation is not None)
+
+    say("counting the bytes saved for backward")
+    before_nodes = _bytes_per_node(original, graphs[True], args)
+    obstacle = swap_obstacle(original, list(graphs.values()), fused)
+    say(f"replacing {len(layers)} of {len(rows_info)} normalisation layers")
+    if obstacle is None:
+        converted = swap(work, layers, fused)
+        result, why = "modules swapped", "every decision is a module swap; the class is kept"
+        probe = copy.deepcopy(converted)  # traced, so it gets the tracer's constants
+        after_nodes = _bytes_per_node(probe, trace(probe, True), args)
+        del probe
+    else:
+        converted = as_graph_module(work, layers, graphs, fused, traced=original)
+        result, why = "torch.fx GraphModule", obstacle
+        after_nodes = _bytes_per_node(converted, converted.__dict__["_graphs"][True], args)
+    rows = [LayerRow(name, text, decision.layer, decision.reason,
+                     before_nodes.get(name), after_nodes.get(name))
+            for name, text, decision in rows_info]
+    report = ConversionReport(
+        policy, _shapes(args), rows, _saved(original, args), _saved(converted, args),
+        result, why)
+    if any(d.changes_model for _, _, d in rows_info):
+        report.notes.append("policy 'leaky_relu' changed the model (ReLU -> LeakyReLU(0.01) or "
+                            "clamped |weight| < eps): fine-tune before use")
+    if verify:
+        say("comparing outputs with the original in eval and train mode")
+        report.max_difference_eval, report.max_difference_train = _differences(
+            original, converted, args)
+    return converted, report
+
+
+# ---------------------------------------------------------------- running without side effects
+
+
+@contextlib.contextmanager
+def _preserved(model: nn.Module):
+    """Run ``model`` without a trace: its buffers (running statistics) and every module's
+    training flag are restored afterwards."""
+    modes = [(m, m.training) for m in model.modules()]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for m, mode in modes:
+            m.training = mode
+
+
+@contextlib.contextmanager
+def _same_randomness(args: tuple):
+    """The same random numbers (dropout, stochastic depth) for each model compared."""
+    devices = sorted({a.device.index or 0 for a in args
+                      if isinstance(a, Tensor) and a.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(0)
+        yield
+
+
+# ---------------------------------------------------------------- byte accounting
+
+
+class _Attributing(fx.Interpreter):
+    """Runs a graph and remembers which node is running, to attribute saved tensors."""
+
+    current: str = ""
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n.name
+        return super().run_node(n)
+
+
+def _bytes_per_node(model: nn.Module, graph: fx.Graph, args: tuple) -> dict[str, int]:
+    """For each normalisation module called in ``graph``: bytes of the storages that it and
+    the activation consuming its output are first to save for backward (training mode)."""
+    with _preserved(model), _same_randomness(args):
+        model.train()
+        module = fx.GraphModule(model, graph)
+        interpreter = _Attributing(module)
+        excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+        seen: set[Any] = set()
+        sizes: dict[str, int] = {}
+        kept: list[Tensor] = []
+
+        def pack(t: Tensor) -> Tensor:
+            key = _storage_key(t)
+            if key not in excluded and key not in seen:
+                seen.add(key)
+                current = interpreter.current
+                sizes[current] = sizes.get(current, 0) + t.untyped_storage().nbytes()
+                kept.append(t)
+            return t.detach()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = interpreter.run(*args)
+        del out
+        kept.clear()
+    modules = dict(module.named_modules())
+    result = {}
+    for node in graph.nodes:
+        if node.op == "call_module" and (is_convertible_norm(modules[node.target])
+                                         or isinstance(modules[node.target], ABN)):
+            result[node.target] = sizes.get(node.name, 0) + sum(
+                sizes.get(user.name, 0) for user in node.users
+                if node_activation(user, modules) is not None)
+    return result
+
+
+def _saved(model: nn.Module, args: tuple) -> int:
+    with _preserved(model), _same_randomness(args):
+        return saved_tensor_bytes(model.train(), *args)
+
+
+def _shapes(args: tuple) -> list[list[int]]:
+    return [list(a.shape) for a in args if isinstance(a, Tensor)]
+
+
+def _differences(original: nn.Module, converted: nn.Module, args: tuple) -> tuple[float, float]:
+    """Largest absolute output difference in eval and in train mode, after a backward pass
+    through the converted model in train mode (which must not raise). Nothing of either
+    model changes: statistics are restored, gradients are not accumulated."""
+    result = []
+    with _preserved(original), _preserved(converted):
+        for training in (False, True):
+            original.train(training)
+            converted.train(training)
+            with torch.set_grad_enabled(training):
+                with _same_randomness(args):
+                    expected = [t for t in tree_leaves(original(*args)) if isinstance(t, Tensor)]
+                with _same_randomness(args):
+                    got = [t for t in tree_leaves(converted(*args)) if isinstance(t, Tensor)]
+            result.append(max((float((x.detach().double() - y.detach().double()).abs().max())
+                               for x, y in zip(expected, got, strict=True) if x.numel()),
+                              default=0.0))
+            outputs = [y for y in got if y.requires_grad]
+            weights = [p for p in converted.parameters() if p.requires_grad]
+            if training and outputs and weights:
+                torch.autograd.grad(sum(y.float().sum() for y in outputs), weights,
+                                    allow_unused=True)
+    return result[0], result[1]
+
+
+# ---------------------------------------------------------------- without a graph
+
+
+def _convert_untraced(original: nn.Module, work: nn.Module, args: tuple, policy: str,
+                      verify: bool, error: Exception,
+                      say: Callable[[str], None]) -> tuple[nn.Module, ConversionReport]:
+    """Module-level rules for a model fx cannot trace: without a graph nothing proves that a
+    norm's input is used once, so nothing goes in place. A norm directly followed by a ReLU in
+    an ``nn.Sequential`` becomes ``ABN`` (ReLU already kept its output for backward, as ABN
+    does), and timm's ``BatchNormAct2d`` with ReLU likewise."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    warnings.warn(
+        f"iabn.convert could not trace {type(work).__name__} with torch.fx "
+        f"({type(error).__name__}: {first_line[:200]}); only module-level rules apply: "
+        f"norm + ReLU pairs inside nn.Sequential become ABN, nothing goes in place. Make the "
+        f"forward traceable (torch.fx.wrap for untraceable functions) for the full conversion.",
+        ConversionWarning, stacklevel=3,
+    )
+    rows = []
+    names = {id(m): n for n, m in work.named_modules()}
+    references: dict[int, int] = {}
+    for _, m in work.named_modules(remove_duplicate=False):
+        references[id(m)] = references.get(id(m), 0) + 1
+    handled = set()
+    for parent in list(work.modules()):
+        children = list(parent.named_children()) if isinstance(parent, nn.Sequential) else []
+        for (_, norm), (act_key, act) in itertools.pairwise(children):
+            if not is_convertible_norm(norm) or id(norm) in handled:
+                continue
+            found = module_activation(act)
+            if (found is None or found.name != "relu" or references[id(act)] > 1
+                    or references[id(norm)] > 1 or type(norm) is nn.SyncBatchNorm):
+                continue
+            handled.add(id(norm))
+            decision = Decision(NOT_IN_PLACE, "no graph: norm + ReLU in an nn.Sequential",
+                                "relu", 0.0)
+            name = names[id(norm)]
+            rows.append(LayerRow(name, f"{type(norm).__name__} -> ReLU", decision.layer,
+                                 decision.reason))
+            work.set_submodule(name, new_layer(norm, decision))
+            setattr(parent, act_key, nn.Identity())
+    for name, norm in work.named_modules():
+        if is_convertible_norm(norm) and id(norm) not in handled:
+            rows.append(LayerRow(name, type(norm).__name__, UNTOUCHED,
+                                 "no graph: safety cannot be checked"))
+    report = ConversionReport(policy, _shapes(args), rows, _saved(original, args),
+                              _saved(work, args), "not traced", f"{type(error).__name__}")
+    if verify:
+        report.max_difference_eval, report.max_difference_train = _differences(
+            original, work, args)
+    return work, report
+
+
+__all__ = ["IN_PLACE", "NOT_IN_PLACE", "UNTOUCHED", "ConversionWarning", "convert"]

@@ -1,0 +1,169 @@
+"""Putting the decided layers into the model: by swapping modules where that expresses every
+decision, else as a ``torch.fx`` module generated from the traced graphs."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+from torch import fx, nn
+
+from ..distributed import ABNSync, InPlaceABNSync
+from ..modules import ABN, InPlaceABN
+from .decide import IN_PLACE, Decision
+from .graph import Site
+
+
+def new_layer(norm: nn.Module, decision: Decision) -> ABN:
+    """The iabn layer for ``norm``, holding norm's very parameter and buffer tensors (so an
+    optimizer built on them and ``requires_grad`` flags carry over)."""
+    sync = type(norm) is nn.SyncBatchNorm
+    in_place = decision.layer == IN_PLACE
+    cls = (InPlaceABNSync if in_place else ABNSync) if sync else (InPlaceABN if in_place else ABN)
+    kwargs = {"group": norm.process_group} if sync else {}
+    layer = cls(norm.num_features, norm.eps, norm.momentum, norm.affine,
+                norm.track_running_stats, decision.activation, decision.activation_param,
+                device="meta", **kwargs)
+    for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+        setattr(layer, name, getattr(norm, name))
+    layer.train(norm.training)
+    return layer
+
+
+def _references(model: nn.Module) -> Counter:
+    """How many places in the module tree hold each module object."""
+    return Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+
+
+def swap_obstacle(model: nn.Module, graphs: list[fx.Graph], fused: list[Site]) -> str | None:
+    """Why swapping modules cannot express the fusions in ``fused``, or ``None``.
+
+    A fused activation is removed by replacing its module with ``nn.Identity``; that is only
+    right when the module is called for this norm alone: held once in the model and called
+    once in every graph. A functional activation (``F.relu(x)``) has no module to replace."""
+    references = _references(model)
+    calls = [Counter(n.target for n in g.nodes if n.op == "call_module") for g in graphs]
+    for site in fused:
+        node = site.activation_node
+        if node is None:
+            continue  # inside the norm module itself (timm's BatchNormAct2d)
+        if node.op != "call_module":
+            return f"{site.norm}'s activation is written as {site.activation.written_as} in forward"
+        module = model.get_submodule(node.target)
+        if references[id(module)] > 1 or any(c[node.target] > 1 for c in calls):
+            return f"{site.norm}'s activation module '{node.target}' is shared with other calls"
+    return None
+
+
+def swap(model: nn.Module, layers: dict[str, ABN], fused: list[Site]) -> nn.Module:
+    """``model`` with each norm replaced by its new layer and fused activation modules by
+    ``nn.Identity`` (modified in place and returned)."""
+    for name, layer in layers.items():
+        model.set_submodule(name, layer)
+    for site in fused:
+        if site.activation_node is not None:
+            model.set_submodule(site.activation_node.target, nn.Identity())
+    return model
+
+
+class TrainEvalGraphModule(fx.GraphModule):
+    """A ``GraphModule`` with one graph per mode, switched by ``train()``/``eval()``.
+
+    Tracing fixes every ``if self.training:`` of the model's code, so a model whose forward
+    branches on the mode (auxiliary heads, stochastic depth) needs both graphs. Pickling a
+    whole module keeps only the current mode's graph (``torch.fx``'s own format); save the
+    ``state_dict`` instead.
+    """
+
+    def __init__(self, root: nn.Module, train_graph: fx.Graph, eval_graph: fx.Graph,
+                 class_name: str, constants: nn.Module | None = None) -> None:
+        # The tracer keeps tensor constants of the code as attributes of the module it traced
+        # (``constants``, when that is not ``root``).
+        if constants is not None:
+            for graph in (train_graph, eval_graph):
+                for node in graph.nodes:
+                    if node.op == "get_attr" and not _has(root, node.target):
+                        _copy(constants, root, node.target, dict(root.named_modules()))
+        super().__init__(root, train_graph if root.training else eval_graph, class_name)
+        # GraphModule copies the modules and tensors its graph uses, under their own names;
+        # add those only the other graph uses, and any whose parameters no graph uses, so the
+        # state_dict keys are the original model's.
+        have = dict(self.named_modules())
+        for graph in (train_graph, eval_graph):
+            for node in graph.nodes:
+                if node.op in ("call_module", "get_attr"):
+                    _copy(root, self, node.target, have)
+        own = set(self.state_dict())
+        for key in root.state_dict():
+            if key not in own:
+                _copy(root, self, key.rpartition(".")[0] or key, have)
+        self.__dict__["_graphs"] = {True: train_graph, False: eval_graph}
+
+    def __deepcopy__(self, memo: dict) -> TrainEvalGraphModule:
+        # GraphModule's deepcopy rebuilds the module from its current graph only
+        result = super().__deepcopy__(memo)
+        result.__dict__["_graphs"] = copy.deepcopy(self.__dict__["_graphs"], memo)
+        return result
+
+    def train(self, mode: bool = True) -> TrainEvalGraphModule:
+        graphs = self.__dict__.get("_graphs")
+        if graphs is not None and mode != self.training:
+            self.graph = graphs[mode]  # GraphModule's setter regenerates forward
+        return super().train(mode)
+
+
+def _has(module: nn.Module, path: str) -> bool:
+    for part in path.split("."):
+        if not hasattr(module, part):
+            return False
+        module = getattr(module, part)
+    return True
+
+
+def _copy(source: nn.Module, target: nn.Module, path: str, have: dict[str, nn.Module]) -> None:
+    """Make ``target.<path>`` the object ``source.<path>`` is, creating empty parents."""
+    if not path or path in have:
+        return
+    *parents, field = path.split(".")
+    source_parent, target_parent, walked = source, target, []
+    for part in parents:
+        walked.append(part)
+        source_parent = getattr(source_parent, part)
+        name = ".".join(walked)
+        if name not in have:
+            have[name] = nn.Module()
+            setattr(target_parent, part, have[name])
+        target_parent = have[name]
+        if target_parent is source_parent:
+            return  # the whole parent is already in place
+    value = getattr(source_parent, field)
+    if isinstance(value, nn.Module):
+        have[path] = value
+        setattr(target_parent, field, value)
+    elif isinstance(value, nn.Parameter):
+        target_parent.register_parameter(field, value)
+    else:
+        persistent = field not in source_parent._non_persistent_buffers_set
+        target_parent.register_buffer(field, value, persistent=persistent)
+
+
+def fuse_in_graph(graph: fx.Graph, fused: list[Site]) -> None:
+    """Remove the fused activations' nodes: their users read the norm's output instead."""
+    for site in fused:
+        node = site.activation_node
+        if node is not None and node.graph is graph:
+            node.replace_all_uses_with(site.node)
+            graph.erase_node(node)
+    graph.lint()
+
+
+def as_graph_module(model: nn.Module, layers: dict[str, ABN], graphs: dict[bool, fx.Graph],
+                    fused: list[Site], traced: nn.Module) -> TrainEvalGraphModule:
+    """The graphs (traced on ``traced``, a copy of ``model``) with fused activations removed,
+    as a module over ``model``'s submodules with the norms replaced."""
+    for name, layer in layers.items():
+        model.set_submodule(name, layer)
+    for graph in graphs.values():
+        fuse_in_graph(graph, fused)
+    return TrainEvalGraphModule(model, graphs[True], graphs[False], type(model).__name__,
+                                constants=traced)
