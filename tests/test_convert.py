@@ -424,3 +424,19 @@ def test_no_warning_for_traceable_models():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         iabn.convert(_randomise(ConvNormAct()), _x())
+
+
+def test_sync_batchnorm_becomes_the_synchronised_layers():
+    """Single process: nn.SyncBatchNorm and iabn's synchronised layers both compute the local
+    batch norm (iabn warns that nothing is synchronised)."""
+    model = _randomise(nn.Sequential(
+        nn.Conv2d(3, C, 3, padding=1), nn.SyncBatchNorm(C), nn.LeakyReLU(0.01),
+        nn.Conv2d(C, C, 1), nn.SyncBatchNorm(C), nn.ReLU(), nn.Conv2d(C, 2, 1)))
+    x = _x()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the synchronised layer's one-process note
+        converted, report = iabn.convert(model, x)
+        assert [row.decision for row in report.rows] == ["InPlaceABNSync", "untouched"]
+        assert type(converted[1]) is iabn.InPlaceABNSync
+        assert "ABNSync cannot compute ReLU" in report.rows[1].reason
+        assert_same_model(model, converted, x)

@@ -125,8 +125,9 @@ def convert(
         converted = as_graph_module(work, layers, graphs, fused, traced=original)
         result, why = "torch.fx GraphModule", obstacle
         after_nodes = _bytes_per_node(converted, converted.__dict__["_graphs"][True], args)
-    rows = [LayerRow(name, text, decision.layer, decision.reason,
-                     before_nodes.get(name), after_nodes.get(name))
+    # the decision by the layer's class name: InPlaceABNSync/ABNSync for SyncBatchNorm
+    rows = [LayerRow(name, text, type(layers[name]).__name__ if name in layers else UNTOUCHED,
+                     decision.reason, before_nodes.get(name), after_nodes.get(name))
             for name, text, decision in rows_info]
     report = ConversionReport(
         policy, _shapes(args), rows, _saved(original, args), _saved(converted, args),

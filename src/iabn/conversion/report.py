@@ -11,6 +11,9 @@ from dataclasses import asdict, dataclass, field
 class LayerRow:
     """One normalisation module of the model and what became of it.
 
+    ``decision``: the new layer's class (``InPlaceABN``, ``ABN``, ``InPlaceABNSync``,
+    ``ABNSync``) or ``"untouched"``; ``reason`` says why.
+
     ``saved_before``/``saved_after``: bytes of activation memory the norm and its activation
     keep for backward at the example input (storages first saved by their graph nodes; see
     docs/design.md, "Converting existing models"), ``None`` where the graph could not be
