@@ -154,3 +154,39 @@ def test_leaky_relu_policy_goes_in_place_and_trains(name):
     out = converted.train()(x)
     out.sum().backward()  # the in-place layers' saved outputs were not disturbed
     assert all(p.grad is not None for p in converted.parameters() if p.requires_grad)
+
+
+def test_families_without_batch_norm_are_returned_unchanged():
+    torch.manual_seed(0)
+    model = torchvision.models.squeezenet1_1(weights=None, num_classes=10)
+    x = torch.randn(2, 3, 32, 32)
+    converted, report = iabn.convert(model, x)
+    assert report.rows == [] and type(converted) is type(model)
+    assert report.saved_after == report.saved_before
+    assert report.max_difference_eval == report.max_difference_train == 0
+
+
+def test_timm_batchnormact_by_activation():
+    timm = pytest.importorskip("timm", reason="timm is not installed")
+    from timm.layers import BatchNormAct2d
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv1, self.conv2 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)
+            self.bn1 = BatchNormAct2d(8, act_layer=nn.LeakyReLU)
+            self.bn2 = BatchNormAct2d(8, act_layer=nn.SiLU)
+
+        def forward(self, x):
+            return self.bn2(self.conv2(self.bn1(self.conv1(x))))
+
+    assert timm.__version__
+    model = Net().double()
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    converted, report = iabn.convert(model, x)
+    assert [(r.pattern, r.decision) for r in report.rows] == [
+        ("BatchNormAct2d(LeakyReLU)", "InPlaceABN"), ("BatchNormAct2d(SiLU)", "untouched")]
+    assert "SiLU is not one iabn's layers compute" in report.rows[1].reason
+    assert type(converted.bn1) is iabn.InPlaceABN and converted.bn1.activation_param == 0.01
+    # float64; tests/test_convert.py measures at most 5.7e-14 on such models
+    assert report.max_difference_train <= 1e-12 and report.max_difference_eval <= 1e-12
