@@ -1,6 +1,6 @@
 """iabn: In-Place Activated BatchNorm and memory-saving tools for training deep CNNs."""
 
-from . import functional, memory
+from . import debug, functional, memory
 from .blocks import BNActConv
 from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
 from .modules import ABN, InPlaceABN
@@ -19,6 +19,7 @@ __all__ = [
     "__version__",
     "convert_local",
     "convert_sync",
+    "debug",
     "functional",
     "memory",
     "offload",
