@@ -335,3 +335,23 @@ def _free_port() -> int:
 
 def test_synchronised_layer_poisons_with_a_process_group():
     mp.spawn(dist_workers.run, args=(2, _free_port(), "debug_poisons"), nprocs=2, join=True)
+
+
+def test_compiled_code_runs_unchecked_inside_the_mode():
+    """Dynamo would trace the mode's hooks and registry; under torch.compile the layer runs in
+    place as normal, with the eager layer's result (float64; measured difference 0, the same
+    kernels run, so 1e-12 only absorbs a change of summation order)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(C, C, 1, dtype=torch.float64),
+                          iabn.InPlaceABN(C, dtype=torch.float64))
+    compiled = torch.compile(model, backend="eager")
+    x = _input().requires_grad_()
+    with warnings.catch_warnings():
+        # torch warns that global module hooks (the mode's) fire for the compiled wrapper too
+        warnings.filterwarnings("ignore", "Using `torch.compile", UserWarning)
+        with poison_overwritten():
+            out = compiled(x)
+            out.sum().backward()
+    expected = model(x.detach().clone())
+    torch.testing.assert_close(out.detach(), expected.detach(), atol=1e-12, rtol=0)
+    assert torch.isfinite(x.grad).all()

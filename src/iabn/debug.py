@@ -16,7 +16,8 @@ Inside :func:`poison_overwritten` every such layer call instead
 While the context is active a ``torch.overrides.TorchFunctionMode`` raises
 :class:`OverwrittenTensorError` when an overwritten tensor, or another tensor whose memory
 overlaps it, is passed to any torch function, naming the layer, the tensor's shape and the fix.
-Reads the mode cannot see (``.numpy()``'s memory, C extensions, other threads) get the NaNs.
+Reads the mode cannot see (a NumPy array made earlier that shares the memory, C extensions,
+other threads) get the NaNs.
 The contract the mode enforces is "after the call, only the returned tensor is used": code that
 deliberately reads the layer's output through its input (e.g. through the base of a view it
 normalised) is reported too.
@@ -28,14 +29,16 @@ Scope: the switch is process-wide, a counter of active contexts, so nested and r
 (and use as a decorator) is fine and layer calls in every thread compute into copies while any
 context is open. PyTorch keeps torch function modes per thread, so the error is raised in the
 thread that entered the context; other threads see the NaNs. Code running under
-``torch.compile`` is not intercepted (the layer runs in place there, as normal).
+``torch.compile`` is not intercepted: the layer runs in place there, as normal, and the mode's
+hooks and checks step aside while Dynamo traces (it would otherwise trace them and fail).
+``torch.compile(module)`` warns that global module hooks exist while the mode is on.
 
 ``IABN_DEBUG_INPLACE=1`` in the environment when ``iabn`` is imported turns the mode on for the
 whole process (the error-raising mode in the importing thread), without code changes.
 
 Cost outside the mode: one test of :data:`_ACTIVE` per layer call. Inside it, a copy of each
-normalised tensor, a NaN fill, a walk up the Python stack to name the layer, and a check of
-every tensor argument of every torch call; it is meant for finding bugs, not for training.
+normalised tensor, a NaN fill, two global module hooks, and a check of every tensor
+argument of every torch call; it is meant for finding bugs, not for training.
 """
 
 from __future__ import annotations
@@ -83,7 +86,9 @@ class _Poisoned(NamedTuple):
     root: weakref.ReferenceType | None
 
 
-_lock = threading.Lock()
+# Reentrant: a weak-reference callback (_forget) may run, from garbage collection, in a thread
+# that already holds it.
+_lock = threading.RLock()
 # Storage address -> the tensors overwritten in it. Weak references only: the mode must not keep
 # activations alive. An address is compared only while its tensor is alive, so a freed and
 # reused storage is never confused with a poisoned one.
@@ -150,11 +155,15 @@ def _calling_modules() -> tuple[Any, Any]:
 # by walking the Python stack: reading a frame's f_locals makes the frame hold a snapshot of
 # its locals, which kept overwritten tensors alive.)
 def _push_module(module: Any, args: Any) -> None:
+    if torch.compiler.is_compiling():  # compiled code is not checked (see the module doc)
+        return
     stack = _local.__dict__.setdefault("modules", [])
     stack.append(module)
 
 
 def _pop_module(module: Any, args: Any, output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
     stack = getattr(_local, "modules", None)
     if stack and stack[-1] is module:  # a context entered inside a forward saw no push
         stack.pop()
@@ -251,7 +260,7 @@ class _Detector(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _poisoned and func not in _METADATA:
+        if _poisoned and func not in _METADATA and not torch.compiler.is_compiling():
             for leaf in tree_leaves((args, kwargs)):
                 if isinstance(leaf, Tensor):
                     entry = find_overwritten(leaf)
