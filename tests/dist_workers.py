@@ -162,7 +162,44 @@ def functional_and_conversion(rank: int, world: int) -> None:
         assert dist.get_world_size(sub) == world - 1
 
 
+def debug_poisons(rank: int, world: int) -> None:
+    """iabn.debug.poison_overwritten on the synchronised branch: the result equals the
+    single-process reference on the whole batch (float64, 1e-12 as functional_and_conversion
+    above), the input is poisoned and
+    reading it raises; module and functional."""
+    from iabn.debug import OverwrittenTensorError, poison_overwritten
+    from iabn.distributed import inplace_abn_sync
+
+    torch.manual_seed(0)
+    full = torch.randn(6, 3, 4, dtype=torch.float64)
+    expected = torch.nn.functional.leaky_relu(
+        torch.nn.functional.batch_norm(full, None, None, training=True), 0.01
+    )[rank * 3 : rank * 3 + 3]
+    layer = iabn.InPlaceABNSync(3, affine=False, track_running_stats=False,
+                                dtype=torch.float64)
+    calls = {"InPlaceABNSync": layer,
+             "inplace_abn_sync": lambda x: inplace_abn_sync(x, None, None, training=True)}
+    for name, call in calls.items():
+        leaf = full[rank * 3 : rank * 3 + 3].clone().requires_grad_()
+        with poison_overwritten():
+            h = leaf.clone()
+            out = call(h)
+            assert out is not h
+            torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+            with torch._C.DisableTorchFunction():
+                assert h.isnan().all()
+            try:
+                h + 1
+            except OverwrittenTensorError as error:
+                assert name in str(error), str(error)
+            else:
+                raise AssertionError(f"{name}: reading the overwritten input did not raise")
+            out.sum().backward()
+        assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
+
+
 SCENARIOS = {
+    "debug_poisons": debug_poisons,
     "matches_single_process": matches_single_process,
     "counts_collectives": counts_collectives,
     "rejects_mismatched_ranks": rejects_mismatched_ranks,

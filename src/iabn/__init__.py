@@ -1,6 +1,6 @@
 """iabn: In-Place Activated BatchNorm and memory-saving tools for training deep CNNs."""
 
-from . import functional, memory
+from . import debug, functional, memory
 from .blocks import BNActConv
 from .conversion import ConversionReport, convert
 from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
@@ -22,6 +22,7 @@ __all__ = [
     "convert",
     "convert_local",
     "convert_sync",
+    "debug",
     "functional",
     "memory",
     "offload",

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import debug
 from .checks import check_inputs, check_options
 from .functional import _check_argument_order, _inplace_abn_unchecked
 from .kernels import reference
@@ -185,6 +186,13 @@ def inplace_abn_sync(
             activation, activation_param, 2, gamma_mode,
         )
     config = LayerConfig(True, momentum, eps, activation, activation_param, gamma_mode, 2)
+    if debug._ACTIVE and debug.intercepts():  # iabn.debug.poison_overwritten
+        return debug.poisoned_call(
+            lambda copy: InPlaceABNSyncFunction.apply(
+                copy, weight, bias, running_mean, running_var, config, synced_group
+            ),
+            input, "iabn.distributed.inplace_abn_sync",
+        )
     return InPlaceABNSyncFunction.apply(
         overwritable(input), weight, bias, running_mean, running_var, config, synced_group
     )
@@ -238,9 +246,18 @@ class InPlaceABNSync(InPlaceABN):
             momentum = 1.0 / (float(self.num_batches_tracked) + 1) if tracking else 0.0
         config = LayerConfig(True, momentum, self.eps, self.activation, self.activation_param,
                              self.gamma_mode, 2)
-        out = InPlaceABNSyncFunction.apply(
-            overwritable(input), self.weight, self.bias, running_mean, running_var, config, group
-        )
+        if debug._ACTIVE and debug.intercepts():  # iabn.debug.poison_overwritten
+            out = debug.poisoned_call(
+                lambda copy: InPlaceABNSyncFunction.apply(
+                    copy, self.weight, self.bias, running_mean, running_var, config, group
+                ),
+                input, "iabn.InPlaceABNSync",
+            )
+        else:
+            out = InPlaceABNSyncFunction.apply(
+                overwritable(input), self.weight, self.bias, running_mean, running_var, config,
+                group,
+            )
         if tracking:  # counted only once the step succeeded on every rank
             self.num_batches_tracked.add_(1)
         return out

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import activation as act
+from . import debug
 from .checks import check_inputs, check_options
 from .ops import InPlaceABNFunction, LayerConfig, forward_, overwritable
 from .scale import ABS, abs_sign
@@ -118,6 +119,16 @@ def _inplace_abn_unchecked(
     weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
     activation: str, activation_param: float, variant: int, gamma_mode: str,
 ) -> Tensor:
+    # Every in-place call but the synchronised one passes here; the debug mode
+    # (iabn.debug.poison_overwritten) reruns this function on a copy of the input.
+    if debug._ACTIVE and debug.intercepts():
+        return debug.poisoned_call(
+            lambda copy: _inplace_abn_unchecked(
+                copy, running_mean, running_var, weight, bias, training, momentum, eps,
+                activation, activation_param, variant, gamma_mode,
+            ),
+            input, "iabn.functional.inplace_abn",
+        )
     config = LayerConfig(
         training, momentum, eps, activation, activation_param, gamma_mode, variant
     )
