@@ -9,8 +9,6 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import iabn
-
 import dist_workers
 
 
@@ -49,9 +47,9 @@ def test_functional_conversion_and_active_group():
 
 
 def test_without_process_group_behaves_like_inplace_abn_and_warns_once(monkeypatch):
-    import iabn.distributed as distributed
+    import iabn.sync
 
-    monkeypatch.setattr(distributed, "_warned_single_process", False)
+    monkeypatch.setattr(iabn.sync, "_warned_single_process", False)
     torch.manual_seed(0)
     sync_layer, local_layer = iabn.InPlaceABNSync(4), iabn.InPlaceABN(4)
     x = torch.randn(3, 4, 5, 5)

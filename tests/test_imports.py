@@ -49,3 +49,57 @@ def test_the_main_job_needs_no_tool_packages():
                             text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "usage: iabn bench" in result.stdout
+
+
+def _import_graph():
+    """iabn's modules and the iabn modules each imports (top-level and inside functions)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "src" / "iabn"
+    files = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(("iabn", *parts[:-1])) if parts[-1] == "__init__" else ".".join(
+            ("iabn", *parts))
+        files[name] = path
+    graph = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imports = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(max(node.level - 1, 0)):
+                    base = base.rpartition(".")[0]
+                target = (f"{base}.{node.module}" if node.module else base) if node.level else (
+                    node.module or "")
+                for alias in node.names:
+                    imports.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in files
+                                else target)
+            elif isinstance(node, ast.Import):
+                imports.update(alias.name for alias in node.names)
+        graph[name] = {m for m in imports if m in files and m != name}
+    return graph
+
+
+def test_no_import_cycles():
+    """No module of iabn imports one that imports it back, directly or through others, even
+    lazily inside a function (issue 19: layering one can read from the imports)."""
+    graph = _import_graph()
+    assert "iabn.functional" in graph and "iabn.sync" in graph["iabn.functional"]
+    cycles = []
+
+    def visit(name, path, done):
+        for target in graph[name]:
+            if target in path:
+                cycles.append([*path[path.index(target):], target])
+            elif target not in done:
+                visit(target, [*path, target], done)
+        done.add(name)
+
+    done = set()
+    for name in sorted(graph):
+        if name not in done:
+            visit(name, [name], done)
+    assert not cycles, cycles[:5]

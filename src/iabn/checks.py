@@ -188,3 +188,20 @@ def _check_writable(input: Tensor) -> None:
             "input has elements that share memory (e.g. a tensor made by expand()), so it "
             "cannot be overwritten in place: pass input.contiguous()"
         )
+
+
+def check_argument_order(function: str, running_mean: Tensor | None,
+                         running_var: Tensor | None) -> None:
+    """Running statistics are buffers; one that requires grad is almost always a ``weight`` or
+    ``bias`` passed in the original package's order ``(x, weight, bias, running_mean, ...)``,
+    which would otherwise give NaN or an obscure ATen error."""
+    for name, t in (("running_mean", running_mean), ("running_var", running_var)):
+        if isinstance(t, Tensor) and t.requires_grad:
+            raise ValueError(
+                f"iabn.functional.{function}: {name} requires grad, so it looks like a weight or "
+                f"bias: iabn's order is (input, running_mean, running_var, weight, bias, "
+                f"training, ...) like F.batch_norm, not the original inplace_abn's (x, weight, "
+                f"bias, running_mean, running_var, ...). Pass the tensors by keyword, or use "
+                f"iabn.compat.functions.{function if function != 'abn' else 'inplace_abn'}, "
+                f"which keeps the original order and defaults (training=True, |weight| + eps)"
+            )

@@ -142,11 +142,11 @@ def poisoned_call(run: Callable[[Tensor], Tensor], input: Tensor, layer: str) ->
 
 def _calling_modules() -> tuple[Any, Any]:
     """(the innermost in-place layer being called in this thread, the outermost module)."""
-    from .modules import ABN  # modules imports functional, which imports this module
-
+    # The layers' class attribute, not isinstance: modules imports functional, which imports
+    # this module.
     stack = getattr(_local, "modules", ())
     for module in reversed(stack):
-        if isinstance(module, ABN) and module._in_place:
+        if getattr(type(module), "_in_place", False) is True:
             return module, stack[0]
     return None, (stack[0] if stack else None)
 

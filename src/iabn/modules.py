@@ -18,8 +18,8 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from .checks import check_inputs, check_options, check_per_call, input_signature
-from .functional import _abn_unchecked, _inplace_abn_unchecked
 from .scale import ABS, SIGNED
+from .unchecked import abn_unchecked, inplace_abn_unchecked
 
 
 class GammaModeWarning(UserWarning):
@@ -124,7 +124,7 @@ class ABN(_NormBase):
         use_batch_stats, running_mean, running_var = self._normalisation()
         weight, bias = self.weight, self.bias
         self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
-        return _abn_unchecked(
+        return abn_unchecked(
             input, running_mean, running_var, weight, bias, use_batch_stats,
             self._momentum(), self.eps, self.activation, self.activation_param, self.gamma_mode,
         )
@@ -192,7 +192,7 @@ class InPlaceABN(ABN):
         use_batch_stats, running_mean, running_var = self._normalisation()
         weight, bias = self.weight, self.bias
         self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
-        return _inplace_abn_unchecked(
+        return inplace_abn_unchecked(
             input, running_mean, running_var, weight, bias, use_batch_stats,
             self._momentum(), self.eps, self.activation, self.activation_param, self.variant,
             self.gamma_mode,

@@ -30,7 +30,7 @@ from types import ModuleType
 
 from torch import Tensor
 
-from . import reference
+from . import reference, sync_reference
 
 ENV = "IABN_BACKEND"
 CHOICES = ("auto", "reference", "triton")
@@ -114,8 +114,4 @@ def sync_backend_for(x: Tensor) -> ModuleType:
     """The module with ``local_sums`` and ``input_grad``, the two halves of the synchronised
     layer's backward around its all-reduce, for the backend :func:`backend_for` picks."""
     kernels = backend_for(x)
-    if kernels is reference:
-        from . import sync_reference
-
-        return sync_reference
-    return kernels
+    return sync_reference if kernels is reference else kernels

@@ -1,7 +1,8 @@
 """Math of the synchronised layer, split around its two collectives (no communication here).
 
 Forward: :func:`local_moments` -> (all-gather) -> :func:`merge_moments` ->
-:func:`normalize_` with the merged statistics (on the kernels :mod:`.dispatch` picks).
+:func:`normalize_` with the merged statistics (on the kernels the caller passes, those
+:mod:`.dispatch` picks; this module does not import the dispatcher, which imports it).
 Backward: :func:`local_sums` -> (all-reduce) -> :func:`input_grad`; the Triton backend has both
 with the same interface (:mod:`.triton_backend`). Per-channel tensors are ``(C,)``; merged
 statistics are float64 so that the merge of many ranks' moments loses nothing (docs/design.md,
@@ -10,10 +11,11 @@ statistics are float64 so that the merge of many ranks' moments loses nothing (d
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 from torch import Tensor
 
-from .dispatch import backend_for
 from .reference import _cast, channel_view, compute_dtype, recover, stat_dtype
 
 MERGE_DTYPE = torch.float64
@@ -56,6 +58,7 @@ def merge_moments(gathered: Tensor) -> tuple[int, Tensor, Tensor]:
 
 
 def normalize_(
+    kernels: ModuleType,
     x: Tensor,
     weight: Tensor | None,
     bias: Tensor | None,
@@ -67,11 +70,11 @@ def normalize_(
     gamma_mode: str,
 ) -> tuple[Tensor, Tensor]:
     """Overwrite ``x`` with ``phi(g * (x - mean) / sqrt(var + eps) + beta)``; return
-    ``(invstd, g)``: the single-process forward in eval mode, with the merged statistics
-    standing in for the running ones."""
+    ``(invstd, g)``: the single-process forward in eval mode of ``kernels`` (a backend module
+    from :mod:`.dispatch`), with the merged statistics standing in for the running ones."""
     sdtype = stat_dtype(x, weight, None)
-    return backend_for(x).forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), False,
-                                   0.0, eps, activation, activation_param, gamma_mode)
+    return kernels.forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), False,
+                            0.0, eps, activation, activation_param, gamma_mode)
 
 
 def update_running_stats_(

@@ -1,0 +1,68 @@
+"""The layer computations without validation: what the functionals run after their checks and
+the modules after theirs (``checks.py``; docs/design.md, "The in-place contract").
+
+Kept apart from ``functional.py`` so that the synchronised functional (``sync.py``) and the
+modules can use them without importing each other.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import activation as act
+from . import debug
+from .ops import InPlaceABNFunction, LayerConfig, forward_, overwritable
+from .scale import ABS, abs_sign
+
+
+def inplace_abn_unchecked(
+    input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+    weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
+    activation: str, activation_param: float, variant: int, gamma_mode: str,
+) -> Tensor:
+    # Every in-place call but the synchronised one passes here; the debug mode
+    # (iabn.debug.poison_overwritten) reruns this function on a copy of the input.
+    if debug._ACTIVE and debug.intercepts():
+        return debug.poisoned_call(
+            lambda copy: inplace_abn_unchecked(
+                copy, running_mean, running_var, weight, bias, training, momentum, eps,
+                activation, activation_param, variant, gamma_mode,
+            ),
+            input, "iabn.functional.inplace_abn",
+        )
+    config = LayerConfig(
+        training, momentum, eps, activation, activation_param, gamma_mode, variant
+    )
+    # Spelled out: a generator over the three tensors costs a microsecond per layer call.
+    needs_grad = torch.is_grad_enabled() and (
+        input.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    )
+    if not needs_grad:
+        forward_(input, weight, bias, running_mean, running_var, config)
+        return input
+    return InPlaceABNFunction.apply(
+        overwritable(input), weight, bias, running_mean, running_var, config
+    )
+
+
+def abn_unchecked(
+    input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+    weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
+    activation: str, activation_param: float, gamma_mode: str,
+) -> Tensor:
+    if weight is not None and gamma_mode == ABS:
+        # Signed mode uses the weight as it is: nothing is inverted here, so |weight| < eps
+        # needs no clamp and ABN computes exactly nn.BatchNorm + activation.
+        # |weight| + eps with d/dweight = +1 at 0 (scale.gamma_grad), not autograd's 0
+        weight = weight * abs_sign(weight.detach()) + eps
+    y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    # The batch-norm output is a fresh tensor that batch norm's backward does not need, so the
+    # activation may overwrite it.
+    return act.apply_(y, activation, activation_param)
+
+
+__all__ = ["abn_unchecked", "inplace_abn_unchecked"]
