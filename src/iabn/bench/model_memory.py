@@ -11,7 +11,8 @@ The batch that fits: the largest ``N'`` whose converted model's saved bytes at
 ``(N', C, H, W)`` are at most the original's at ``(N, C, H, W)``. The search counts on the
 ``meta`` device (shapes without data, so large batches cost no memory and little time) when
 the converted model's meta count at ``N`` equals its real count at ``N``; otherwise it runs on
-the model's own device.
+the model's own device. (They differ for ``nn.BatchNorm2d`` in bfloat16 or float16: PyTorch's
+meta kernel saves float32 statistics where its CPU kernel saves them in the input's dtype.)
 """
 
 from __future__ import annotations
