@@ -4,6 +4,7 @@ definition, JSON output, and the exit status of user errors."""
 import contextlib
 import io
 import json
+import os
 import re
 
 import pytest
@@ -94,6 +95,9 @@ def test_factory_model_figures_match_independent_counts(factory_run):
     assert {"machine", "versions", "date", "arguments", "wall_time_s"} <= report.keys()
     assert report["versions"]["torch"] == torch.__version__
     assert not list(path.parent.glob(".*.tmp"))  # the temporary file was renamed
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
 
 
 def test_progress_on_stderr_table_and_wall_time(factory_run):
