@@ -245,8 +245,8 @@ def _batch_counter(converted: nn.Module, shape: Sequence[int], dtype: torch.dtyp
 def measure(model: nn.Module, name: str, source: str, shape: Sequence[int], dtype_name: str,
             device: torch.device, budgets: Sequence[float] = (),
             progress: Callable[[str], None] | None = None) -> MemoryResult:
-    """All figures of ``iabn memory`` for ``model`` (changed: cast, moved, running
-    statistics updated) at an input of ``shape``."""
+    """All figures of ``iabn memory`` for ``model`` (cast and moved in place; it runs only
+    as copies) at an input of ``shape``."""
     import iabn
 
     say = progress or (lambda _text: None)
