@@ -1,8 +1,12 @@
 """The ``iabn`` command line (also ``python -m iabn``).
 
 ``iabn bench`` compares the activation memory and speed of standard BatchNorm, checkpointing
-and InPlace-ABN on a small stack of blocks; see :mod:`iabn.bench.blocks`. ``iabn train`` and
-``iabn test`` train and evaluate image classifiers; see :mod:`iabn.training`.
+and InPlace-ABN on a small stack of blocks; see :mod:`iabn.bench.blocks`. ``iabn memory``
+measures the activation memory of an existing torchvision/timm/own model before and after
+:func:`iabn.convert` and the batch that fits the same memory; see
+:mod:`iabn.bench.model_memory`. ``iabn segment`` segments a folder of images. ``iabn train``,
+``iabn train-seg`` and ``iabn test`` train and evaluate classifiers and segmentation models;
+see :mod:`iabn.training`.
 """
 
 from __future__ import annotations
@@ -91,6 +95,61 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="also write all results and machine info as JSON to PATH")
     output.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.set_defaults(handler=_bench)
+
+
+def _input_shape(text: str) -> tuple[int, ...]:
+    from .bench.model_memory import parse_input
+
+    try:
+        return parse_input(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _budgets(text: str) -> list[float]:
+    from .bench.model_memory import parse_budgets
+
+    try:
+        return parse_budgets([text])
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
+    memory = subparsers.add_parser(
+        "memory", help="activation memory of a model before and after iabn.convert",
+        description="Build MODEL with random weights (nothing is downloaded), count the exact "
+        "bytes autograd keeps for backward in one training forward at --input, convert it "
+        "with iabn.convert under both policies (lossless; leaky_relu: ReLU after a norm "
+        "becomes LeakyReLU(0.01) so the norm can go in place) and count again; print the "
+        "largest batch the converted models fit in the memory the model as given needs. "
+        "Parameters, gradients and optimiser state are not counted.",
+        epilog="Exit status: 0 done, 2 bad arguments (model name, --input, --device, --json "
+        "path), checked before any work where possible.",
+    )
+    memory.add_argument("model", metavar="MODEL",
+                        help="a torchvision classification model name (e.g. resnet50), a timm "
+                        "name (when timm is installed; torchvision wins where both have it) or "
+                        "pkg.module:factory, called with no arguments to return an nn.Module "
+                        "(e.g. timm.models:resnet50 for timm's)")
+    memory.add_argument("--input", type=_input_shape, default=(8, 3, 224, 224),
+                        metavar="N,C,H,W", help="input shape, batch first (default: 8,3,224,224)")
+    memory.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp64"), default="fp32",
+                        help="the model's and the input's dtype (default: fp32)")
+    memory.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    memory.add_argument("--compile-budget", type=_budgets, action="append", default=[],
+                        metavar="B[,B...]",
+                        help="also count what torch.compile keeps for backward of the model as "
+                        "given, at torch.compile's activation_memory_budget B in [0, 1] (1: "
+                        "its default; lower recomputes more); repeatable. Slow: it compiles "
+                        "(default: not measured)")
+    memory.add_argument("--table", action="store_true",
+                        help="also print the leaky_relu conversion's per-layer table")
+    memory.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="also write all figures, the conversion reports, machine info, "
+                        "versions and the date as JSON to PATH")
+    memory.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    memory.set_defaults(handler=_memory)
 
 
 def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -280,6 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"iabn {__version__}")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_bench_parser(subparsers)
+    _add_memory_parser(subparsers)
     _add_segment_parser(subparsers)
     _add_train_parser(subparsers, "train")
     _add_train_parser(subparsers, "train-seg")
@@ -320,6 +380,55 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"results written to {args.json}")
     # A benchmark whose strategies disagree measured something broken: fail loudly.
     return 0 if result.check.passed else 1
+
+
+def _memory(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import model_memory as mm
+
+    def fail(text: str) -> int:
+        print(f"iabn memory: error: {text}", file=sys.stderr)
+        return 2
+
+    start = time.perf_counter()
+    if args.json is not None:
+        from .training.logdir import LogDirError, check_writable
+
+        if args.json.is_dir():
+            return fail(f"--json {args.json} is a folder; give a file name")
+        try:  # before the minutes of measuring, not after
+            check_writable(args.json.parent, f"--json {args.json}: folder")
+        except LogDirError as error:
+            return fail(str(error))
+
+    def say(text: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - start:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    try:
+        device = mm.resolve_device(args.device)
+        say(f"building {args.model}")
+        model, source = mm.build_model(args.model)
+    except mm.ModelMemoryError as error:
+        return fail(str(error))
+    budgets = [b for group in args.compile_budget for b in group]
+    result = mm.measure(model, args.model, source, args.input, args.dtype, device,
+                        budgets=list(dict.fromkeys(budgets)), progress=say)
+    print(mm.format_result(result))
+    if args.table:
+        print()
+        print(result.converted["leaky_relu"].report.table())
+    # the whole command's time, building the model included; it depends on the machine
+    result.wall_time_s = round(time.perf_counter() - start, 2)
+    print(f"wall time {result.wall_time_s:.1f} s ({torch.get_num_threads()} threads)")
+    if args.json is not None:
+        arguments = {k: str(v) if isinstance(v, Path) else v
+                     for k, v in vars(args).items() if k != "handler"}
+        mm.write_atomically(args.json, json.dumps(mm.to_json(result, arguments), indent=2)
+                            + "\n")
+        print(f"results written to {args.json}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,409 @@
+"""``iabn memory``: the activation memory of an existing classifier before and after
+:func:`iabn.convert`, and the batch that fits the same memory after conversion.
+
+The model is a torchvision classification model name, a timm name or ``pkg.module:factory``;
+it is built with random weights (nothing is downloaded). All figures are exact bytes of the
+distinct storages autograd keeps for backward in one training forward at the given input
+(:func:`iabn.memory.saved_tensor_bytes`; parameters and buffers excluded). They are not peak
+memory: weights, gradients, optimiser state and the backward's transients come on top.
+
+The batch that fits: the largest ``N'`` whose converted model's saved bytes at
+``(N', C, H, W)`` are at most the original's at ``(N, C, H, W)``. The search counts on the
+``meta`` device (shapes without data, so large batches cost no memory and little time) when
+the converted model's meta count at ``N`` equals its real count at ``N``; otherwise it runs on
+the model's own device. (They differ for ``nn.BatchNorm2d`` in bfloat16 or float16: PyTorch's
+meta kernel saves float32 statistics where its CPU kernel saves them in the input's dtype.)
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import importlib
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..memory import compiled_saved_bytes, saved_tensor_bytes
+from .pixels import largest_fitting
+
+#: ``--dtype`` choices.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
+#: The two policies of :func:`iabn.convert`, both measured.
+POLICIES = ("lossless", "leaky_relu")
+
+
+class ModelMemoryError(ValueError):
+    """A user error (model name, input shape, device): the command exits 2 with the text."""
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def parse_input(text: str) -> tuple[int, ...]:
+    """``--input``: ``N,C,H,W`` (or another rank >= 2, batch first), positive integers."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"expected positive integers N,C,H,W such as 8,3,224,224, "
+                         f"got {text!r}") from None
+    if len(shape) < 2 or any(n <= 0 for n in shape):
+        raise ValueError(f"expected positive integers N,C,H,W such as 8,3,224,224 (batch "
+                         f"first, at least two of them), got {text!r}")
+    return shape
+
+
+def parse_budgets(texts: Sequence[str]) -> list[float]:
+    """``--compile-budget``: values in [0, 1], repeated or comma-separated, in given order."""
+    budgets = []
+    for text in texts:
+        for part in text.split(","):
+            try:
+                value = float(part)
+            except ValueError:
+                raise ValueError(f"expected numbers in [0, 1] such as 1,0.5, got {text!r}") \
+                    from None
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{value} is outside [0, 1] (1.0 is torch.compile's default)")
+            if value not in budgets:
+                budgets.append(value)
+    return budgets
+
+
+# ---------------------------------------------------------------- building the model
+
+
+def _torchvision_names() -> list[str] | None:
+    try:
+        import torchvision
+    except ImportError:
+        return None
+    # module=torchvision.models: the classification models only (not detection, video...)
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def _timm_names() -> list[str] | None:
+    try:
+        import timm
+    except ImportError:
+        return None
+    return timm.list_models()
+
+
+def build_model(spec: str) -> tuple[nn.Module, str]:
+    """The model ``spec`` names, with random weights (the same every call; the caller's
+    random state is left alone), and where it came from (``"torchvision"``, ``"timm"`` or
+    ``"factory"``). Raises :class:`ModelMemoryError`."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return _build_model(spec)
+
+
+def _build_model(spec: str) -> tuple[nn.Module, str]:
+    if ":" in spec:
+        return _from_factory(spec), "factory"
+    torchvision_names = _torchvision_names()
+    if torchvision_names is not None and spec in torchvision_names:
+        import torchvision
+
+        return torchvision.models.get_model(spec, weights=None), "torchvision"
+    # timm is imported only when torchvision does not know the name: it takes seconds
+    timm_names = _timm_names()
+    if timm_names is not None and spec in timm_names:
+        import timm
+
+        return timm.create_model(spec, pretrained=False), "timm"
+    missing = [p for p, names in (("torchvision", torchvision_names), ("timm", timm_names))
+               if names is None]
+    if len(missing) == 2:
+        raise ModelMemoryError(
+            f"model {spec!r}: model names are looked up in torchvision and timm, and neither "
+            f"is installed; pip install torchvision (or timm), or give pkg.module:factory")
+    known = [*(torchvision_names or []), *(timm_names or [])]
+    close = difflib.get_close_matches(spec, known, n=5, cutoff=0.6)
+    text = f"unknown model {spec!r}"
+    if close:
+        text += f"; close matches: {', '.join(close)}"
+    if missing:
+        text += (f". {missing[0]} is not installed, so its names were not searched "
+                 f"(pip install {missing[0]})")
+    text += ". A model of your own: pkg.module:factory (called with no arguments)"
+    raise ModelMemoryError(text)
+
+
+def _from_factory(spec: str) -> nn.Module:
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise ModelMemoryError(f"model {spec!r}: expected pkg.module:factory, e.g. "
+                               f"torchvision.models:resnet50")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ModelMemoryError(f"model {spec!r}: cannot import {module_name!r} ({error}); "
+                               f"is it installed or on PYTHONPATH?") from None
+    factory: Any = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            raise ModelMemoryError(f"model {spec!r}: {module_name} has no {attribute!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ModelMemoryError(f"model {spec!r}: {attribute} is a {type(factory).__name__}, "
+                               f"not a function or class to call")
+    try:
+        model = factory()
+    except Exception as error:  # the user's code: report what it raised, without a traceback
+        raise ModelMemoryError(f"model {spec!r}: calling {attribute}() raised "
+                               f"{type(error).__name__}: {error}") from None
+    if not isinstance(model, nn.Module):
+        raise ModelMemoryError(f"model {spec!r}: {attribute}() returned a "
+                               f"{type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def resolve_device(text: str) -> torch.device:
+    try:
+        device = torch.device(text)
+    except RuntimeError as error:
+        raise ModelMemoryError(f"--device {text!r}: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelMemoryError(f"--device {text!r}: CUDA is not available here; use cpu")
+    if device.type == "meta":
+        raise ModelMemoryError("--device meta: the conversion compares real outputs; use cpu "
+                               "(the batch search uses meta by itself where it can)")
+    return device
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclass
+class Converted:
+    """One policy's conversion: whole-model bytes and the report's summary."""
+
+    policy: str
+    saved_bytes: int
+    norm_saved_before: int
+    norm_saved_after: int
+    counts: dict[str, int]
+    result: str
+    fitting_batch: int | None = None  # None: the search found no batch that fits
+    counted_on: str = ""               # the device the batch search counted on
+    search_note: str = ""              # why not on meta, where it did not
+    report: Any = field(default=None, repr=False)  # the iabn.ConversionReport
+
+
+@dataclass
+class MemoryResult:
+    model: str
+    source: str
+    input_shape: list[int]
+    dtype: str
+    device: str
+    saved_bytes: int                       # the model as given
+    converted: dict[str, Converted]
+    compiled: dict[float, int]             # activation_memory_budget -> bytes
+    wall_time_s: float = 0.0
+
+    def ratio(self, value: int) -> float:
+        return value / self.saved_bytes if self.saved_bytes else float("nan")
+
+
+def _count(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
+           device: torch.device) -> int:
+    x = torch.randn(*shape, dtype=dtype, device=device) if device.type != "meta" else \
+        torch.empty(*shape, dtype=dtype, device=device)
+    return saved_tensor_bytes(model.train(), x)
+
+
+def _batch_counter(converted: nn.Module, shape: Sequence[int], dtype: torch.dtype,
+                   device: torch.device, at_n: int) -> tuple[Callable[[int], int], str, str]:
+    """A function batch -> the converted model's saved bytes, counted on ``meta`` when that
+    gives the real count at ``shape`` (``at_n``), else on ``device``; and where, and why."""
+    try:
+        on_meta = copy.deepcopy(converted).to("meta")
+        if _count(on_meta, shape, dtype, torch.device("meta")) == at_n:
+            return (lambda n: _count(on_meta, (n, *shape[1:]), dtype, torch.device("meta")),
+                    "meta", "")
+        note = "the meta count differs from the real count at the given batch"
+    except Exception as error:  # a layer without a meta implementation
+        note = f"the model does not run on meta ({type(error).__name__})"
+    return (lambda n: _count(converted, (n, *shape[1:]), dtype, device), str(device), note)
+
+
+def measure(model: nn.Module, name: str, source: str, shape: Sequence[int], dtype_name: str,
+            device: torch.device, budgets: Sequence[float] = (),
+            progress: Callable[[str], None] | None = None) -> MemoryResult:
+    """All figures of ``iabn memory`` for ``model`` (cast and moved in place; it runs only
+    as copies) at an input of ``shape``."""
+    import iabn
+
+    say = progress or (lambda _text: None)
+    start = time.perf_counter()
+    dtype = DTYPES[dtype_name]
+    model = model.to(device=device, dtype=dtype)
+    x = torch.randn(*shape, dtype=dtype, device=device)
+    say("counting the bytes the model as given saves for backward")
+    # a copy: running statistics of the model that convert() and compile start from stay
+    # those of its construction
+    before = saved_tensor_bytes(copy.deepcopy(model).train(), x)
+    converted, counters = {}, {}
+    for policy in POLICIES:
+        model2, report = iabn.convert(model, x, policy=policy, verify=False,
+                                      progress=lambda text, p=policy: say(f"{p}: {text}"))
+        converted[policy] = Converted(
+            policy, report.saved_after, report.norm_saved_before, report.norm_saved_after,
+            report.counts, report.result, report=report)
+        if report.saved_before != before:  # both count the same model: a bug if they differ
+            say(f"warning: convert() counted {report.saved_before} bytes for the original, "
+                f"this tool {before}")
+        counters[policy] = (model2, report.saved_after)
+    say("searching the batch that fits the same memory")
+    for policy, (model2, after) in counters.items():
+        count, where, note = _batch_counter(model2, shape, dtype, device, after)
+        converted[policy].fitting_batch = _fitting_batch(count, shape[0], before, after)
+        converted[policy].counted_on, converted[policy].search_note = where, note
+    compiled = {}
+    for budget in budgets:
+        say(f"compiling with activation_memory_budget={budget:g} (slow)")
+        compiled[budget] = compiled_saved_bytes(copy.deepcopy(model).train(), x,
+                                                activation_memory_budget=budget)
+    return MemoryResult(name, source, list(shape), str(dtype).removeprefix("torch."),
+                        str(device), before, converted, compiled,
+                        round(time.perf_counter() - start, 2))
+
+
+def _fitting_batch(count: Callable[[int], int], batch: int, budget: int,
+                   at_batch: int) -> int | None:
+    if at_batch == 0:  # nothing saved at all: any batch fits; there is no largest
+        return None
+    try:
+        return largest_fitting(lambda n: count(n) <= budget, max(1, batch * budget // at_batch))
+    except ValueError:  # not even one sample fits
+        return None
+
+
+# ---------------------------------------------------------------- output
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {d}" for d, n in sorted(counts.items()))
+
+
+def format_result(result: MemoryResult) -> str:
+    shape = "x".join(map(str, result.input_shape))
+    lines = [f"iabn memory: {result.model} ({result.source}), input {shape} {result.dtype} on "
+             f"{result.device}; activation bytes saved for backward in one training forward"]
+    rows = [("", "bytes", "MiB", "ratio", "norm + activation part", "normalisation layers")]
+    rows.append(("as given", str(result.saved_bytes), _mib(result.saved_bytes), "1.000", "",
+                 ""))
+    for c in result.converted.values():
+        part = (f"{_mib(c.norm_saved_before)} -> {_mib(c.norm_saved_after)}"
+                + (f" ({c.norm_saved_after / c.norm_saved_before:.3f}x)"
+                   if c.norm_saved_before else ""))
+        rows.append((f"convert, {c.policy}", str(c.saved_bytes), _mib(c.saved_bytes),
+                     f"{result.ratio(c.saved_bytes):.3f}", part, _counts(c.counts)))
+    for budget, n in result.compiled.items():
+        rows.append((f"torch.compile, budget {budget:g}", str(n), _mib(n),
+                     f"{result.ratio(n):.3f}", "", ""))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    right = {1, 2, 3}
+    for row in rows:
+        cells = [cell.rjust(w) if i in right else cell.ljust(w)
+                 for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
+        lines.append("  ".join(cells).rstrip())
+    lines.append(_fitting_line(result))
+    return "\n".join(lines)
+
+
+def _fitting_line(result: MemoryResult) -> str:
+    n = result.input_shape[0]
+    parts = []
+    for c in result.converted.values():
+        where = f"counted on {c.counted_on}" + (f": {c.search_note}" if c.search_note else "")
+        found = ("none" if c.fitting_batch is None
+                 else f"{c.fitting_batch} ({c.fitting_batch / n:.2f}x)")
+        parts.append(f"{c.policy} {found} [{where}]")
+    return f"batch that fits the memory of batch {n} as given: " + ", ".join(parts)
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(), "machine": platform.machine(),
+        "processor": platform.processor(), "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name()
+    return info
+
+
+def versions() -> dict[str, str | None]:
+    import iabn
+
+    found: dict[str, str | None] = {"iabn": iabn.__version__, "torch": torch.__version__}
+    for package in ("torchvision", "timm"):
+        module = sys.modules.get(package)
+        if module is None:
+            try:
+                module = importlib.import_module(package)
+            except ImportError:
+                module = None
+        found[package] = getattr(module, "__version__", None)
+    return found
+
+
+def to_json(result: MemoryResult, arguments: dict[str, Any]) -> dict[str, Any]:
+    data = {f.name: getattr(result, f.name) for f in fields(result)}
+    data["compiled"] = [{"activation_memory_budget": b, "saved_bytes": n,
+                         "ratio": result.ratio(n)} for b, n in result.compiled.items()]
+    data["converted"] = {}
+    for policy, c in result.converted.items():
+        entry = {f.name: getattr(c, f.name) for f in fields(c) if f.name != "report"}
+        entry["ratio"] = result.ratio(c.saved_bytes)
+        entry["fitting_batch_ratio"] = (c.fitting_batch / result.input_shape[0]
+                                        if c.fitting_batch else None)
+        entry["report"] = c.report.to_dict()
+        data["converted"][policy] = entry
+    data.update(arguments=arguments, machine=machine_info(), versions=versions(),
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return data
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and
+    ``os.replace``: a reader never sees a half-written file, an old one survives a crash."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp")
+    try:
+        # mkstemp makes the file private (0600); give it the mode a plain open() would
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)
+        with os.fdopen(handle, "w") as stream:
+            stream.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+__all__ = ["DTYPES", "POLICIES", "MemoryResult", "ModelMemoryError", "build_model",
+           "format_result", "measure", "parse_budgets", "parse_input", "to_json",
+           "write_atomically"]

@@ -1,0 +1,35 @@
+"""Factories for ``iabn memory pkg.module:factory`` in tests/test_memory_cli.py (tests/ is on
+``sys.path``: pytest puts the folder of the rootdir conftest.py there)."""
+
+from torch import nn
+
+
+def small_net() -> nn.Module:
+    """conv -> BN -> ReLU -> conv -> BN -> LeakyReLU -> pool -> linear: the first norm goes in
+    place only under ``policy="leaky_relu"``, the second under both policies."""
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.LeakyReLU(0.01),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )
+
+
+def input_norm_net() -> nn.Module:
+    """A norm on the network's input stays ``nn.BatchNorm2d`` (nothing proves the input is
+    not used elsewhere); in bfloat16 PyTorch's meta kernel for it saves float32 statistics
+    where the CPU kernel saves bfloat16 ones, so the batch search cannot count on meta."""
+    return nn.Sequential(
+        nn.BatchNorm2d(3), nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+    )
+
+
+def not_a_module():
+    return "a model"
+
+
+def broken():
+    raise RuntimeError("the factory failed")
+
+
+NOT_CALLABLE = 3
