@@ -206,7 +206,7 @@ def test_a_norm_output_written_in_place_later_is_left_alone():
     x = _x()
     converted, report = iabn.convert(model, x)
     (row,) = report.rows
-    assert row.decision == "untouched" and "iadd writes into its output" in row.reason
+    assert row.decision == "untouched" and "iadd writes into the norm's output" in row.reason
     assert type(converted.bn) is nn.BatchNorm2d
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from . import __version__
-from .bench import set_threads
+from .bench import set_threads, write_text_atomic
 from .bench.blocks import BASELINE, BenchConfig, format_table, run_bench, to_json
 
 _DEFAULTS = BenchConfig()
@@ -425,8 +425,7 @@ def _memory(args: argparse.Namespace) -> int:
     if args.json is not None:
         arguments = {k: str(v) if isinstance(v, Path) else v
                      for k, v in vars(args).items() if k != "handler"}
-        mm.write_atomically(args.json, json.dumps(mm.to_json(result, arguments), indent=2)
-                            + "\n")
+        write_text_atomic(args.json, json.dumps(mm.to_json(result, arguments), indent=2) + "\n")
         print(f"results written to {args.json}")
     return 0
 

@@ -20,21 +20,18 @@ from __future__ import annotations
 import copy
 import difflib
 import importlib
-import os
-import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..memory import compiled_saved_bytes, saved_tensor_bytes
+from . import machine_info
 from .pixels import largest_fitting
 
 #: ``--dtype`` choices.
@@ -342,17 +339,6 @@ def _fitting_line(result: MemoryResult) -> str:
     return f"batch that fits the memory of batch {n} as given: " + ", ".join(parts)
 
 
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "platform": platform.platform(), "machine": platform.machine(),
-        "processor": platform.processor(), "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-    }
-    if torch.cuda.is_available():
-        info["cuda_device"] = torch.cuda.get_device_name()
-    return info
-
-
 def versions() -> dict[str, str | None]:
     import iabn
 
@@ -385,25 +371,5 @@ def to_json(result: MemoryResult, arguments: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and
-    ``os.replace``: a reader never sees a half-written file, an old one survives a crash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp")
-    try:
-        # mkstemp makes the file private (0600); give it the mode a plain open() would
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)
-        with os.fdopen(handle, "w") as stream:
-            stream.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 __all__ = ["DTYPES", "POLICIES", "MemoryResult", "ModelMemoryError", "build_model",
-           "format_result", "measure", "parse_budgets", "parse_input", "to_json",
-           "write_atomically"]
+           "format_result", "measure", "parse_budgets", "parse_input", "to_json"]

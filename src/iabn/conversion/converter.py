@@ -111,27 +111,28 @@ def convert(
             layers[name] = new_layer(work.get_submodule(name), decision)
             fused.extend(s for s in found if s.activation is not None)
 
-    say("counting the bytes saved for backward")
-    before_nodes = _bytes_per_node(original, graphs[True], args)
+    say("counting the bytes the original model saves for backward")
+    before_nodes, saved_before = _bytes_per_node(original, graphs[True], args)
     obstacle = swap_obstacle(original, list(graphs.values()), fused)
-    say(f"replacing {len(layers)} of {len(rows_info)} normalisation layers")
+    say(f"replacing {len(layers)} of {len(rows_info)} normalisation layers; counting the "
+        f"bytes the converted model saves")
     if obstacle is None:
         converted = swap(work, layers, fused)
         result, why = "modules swapped", "every decision is a module swap; the class is kept"
         probe = copy.deepcopy(converted)  # traced, so it gets the tracer's constants
-        after_nodes = _bytes_per_node(probe, trace(probe, True), args)
+        after_nodes, saved_after = _bytes_per_node(probe, trace(probe, True), args)
         del probe
     else:
         converted = as_graph_module(work, layers, graphs, fused, traced=original)
         result, why = "torch.fx GraphModule", obstacle
-        after_nodes = _bytes_per_node(converted, converted.__dict__["_graphs"][True], args)
+        after_nodes, saved_after = _bytes_per_node(
+            converted, converted.__dict__["_graphs"][True], args)
     # the decision by the layer's class name: InPlaceABNSync/ABNSync for SyncBatchNorm
     rows = [LayerRow(name, text, type(layers[name]).__name__ if name in layers else UNTOUCHED,
                      decision.reason, before_nodes.get(name), after_nodes.get(name))
             for name, text, decision in rows_info]
     report = ConversionReport(
-        policy, _shapes(args), rows, _saved(original, args), _saved(converted, args),
-        result, why)
+        policy, _shapes(args), rows, saved_before, saved_after, result, why)
     if any(d.changes_model for _, _, d in rows_info):
         report.notes.append("policy 'leaky_relu' changed the model (ReLU -> LeakyReLU(0.01) or "
                             "clamped |weight| < eps): fine-tune before use")
@@ -184,9 +185,12 @@ class _Attributing(fx.Interpreter):
         return super().run_node(n)
 
 
-def _bytes_per_node(model: nn.Module, graph: fx.Graph, args: tuple) -> dict[str, int]:
+def _bytes_per_node(model: nn.Module, graph: fx.Graph,
+                    args: tuple) -> tuple[dict[str, int], int]:
     """For each normalisation module called in ``graph``: bytes of the storages that it and
-    the activation consuming its output are first to save for backward (training mode)."""
+    the activation consuming its output are first to save for backward (training mode); and
+    the bytes of all of them, which is :func:`iabn.memory.saved_tensor_bytes` of the model (the
+    graph computes what the model computes; ``tests/test_convert_zoo.py`` compares them)."""
     with _preserved(model), _same_randomness(args):
         model.train()
         module = fx.GraphModule(model, graph)
@@ -217,7 +221,7 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph, args: tuple) -> dict[str,
             result[node.target] = sizes.get(node.name, 0) + sum(
                 sizes.get(user.name, 0) for user in node.users
                 if node_activation(user, modules) is not None)
-    return result
+    return result, sum(sizes.values())
 
 
 def _saved(model: nn.Module, args: tuple) -> int:

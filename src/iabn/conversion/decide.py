@@ -88,8 +88,9 @@ def decide(norm: nn.Module, sites: list[Site], policy: str) -> Decision:
         # ABN keeps its input and its output, as the norm and its activation did, so it is safe
         # wherever they were; it changes nothing unless it absorbs an activation.
         if not fused:
-            return Decision(UNTOUCHED, f"{why}; with no activation to absorb, ABN would be the "
-                            f"norm itself")
+            after = (f"{site.next_op} is not an activation iabn's layers compute"
+                     if site.next_op else "no activation follows")
+            return Decision(UNTOUCHED, f"{why}; {after}, so ABN would be the norm itself")
         if written is not None:
             return Decision(UNTOUCHED, f"{why}; and {written}, which ABN's saved output forbids")
         if not _usable(name, param, in_place=False) or (sync and name == "relu"):

@@ -283,9 +283,10 @@ def later_write(output: fx.Node, modules: dict[str, nn.Module]) -> str | None:
                 continue
             writes = _writes_first_argument(user, modules)
             if writes is None:
-                return f"its output goes to {describe(user, modules)}, which iabn cannot vet"
+                return (f"its output goes to {describe(user, modules)}, which iabn cannot vet "
+                        f"for in-place writes")
             if writes and user.args and user.args[0] is node:
-                return f"{describe(user, modules)} writes into its output in place"
+                return f"{describe(user, modules)} writes into the norm's output in place"
     return None
 
 

@@ -45,7 +45,7 @@ class ConversionReport:
 
     @property
     def counts(self) -> dict[str, int]:
-        return dict(Counter(row.decision for row in self.rows))
+        return dict(sorted(Counter(row.decision for row in self.rows).items()))
 
     @property
     def norm_saved_before(self) -> int:
@@ -82,7 +82,8 @@ class ConversionReport:
         out.append(f"norm + activation part: {_bytes(self.norm_saved_before)} -> "
                    f"{_bytes(self.norm_saved_after)}"
                    f"{_ratio(self.norm_saved_after, self.norm_saved_before)}")
-        out.append(f"whole model, saved for backward at {self.example_shape}: "
+        shapes = ", ".join("x".join(map(str, shape)) for shape in self.example_shape)
+        out.append(f"whole model, saved for backward at {shapes}: "
                    f"{_bytes(self.saved_before)} -> {_bytes(self.saved_after)}"
                    f"{_ratio(self.saved_after, self.saved_before)}")
         for mode in ("train", "eval"):
