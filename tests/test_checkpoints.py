@@ -72,6 +72,25 @@ def test_corrupt_file_names_the_file(tmp_path):
         load_original(create("resnet34"), path)
 
 
+def test_the_one_checkpoint_reader(tmp_path):
+    """read_checkpoint: what snapshots, load_original, iabn test and iabn segment all use."""
+    from iabn.models.checkpoints import CheckpointError, read_checkpoint
+
+    with pytest.raises(CheckpointError, match=r"snapshot .*missing\.pth does not exist"):
+        read_checkpoint(tmp_path / "missing.pth", "snapshot")
+    path = tmp_path / "junk.pth"
+    path.write_bytes(b"not a torch file")
+    with pytest.raises(CheckpointError, match=r"cannot read checkpoint .*junk\.pth \(corrupt"):
+        read_checkpoint(path)
+    good = tmp_path / "good.pth"
+    torch.save({"w": torch.arange(3)}, good)
+    assert torch.equal(read_checkpoint(good)["w"], torch.arange(3))
+    # weights_only: a file that would run code on loading is refused, not executed
+    torch.save({"f": print}, tmp_path / "code.pth")
+    with pytest.raises(CheckpointError, match="cannot read checkpoint"):
+        read_checkpoint(tmp_path / "code.pth")
+
+
 def test_vistas_style_snapshot_body_section(tmp_path):
     source = _randomised("wider_resnet16_a2", dilation=True)
     body = {k: v for k, v in source.state_dict().items()

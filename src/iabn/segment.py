@@ -38,6 +38,7 @@ from torch import Tensor
 
 from .data.label_sets import LabelSet, voc_colormap
 from .models import deeplabv3_wider_resnet38, load_original
+from .models.checkpoints import read_checkpoint
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
 #: Input normalisation of the released Vistas model (RGB in [0, 1]).
@@ -86,11 +87,7 @@ class Summary:
 
 def read_snapshot(snapshot: str | Path) -> Any:
     """The snapshot file's contents (tensors on CPU); ValueError naming an unreadable file."""
-    path = Path(snapshot)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        raise ValueError(f"cannot read snapshot {path}: {error}") from error
+    return read_checkpoint(snapshot, "snapshot")  # CheckpointError is a ValueError
 
 
 def _is_train_seg(data: Any) -> bool:

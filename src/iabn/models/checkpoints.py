@@ -78,15 +78,28 @@ class LoadReport:
         return "; ".join(parts)
 
 
-def _read(checkpoint: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
-    """An already loaded checkpoint as it is, or the file loaded on CPU (weights only)."""
-    if isinstance(checkpoint, Mapping):
-        return checkpoint
-    path = Path(checkpoint)
+class CheckpointError(ValueError):
+    """A checkpoint file that does not exist or cannot be read."""
+
+
+def read_checkpoint(path: str | Path, what: str = "checkpoint") -> Any:
+    """The contents of a checkpoint file, tensors on CPU, loaded with ``weights_only=True`` (no
+    code in the file runs). The project's one reader of such files: training snapshots,
+    original-package files, weights for ``iabn test`` and ``iabn segment``. ``what`` names the
+    file in the :class:`CheckpointError` (``"snapshot"``, ``"checkpoint"``)."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{what} {path} does not exist")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a clear message naming the file, whatever torch raised
-        raise ValueError(f"cannot read checkpoint {path}: {error}") from error
+        raise CheckpointError(f"cannot read {what} {path} (corrupt, truncated or not a torch "
+                              f"file): {type(error).__name__}: {error}") from error
+
+
+def _read(checkpoint: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:
+    """An already loaded checkpoint as it is, or the file read by :func:`read_checkpoint`."""
+    return checkpoint if isinstance(checkpoint, Mapping) else read_checkpoint(checkpoint)
 
 
 def original_state_dict(checkpoint: Mapping[str, Any] | str | Path,

@@ -25,7 +25,12 @@ from torch.utils.data import DataLoader
 from ..data.samplers import ExactShardSampler
 from ..data.transforms import TransformedDataset
 from ..models import LoadReport, load_original
-from ..models.checkpoints import abs_into_signed, abs_into_signed_note
+from ..models.checkpoints import (
+    CheckpointError,
+    abs_into_signed,
+    abs_into_signed_note,
+    read_checkpoint,
+)
 from .classification import ClassificationTask, build_classifier
 from .classification_data import eval_transform, image_sources
 from .config import Config, differences
@@ -61,13 +66,10 @@ class TestOptions:
 
 
 def _read(path: Path) -> Any:
-    if not path.is_file():
-        raise SnapshotError(f"checkpoint {path} does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # whatever torch raised, say which file
-        raise SnapshotError(f"cannot read checkpoint {path} (corrupt, truncated or not a torch "
-                            f"file): {type(error).__name__}: {error}") from error
+        return read_checkpoint(path)
+    except CheckpointError as error:
+        raise SnapshotError(str(error)) from error
 
 
 def _origin_with_name(origin: str, path: Path) -> str:

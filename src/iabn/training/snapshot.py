@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..models.checkpoints import CheckpointError, read_checkpoint
 from .config import Config, differences
 
 FORMAT = "iabn-training-snapshot"
@@ -177,11 +178,9 @@ def _read_verified(path: Path) -> dict[str, Any]:
             raise SnapshotError(f"cannot read snapshot {path} (corrupt: its SHA-256 does not "
                                 f"match {checksum.name}; a bit flip or a partial copy)")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # whatever torch raised, say which file and what to do
-        raise SnapshotError(
-            f"cannot read snapshot {path} (corrupt, truncated or not a torch file): "
-            f"{type(error).__name__}: {error}") from error
+        payload = read_checkpoint(path, "snapshot")
+    except CheckpointError as error:
+        raise SnapshotError(str(error)) from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise SnapshotError(
             f"{path} is not an iabn training snapshot (no format={FORMAT!r} marker); plain "
