@@ -190,3 +190,18 @@ def test_same_name_with_two_extensions_keeps_both_outputs(snapshot, tmp_path, ca
     assert _run(snapshot, root, tmp_path / "out2", "--overlay") == 2
     assert "y.png and y_overlay.png would both be written to" in capsys.readouterr().err
     assert not (tmp_path / "out2").exists()
+
+
+def test_without_pillow_exits_2_before_any_work(snapshot, images, tmp_path, capsys,
+                                                 monkeypatch):
+    """The missing optional dependency is an ImportError in the library, exit 2 in the CLI
+    (it was a SystemExit raised from library code)."""
+    import iabn.segment
+
+    monkeypatch.setitem(__import__("sys").modules, "PIL", None)  # any import of it fails
+    with pytest.raises(ImportError, match=r"pip install 'iabn\[tools\]'"):
+        iabn.segment._pil()
+    out = tmp_path / "out"
+    assert main(["segment", str(snapshot), str(images), str(out), "--depth", "16"]) == 2
+    assert "reads and writes images with Pillow" in capsys.readouterr().err
+    assert not out.exists()

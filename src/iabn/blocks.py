@@ -184,8 +184,9 @@ class BNActConv(nn.Module):
         if input.dim() != 4:
             raise ValueError(f"BNActConv expects (N, C, H, W) input, got {input.dim()}-D")
         conv = self.conv
+        momentum = norm._count_batch()  # after the checks: a rejected call counts nothing
         cfg = _CheckpointConfig(
-            norm._momentum(), norm.eps, norm.activation, norm.activation_param,
+            momentum, norm.eps, norm.activation, norm.activation_param,
             norm.gamma_mode, self.strategy == "checkpoint_opt",
             _ConvConfig(conv.stride, conv.padding, conv.dilation, conv.groups),
         )

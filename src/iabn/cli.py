@@ -375,8 +375,7 @@ def _bench(args: argparse.Namespace) -> int:
                      for k, v in vars(args).items() if k != "handler"}
         report = to_json(result, args=arguments)
         report["wall_time_s"] = round(time.perf_counter() - start, 2)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
         print(f"results written to {args.json}")
     # A benchmark whose strategies disagree measured something broken: fail loudly.
     return 0 if result.check.passed else 1

@@ -92,8 +92,10 @@ class ABN(_NormBase):
             return use_batch_stats, None, None
         return use_batch_stats, self.running_mean, self.running_var
 
-    def _momentum(self) -> float:
-        """Count this batch and return the running-statistics factor (call after checks)."""
+    def _count_batch(self) -> float:
+        """Count this batch in ``num_batches_tracked`` (as ``nn.BatchNorm``'s forward does) and
+        return the running-statistics factor. A write: call it only once the checks passed,
+        so a rejected call leaves the count unchanged."""
         if not (self.training and self.track_running_stats):
             return 0.0
         self.num_batches_tracked.add_(1)
@@ -124,9 +126,10 @@ class ABN(_NormBase):
         use_batch_stats, running_mean, running_var = self._normalisation()
         weight, bias = self.weight, self.bias
         self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
+        momentum = self._count_batch()
         return abn_unchecked(
             input, running_mean, running_var, weight, bias, use_batch_stats,
-            self._momentum(), self.eps, self.activation, self.activation_param, self.gamma_mode,
+            momentum, self.eps, self.activation, self.activation_param, self.gamma_mode,
         )
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -192,9 +195,10 @@ class InPlaceABN(ABN):
         use_batch_stats, running_mean, running_var = self._normalisation()
         weight, bias = self.weight, self.bias
         self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
+        momentum = self._count_batch()
         return inplace_abn_unchecked(
             input, running_mean, running_var, weight, bias, use_batch_stats,
-            self._momentum(), self.eps, self.activation, self.activation_param, self.variant,
+            momentum, self.eps, self.activation, self.activation_param, self.variant,
             self.gamma_mode,
         )
 

@@ -56,7 +56,7 @@ def _pil():
     try:
         from PIL import Image
     except ImportError as error:  # an optional dependency: say how to get it
-        raise SystemExit(
+        raise ImportError(
             "iabn segment reads and writes images with Pillow: pip install 'iabn[tools]'"
         ) from error
     return Image
@@ -360,6 +360,7 @@ def run(args: Any) -> int:
         print(f"iabn segment: error: IN_DIR {in_dir} is not a folder", file=sys.stderr)
         return 2
     try:
+        _pil()  # a missing Pillow is said before any work
         _check_device(args.device)
         from .training.logdir import check_writable
 
@@ -368,7 +369,7 @@ def run(args: Any) -> int:
         model = load_segmentation_model(args.snapshot, args.depth, args.device, data)
         labels = label_set(getattr(args, "palette", "auto"), data)
         _check_labels(labels, model, args.output)
-    except (ValueError, KeyError) as error:  # DataLayoutError is a ValueError
+    except (ValueError, KeyError, ImportError) as error:  # DataLayoutError is a ValueError
         print(f"iabn segment: error: {error}", file=sys.stderr)
         return 2
     long_side, source = snapshot_long_side(data)

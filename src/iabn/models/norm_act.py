@@ -1,12 +1,12 @@
 """The pluggable norm + activation layer every model takes (timm-style string factory).
 
 ``norm_act_factory(name_or_callable, activation, activation_param)`` returns a callable
-``make(channels, activation=None) -> nn.Module``: ``"bn"`` (:class:`BatchNormAct2d`: standard
-batch norm, then the activation in place), ``"abn"``, ``"iabn"``, ``"iabn_sync"``, or any
-callable with that signature. All four have the ``state_dict`` keys of ``nn.BatchNorm2d``, so
-one checkpoint loads into a model built with any of them. ``activation=None`` means the
-model's default activation; models pass ``"identity"`` where a norm is followed by a residual
-sum.
+``make(channels, activation_override=None) -> nn.Module``: ``"bn"`` (:class:`BatchNormAct2d`:
+standard batch norm, then the activation in place), ``"abn"``, ``"iabn"``, ``"iabn_sync"``, or any
+callable with that signature (models pass the override positionally). All four have the
+``state_dict`` keys of ``nn.BatchNorm2d``, so one checkpoint loads into a model built with any
+of them. ``activation_override=None`` means the model's default activation; models pass
+``"identity"`` where a norm is followed by a residual sum.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ class BatchNormAct2d(nn.BatchNorm2d):
 def norm_act_factory(
     layer: str | NormAct = "iabn", activation: str = "leaky_relu", activation_param: float = 0.01
 ) -> NormAct:
-    """A factory ``make(channels, activation=None)`` for the chosen norm + activation layer."""
+    """A factory ``make(channels, activation_override=None)`` for the chosen norm + activation
+    layer; ``activation_override`` replaces ``activation`` for one layer (e.g. ``"identity"``
+    before a residual sum)."""
     if callable(layer):
         return layer
     if layer not in NAMES:
