@@ -23,7 +23,9 @@ from statistics import median
 
 import torch
 
-from iabn.bench import (
+from iabn.blocks import STRATEGIES, BNActConv
+from iabn.memory import saved_tensor_bytes
+from iabn.tools.bench import (
     RESNEXT101_STAGES,
     machine_info,
     progress_printer,
@@ -33,8 +35,6 @@ from iabn.bench import (
     training_step,
     write_json,
 )
-from iabn.blocks import STRATEGIES, BNActConv
-from iabn.memory import saved_tensor_bytes
 
 SHAPES = RESNEXT101_STAGES
 BASELINE = "standard"

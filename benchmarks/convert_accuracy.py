@@ -35,8 +35,8 @@ from torch import nn
 from torchvision.models.resnet import BasicBlock
 
 import iabn
-from iabn.bench import machine_info, results_folder, set_threads, write_json
-from iabn.data.digits import load_digits_uint8, split_indices
+from iabn.tools.bench import machine_info, results_folder, set_threads, write_json
+from iabn.tools.data.digits import load_digits_uint8, split_indices
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 

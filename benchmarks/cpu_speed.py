@@ -52,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 import iabn
-from iabn.bench import (
+from iabn.tools.bench import (
     RESNEXT101_STAGES,
     machine_info,
     progress_printer,

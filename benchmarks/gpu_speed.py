@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.bench import RESNEXT101_STAGES, machine_info, results_folder, write_json
+from iabn.tools.bench import RESNEXT101_STAGES, machine_info, results_folder, write_json
 
 PAPER_SHAPES = [*((32, c, s, s) for c, s in RESNEXT101_STAGES), (8, 256, 128, 128)]
 QUICK_SHAPES = [(4, 8, 6, 6), (2, 16, 3, 5)]

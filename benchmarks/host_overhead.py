@@ -35,8 +35,14 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.bench import machine_info, results_folder, time_interleaved, training_step, write_json
 from iabn.kernels.dispatch import use_backend
+from iabn.tools.bench import (
+    machine_info,
+    results_folder,
+    time_interleaved,
+    training_step,
+    write_json,
+)
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 SHAPES = [(2, 8, 4, 4), (8, 64, 8, 8)]

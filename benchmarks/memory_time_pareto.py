@@ -32,9 +32,9 @@ from statistics import median
 import torch
 from torch import nn
 
-from iabn.bench import machine_info, results_folder, write_json
 from iabn.models import create
 from iabn.offloading import OffloadModel
+from iabn.tools.bench import machine_info, results_folder, write_json
 from memory_strategies import MODELS, body_and_head, offload_layers, run_checkpointed
 
 STRATEGIES = ("eager", "offload_all", "offload_half", "checkpoint_2", "checkpoint_4",

@@ -14,8 +14,9 @@ All providers start from the same weights. A step is ``zero_grad(set_to_none=Tru
 cross-entropy on random labels, backward and ``SGD(momentum=0.9).step()``; images and labels are
 made outside the timed region. Each provider is warmed up (and compiled, in ``compile`` mode:
 once per provider, ``torch._dynamo`` reset at the start of every compiled cell); then each
-repeat times one step of every provider, providers interleaved (``iabn.bench.time_interleaved``,
-synchronised on CUDA); the figure is the median. Memory, per provider:
+repeat times one step of every provider, providers interleaved
+(``iabn.tools.bench.time_interleaved``, synchronised on CUDA); the figure is the median.
+Memory, per provider:
 
 - ``peak_step_bytes`` (CUDA): ``torch.cuda.max_memory_allocated`` during one more step, minus
   what was allocated before it (after ``zero_grad``: parameters, optimiser state and the batch
@@ -79,7 +80,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iabn.bench import (
+from iabn.kernels.dispatch import use_backend
+from iabn.memory import saved_tensor_bytes
+from iabn.models import create
+from iabn.tools.bench import (
     machine_info,
     pixels,
     results_folder,
@@ -88,9 +92,6 @@ from iabn.bench import (
     write_json,
     write_text_atomic,
 )
-from iabn.kernels.dispatch import use_backend
-from iabn.memory import saved_tensor_bytes
-from iabn.models import create
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 #: Models and their batch in issue 14's table (224 x 224 images).
@@ -274,7 +275,7 @@ def fit_saved_bytes(runner: Runner, cell: Cell) -> SavedFit:
 
 def largest_fitting(fits: Callable[[int], bool], guess: int, minimum: int = 2) -> int:
     """The largest batch >= ``minimum`` with ``fits(batch)``, 0 when ``minimum`` does not fit:
-    :func:`iabn.bench.pixels.largest_fitting` (gallop from ``guess``, then bisect)."""
+    :func:`iabn.tools.bench.pixels.largest_fitting` (gallop from ``guess``, then bisect)."""
     try:
         return pixels.largest_fitting(fits, guess, step=1, minimum=minimum)
     except ValueError:  # minimum does not fit

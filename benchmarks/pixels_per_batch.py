@@ -34,8 +34,8 @@ import sys
 import time
 from pathlib import Path
 
-from iabn.bench import machine_info, results_folder, write_json
-from iabn.bench.pixels import BODIES, ByteCounter, PixelsRow, pixels_per_batch
+from iabn.tools.bench import machine_info, results_folder, write_json
+from iabn.tools.bench.pixels import BODIES, ByteCounter, PixelsRow, pixels_per_batch
 
 DEFAULT_JSON = results_folder(Path(__file__).resolve().parent / "results") / "pixels_per_batch.json"
 GIB = 2**30

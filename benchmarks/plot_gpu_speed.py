@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from iabn.bench import results_folder
+from iabn.tools.bench import results_folder
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 

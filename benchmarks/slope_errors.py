@@ -1,6 +1,6 @@
 """Input gradients at the activation's kink: how many elements take the other slope than
 float64, per provider (iabn Triton, iabn reference, PyTorch's BatchNorm2d + LeakyReLU), dtype,
-layout and seed. See :mod:`iabn.bench.slopes` for what is counted and why.
+layout and seed. See :mod:`iabn.tools.bench.slopes` for what is counted and why.
 
 On a CUDA machine it runs the compiled kernels at the sizes of issue 13's sweep; elsewhere
 ``--device cpu`` runs the Triton kernels under the interpreter (it sets ``TRITON_INTERPRET=1``
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from iabn.bench import results_folder
+from iabn.tools.bench import results_folder
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 GPU_SHAPES = "32x64x56x56,8x64x128x128,8x256x128x128,16x64x128x128,2x64x512x512"
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         # Triton reads the variable when its kernels are defined: start again with it set
         os.environ["TRITON_INTERPRET"] = "1"
         os.execv(sys.executable, [sys.executable, *sys.argv])
-    from iabn.bench import machine_info, write_json
-    from iabn.bench.slopes import study
+    from iabn.tools.bench import machine_info, write_json
+    from iabn.tools.bench.slopes import study
 
     try:
         shapes = [tuple(int(v) for v in s.split("x"))

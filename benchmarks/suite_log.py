@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     import torch
 
-    from iabn.bench import write_text_atomic
+    from iabn.tools.bench import write_text_atomic
 
     pytest_args = args.pytest_args
     if not pytest_args and importlib.util.find_spec("xdist") is not None:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(line.rstrip("\n"))
     code = process.wait()
     lines.append(f"exit code: {code}")
-    from iabn.bench import results_folder
+    from iabn.tools.bench import results_folder
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = args.log or results_folder(RESULTS) / f"suite_{device}.log"

@@ -24,7 +24,7 @@ left for a session with a lent GPU: ``--device cuda`` uses nccl, one GPU per ran
 Timing: every rank runs every provider in the same order (a collective that one rank skips
 would deadlock the others). Each of ``--repeats`` repeats times ``iters`` consecutive steps of
 each provider, interleaved and in an order that rotates from repeat to repeat, as in
-``iabn.bench.time_interleaved``; ``iters`` is calibrated per provider to about
+``iabn.tools.bench.time_interleaved``; ``iters`` is calibrated per provider to about
 ``--target-ms`` and agreed across ranks. A barrier precedes every timed block so that the
 ranks start it together. Each rank takes the median over repeats; the table shows the maximum
 of those medians over ranks (a synchronised step waits for the slowest rank, so that is the
@@ -59,7 +59,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import iabn
-from iabn.bench import machine_info, progress_printer, results_folder, training_step
+from iabn.tools.bench import machine_info, progress_printer, results_folder, training_step
 
 #: ``(channels, height = width)`` of the timed inputs; the batch is ``--batch`` per rank.
 SHAPES = ((64, 56), (256, 28), (512, 14), (1024, 7))

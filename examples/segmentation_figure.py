@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from iabn.data.segmentation import DigitsCanvas
-from iabn.segment import (
+from iabn.tools.data.segmentation import DigitsCanvas
+from iabn.tools.segment import (
     PALETTE,
     SegmentOptions,
     load_segmentation_model,

@@ -158,8 +158,8 @@ def test_origin_is_reported_and_checked():
 def test_iabn_test_original_loads_a_stdbn_file_with_signed_weights(tmp_path):
     """`iabn test --original` loads through training.evaluate.load_weights: an original
     standard-BN file (by its name or --origin ABN) must keep its signed weights (item 2)."""
-    from iabn.cli import build_parser
-    from iabn.training.evaluate import load_weights
+    from iabn.tools.cli import build_parser
+    from iabn.tools.training.evaluate import load_weights
 
     source = _randomised("resnet34")
     path = tmp_path / "resnet34_stdbn.pth.tar"

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from iabn.bench.blocks import STRATEGIES, CheckResult, format_check
-from iabn.cli import main
+from iabn.tools.bench.blocks import STRATEGIES, CheckResult, format_check
+from iabn.tools.cli import main
 
 # the tools pick CUDA when they see one; these check their CPU runs.
 pytestmark = pytest.mark.without_gpu

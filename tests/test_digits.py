@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from iabn.data.digits import NUM_CLASSES, load_digits_uint8, split_indices
+from iabn.tools.data.digits import NUM_CLASSES, load_digits_uint8, split_indices
 
 
 def test_digits_are_the_real_sklearn_scans():

@@ -10,11 +10,11 @@ import torch.nn.functional as F
 from sklearn.metrics import top_k_accuracy_score
 from torch import nn
 
-from iabn.cli import main
 from iabn.models import create
-from iabn.training.classification import TopKMeter, log_probabilities
-from iabn.training.evaluate import load_weights
-from iabn.training.snapshot import SnapshotError
+from iabn.tools.cli import main
+from iabn.tools.training.classification import TopKMeter, log_probabilities
+from iabn.tools.training.evaluate import load_weights
+from iabn.tools.training.snapshot import SnapshotError
 from train_tiny import DIGITS_VAL_IMAGES, one_torch_thread, run_iabn, write_config
 
 # the tools pick CUDA when they see one; these check their CPU runs.

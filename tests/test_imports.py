@@ -37,7 +37,7 @@ BENCH_SCRIPT = f"""
 import sys
 for name in {TOOLS_ONLY[1:]!r}:
     sys.modules[name] = None
-from iabn.cli import main
+from iabn.tools.cli import main
 sys.exit(main(["bench", "--help"]))
 """
 
@@ -103,3 +103,20 @@ def test_no_import_cycles():
         if name not in done:
             visit(name, [name], done)
     assert not cycles, cycles[:5]
+
+
+def test_core_imports_no_tool():
+    """The tools (iabn.tools) depend on the core, never the reverse (issue 19): no module outside
+    iabn.tools imports one inside it, even lazily. Exceptions: iabn.__main__, which is the
+    command's entry point (``python -m iabn``), and iabn._moved, the finder behind the tools' old
+    import paths (it names them only as strings)."""
+    graph = _import_graph()
+    assert "iabn.tools.cli" in graph["iabn.__main__"]  # the graph sees these imports
+    allowed = {"iabn.__main__", "iabn._moved"}
+
+    def is_tool(module):
+        return module == "iabn.tools" or module.startswith("iabn.tools.")
+
+    leaks = {name: sorted(filter(is_tool, targets)) for name, targets in graph.items()
+             if not is_tool(name) and name not in allowed and any(map(is_tool, targets))}
+    assert not leaks, leaks

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iabn.losses import BootstrappedCrossEntropy, bootstrapped_cross_entropy
+from iabn.tools.losses import BootstrappedCrossEntropy, bootstrapped_cross_entropy
 
 IGNORE = 255
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import iabn
-from iabn.bench import model_memory
-from iabn.cli import main
 from iabn.memory import saved_tensor_bytes
+from iabn.tools.bench import model_memory
+from iabn.tools.cli import main
 
 # the tools pick CUDA when they see one; these check their CPU runs.
 pytestmark = pytest.mark.without_gpu

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from sklearn.metrics import accuracy_score, confusion_matrix, jaccard_score
 
-from iabn.metrics import ConfusionMatrix
+from iabn.tools.metrics import ConfusionMatrix
 
 IGNORE = 255
 CLASSES = 6

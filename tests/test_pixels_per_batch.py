@@ -1,4 +1,4 @@
-"""Table 3 machinery (iabn.bench.pixels): byte counts on the meta device equal real CPU counts
+"""Table 3 machinery (iabn.tools.bench.pixels): byte counts on the meta device equal real CPU counts
 from iabn.memory, the offloading rule equals OffloadModel's choice, the size searches equal a
 brute-force scan, and the benchmark script's quick run reports what it measured."""
 
@@ -14,16 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 import iabn
-from iabn.bench.pixels import (
+from iabn.memory import saved_storages
+from iabn.models import norm_act_factory
+from iabn.offloading import DEFAULT_LAYERS
+from iabn.tools.bench.pixels import (
     ByteCounter,
     activation_bytes,
     largest_fitting,
     pixels_per_batch,
     segmentation_model,
 )
-from iabn.memory import saved_storages
-from iabn.models import norm_act_factory
-from iabn.offloading import DEFAULT_LAYERS
 
 # compares with OffloadModel's host-copy path, taken only without CUDA.
 pytestmark = pytest.mark.without_gpu

@@ -1,4 +1,4 @@
-"""Segmentation data (iabn.data.segmentation): the DigitsCanvas set, the image/label folder
+"""Segmentation data (iabn.tools.data.segmentation): the DigitsCanvas set, the image/label folder
 layout and its errors, and the joint transforms against Pillow / NumPy references."""
 
 import numpy as np
@@ -6,9 +6,9 @@ import pytest
 import torch
 from PIL import Image
 
-from iabn.data.digits import load_digits_uint8, split_indices
-from iabn.data.imagefolder import DataLayoutError
-from iabn.data.segmentation import (
+from iabn.tools.data.digits import load_digits_uint8, split_indices
+from iabn.tools.data.imagefolder import DataLayoutError
+from iabn.tools.data.segmentation import (
     CANVAS_CLASSES,
     IGNORE_INDEX,
     DigitsCanvas,

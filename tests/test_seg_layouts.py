@@ -1,4 +1,4 @@
-"""Published segmentation layouts (iabn.data.seg_datasets, iabn.data.label_sets) on tiny
+"""Published segmentation layouts (iabn.tools.data.seg_datasets, iabn.tools.data.label_sets) on tiny
 synthetic copies written in the real layouts (tests/seg_layouts.py): loading, the label
 mapping against the official tables, errors, one ``iabn train-seg`` step on each, and
 ``iabn segment``'s palettes and label-id export.
@@ -16,18 +16,18 @@ import pytest
 import torch
 from PIL import Image
 
-from iabn.cli import main
-from iabn.data.imagefolder import DataLayoutError
-from iabn.data.label_sets import LabelSet, cityscapes_labels, vistas_labels, voc_labels
-from iabn.data.seg_datasets import (
+from iabn.tools.cli import main
+from iabn.tools.data.imagefolder import DataLayoutError
+from iabn.tools.data.label_sets import LabelSet, cityscapes_labels, vistas_labels, voc_labels
+from iabn.tools.data.seg_datasets import (
     CityscapesSegmentation,
     PascalVOCSegmentation,
     VistasSegmentation,
     detect_layout,
     open_dataset,
 )
-from iabn.metrics import ConfusionMatrix
-from iabn.training.segmentation import SegmentationMeter
+from iabn.tools.metrics import ConfusionMatrix
+from iabn.tools.training.segmentation import SegmentationMeter
 from seg_layouts import (
     BLOCK,
     CITYSCAPES_FRAMES,

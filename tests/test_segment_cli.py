@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from iabn.cli import main
 from iabn.models import deeplabv3_wider_resnet38
+from iabn.tools.cli import main
 
 # the tools pick CUDA when they see one; these check their CPU runs.
 pytestmark = pytest.mark.without_gpu
@@ -121,7 +121,7 @@ def test_vistas_config_gives_colours_and_label_ids(snapshot, images, tmp_path):
 
 
 def test_default_long_side_follows_the_snapshot():
-    from iabn.segment import snapshot_long_side
+    from iabn.tools.segment import snapshot_long_side
 
     def train_seg(input_section, data_section):
         return {"task": "segmentation", "config": {"input": input_section, "data": data_section}}
@@ -196,11 +196,11 @@ def test_without_pillow_exits_2_before_any_work(snapshot, images, tmp_path, caps
                                                  monkeypatch):
     """The missing optional dependency is an ImportError in the library, exit 2 in the CLI
     (it was a SystemExit raised from library code)."""
-    import iabn.segment
+    import iabn.tools.segment
 
     monkeypatch.setitem(__import__("sys").modules, "PIL", None)  # any import of it fails
     with pytest.raises(ImportError, match=r"pip install 'iabn\[tools\]'"):
-        iabn.segment._pil()
+        iabn.tools.segment._pil()
     out = tmp_path / "out"
     assert main(["segment", str(snapshot), str(images), str(out), "--depth", "16"]) == 2
     assert "reads and writes images with Pillow" in capsys.readouterr().err

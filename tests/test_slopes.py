@@ -1,4 +1,4 @@
-"""Input gradients at the activation's kink, counted against float64 (iabn.bench.slopes).
+"""Input gradients at the activation's kink, counted against float64 (iabn.tools.bench.slopes).
 
 The Triton backward once took the other LeakyReLU slope at single elements of channels with
 100k+ values (issue 13): its batch mean was off by up to 6e-7 standard deviations, enough to
@@ -16,7 +16,7 @@ case runs on the compiled kernels (``gpu``), with the sizes of the GPU sweep in 
 import pytest
 import torch
 
-from iabn.bench import slopes
+from iabn.tools.bench import slopes
 
 from helpers import INTERPRET, TRITON_DEVICE, runs_triton
 

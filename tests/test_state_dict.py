@@ -219,7 +219,7 @@ def test_iabn_test_reports_abs_weights_in_signed_layers(tmp_path):
     # iabn test belongs to the tools (torchvision data stack); CI's oldest-torch step runs this
     # file with the library core only.
     pytest.importorskip("torchvision")
-    from iabn.training.evaluate import load_weights
+    from iabn.tools.training.evaluate import load_weights
 
     net = _abs_trained_net()
     path = tmp_path / "abs.pt"

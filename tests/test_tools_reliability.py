@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from iabn.cli import main
-from iabn.training.engine import EXIT_FINISHED, TrainOptions, train
-from iabn.training.logdir import LogDirError, LogDirLock
+from iabn.tools.cli import main
+from iabn.tools.training.engine import EXIT_FINISHED, TrainOptions, train
+from iabn.tools.training.logdir import LogDirError, LogDirLock
 from test_train_engine import ToyTask, toy_config
 from train_tiny import write_config
 
@@ -161,7 +161,7 @@ def test_progress_line_fits_the_terminal_and_is_plain_elsewhere(monkeypatch):
     import io
     import shutil
 
-    from iabn.training.progress import ProgressLine
+    from iabn.tools.training.progress import ProgressLine
 
     monkeypatch.setattr(shutil, "get_terminal_size", lambda *a: os.terminal_size((80, 24)))
     terminal = _Terminal()
@@ -179,7 +179,7 @@ def test_progress_line_fits_the_terminal_and_is_plain_elsewhere(monkeypatch):
 
 
 def test_segmentation_progress_leaves_out_per_class_iou():
-    from iabn.training.engine import _format_metrics
+    from iabn.tools.training.engine import _format_metrics
 
     metrics = {"loss": 0.5, "miou": 40.0, "count": 3.0, "iou/background": 90.0}
     assert _format_metrics(metrics, per_class=False) == "loss 0.5 miou 40"
@@ -212,7 +212,7 @@ def test_resumed_tensorboard_curves_equal_an_uninterrupted_run(tmp_path, stop_at
 def test_a_bit_flipped_last_snapshot_falls_back_to_the_previous_one(tmp_path, capsys):
     import torch
 
-    from iabn.training.snapshot import SnapshotError, read_snapshot
+    from iabn.tools.training.snapshot import SnapshotError, read_snapshot
 
     config = toy_config()
     run = tmp_path / "run"
@@ -247,7 +247,7 @@ def test_benchmarks_write_to_runs_unless_asked_and_git_ignores_runs(tmp_path, mo
     import sys
     from pathlib import Path
 
-    from iabn.bench import results_folder
+    from iabn.tools.bench import results_folder
 
     root = Path(__file__).resolve().parents[1]
     committed = root / "benchmarks" / "results" / "slope_errors_cpu.json"

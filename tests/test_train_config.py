@@ -5,10 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from iabn.cli import main
 from iabn.models import MODELS
-from iabn.training.commands import SCHEMA, load_run_config
-from iabn.training.config import (
+from iabn.tools.cli import main
+from iabn.tools.training.commands import SCHEMA, load_run_config
+from iabn.tools.training.config import (
     ENGINE_SCHEMA,
     ConfigError,
     Option,

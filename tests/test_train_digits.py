@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from iabn.cli import main
-from iabn.data.digits import load_digits_uint8, split_indices
+from iabn.tools.cli import main
+from iabn.tools.data.digits import load_digits_uint8, split_indices
 from train_tiny import (
     DIGITS_VAL_IMAGES,
     environment,

@@ -17,10 +17,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import iabn
-from iabn.training.config import ENGINE_SCHEMA, defaults
-from iabn.training.engine import EXIT_FINISHED, EXIT_STOPPED, TrainOptions, train
-from iabn.training.snapshot import SnapshotError
-from iabn.training.task import DataSplits
+from iabn.tools.training.config import ENGINE_SCHEMA, defaults
+from iabn.tools.training.engine import EXIT_FINISHED, EXIT_STOPPED, TrainOptions, train
+from iabn.tools.training.snapshot import SnapshotError
+from iabn.tools.training.task import DataSplits
 
 # the engine picks CUDA when it sees one; these check its CPU runs.
 pytestmark = pytest.mark.without_gpu

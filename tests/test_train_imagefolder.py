@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from iabn.data.imagefolder import DataLayoutError, ImageFolder, read_rgb, train_val_folders
+from iabn.tools.data.imagefolder import DataLayoutError, ImageFolder, read_rgb, train_val_folders
 
 
 def _save(path, value):

@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.training.config import ENGINE_SCHEMA, defaults
-from iabn.training.optim import build_optimizer, parameter_groups
+from iabn.tools.training.config import ENGINE_SCHEMA, defaults
+from iabn.tools.training.optim import build_optimizer, parameter_groups
 
 
 def _model() -> tuple[nn.Module, list[nn.Parameter], list[nn.Parameter]]:

@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from iabn.data.samplers import ExactShardSampler, ShuffledShardSampler, sample_seed
+from iabn.tools.data.samplers import ExactShardSampler, ShuffledShardSampler, sample_seed
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 7])

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.optim import lr_scheduler
 
-from iabn.training.config import ENGINE_SCHEMA, defaults
-from iabn.training.schedules import build_scheduler
+from iabn.tools.training.config import ENGINE_SCHEMA, defaults
+from iabn.tools.training.schedules import build_scheduler
 
 BASE_LR = 0.4
 EPOCHS = 12

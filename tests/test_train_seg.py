@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from iabn.training.config import ENGINE_SCHEMA, ConfigError, combine, defaults
-from iabn.training.segmentation import SegmentationMeter, SegmentationTask, build_segmenter
+from iabn.tools.training.config import ENGINE_SCHEMA, ConfigError, combine, defaults
+from iabn.tools.training.segmentation import SegmentationMeter, SegmentationTask, build_segmenter
 from train_tiny import run_iabn
 
 # the tools pick CUDA when they see one; these check their CPU runs.
@@ -80,7 +80,7 @@ def test_folder_data_needs_num_classes(tmp_path):
 
 
 def test_auto_layout_of_an_unknown_folder_lists_the_layouts(tmp_path):
-    from iabn.data.imagefolder import DataLayoutError
+    from iabn.tools.data.imagefolder import DataLayoutError
 
     task, config = _config(data={"root": str(tmp_path)})
     with pytest.raises(DataLayoutError, match="no segmentation layout iabn knows"):
@@ -153,7 +153,7 @@ def test_train_seg_stopped_and_resumed_reaches_the_same_weights(seg_run):
 def test_segment_runs_a_train_seg_snapshot(seg_run, tmp_path):
     from PIL import Image
 
-    from iabn.data.segmentation import DigitsCanvas
+    from iabn.tools.data.segmentation import DigitsCanvas
 
     _, _, root = seg_run
     images = tmp_path / "in"
@@ -178,7 +178,7 @@ def test_segment_runs_a_train_seg_snapshot(seg_run, tmp_path):
 def test_shipped_segmentation_configs_load_and_check(name):
     from pathlib import Path
 
-    from iabn.training.commands import SEGMENTATION_TASK, load_run_config
+    from iabn.tools.training.commands import SEGMENTATION_TASK, load_run_config
 
     path = Path(__file__).resolve().parents[1] / "configs" / f"{name}.json"
     cityscapes = name.endswith("_cityscapes")  # these name their layout: they need a folder

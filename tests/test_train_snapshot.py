@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from iabn.training.commands import SCHEMA
-from iabn.training.config import defaults
-from iabn.training.rng import capture_rng_state, restore_rng_state
-from iabn.training.snapshot import (
+from iabn.tools.training.commands import SCHEMA
+from iabn.tools.training.config import defaults
+from iabn.tools.training.rng import capture_rng_state, restore_rng_state
+from iabn.tools.training.snapshot import (
     FORMAT,
     VERSION,
     SnapshotError,

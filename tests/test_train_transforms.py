@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 from torchvision.transforms import v2
 
-from iabn.data.transforms import (
+from iabn.tools.data.transforms import (
     LIGHTING_EIGENVALUES,
     LIGHTING_EIGENVECTORS,
     EvalTransform,

@@ -1,5 +1,5 @@
 """``python -m iabn``: the same as the ``iabn`` command."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

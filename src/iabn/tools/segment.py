@@ -8,7 +8,7 @@ their elementwise ``max``, or ``voting`` of per-scale argmaxes) and writes, at t
 size (nearest neighbour), a palette PNG, a raw class-index PNG, class indices plus a
 confidence PNG, or the dataset's own label ids (``labelids``: e.g. Cityscapes ``labelIds``, what
 its official evaluation reads) (``--output``). Colours and label ids come from the dataset's
-:class:`~iabn.data.label_sets.LabelSet` (``--palette``; by default the one an ``iabn
+:class:`~iabn.tools.data.label_sets.LabelSet` (``--palette``; by default the one an ``iabn
 train-seg`` snapshot stores, else the VOC colour map). Each file is written to a temporary
 name and renamed, and existing outputs are kept unless ``--overwrite``, so an interrupted run
 resumes. Unreadable images are reported and skipped; the exit status is 1 when any image
@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..models import deeplabv3_wider_resnet38, load_original
+from ..models.checkpoints import read_checkpoint
 from .data.label_sets import LabelSet, voc_colormap
-from .models import deeplabv3_wider_resnet38, load_original
-from .models.checkpoints import read_checkpoint
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
 #: Input normalisation of the released Vistas model (RGB in [0, 1]).
@@ -336,7 +336,7 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
 
 def _read_rgb(Image: Any, path: Path) -> Any:
     """An image file as a PIL RGB image, decoded as the training data is
-    (:func:`iabn.data.imagefolder.read_rgb`): 16-bit PNGs scaled to 8 bits, where Pillow's
+    (:func:`iabn.tools.data.imagefolder.read_rgb`): 16-bit PNGs scaled to 8 bits, where Pillow's
     ``convert("RGB")`` clips them (white)."""
     from .data.imagefolder import read_rgb
 
@@ -353,7 +353,7 @@ def _grey_image(Image: Any, values: Tensor) -> Any:
 
 
 def run(args: Any) -> int:
-    """The ``iabn segment`` command (arguments from :mod:`iabn.cli`)."""
+    """The ``iabn segment`` command (arguments from :mod:`iabn.tools.cli`)."""
     start = time.perf_counter()
     in_dir, out_dir = Path(args.in_dir), Path(args.out_dir)
     if not in_dir.is_dir():

@@ -7,10 +7,10 @@ saturation), AlexNet's PCA lighting noise, normalisation. Evaluation: shorter si
 ``scale``, then the centre ``crop`` or ten crops (four corners and the centre, and their mirror
 images).
 
-Inputs are ``uint8 [3, H, W]`` RGB tensors (as :mod:`iabn.data.imagefolder` decodes them);
+Inputs are ``uint8 [3, H, W]`` RGB tensors (as :mod:`iabn.tools.data.imagefolder` decodes them);
 outputs ``float32``, normalised. The random draws come from torch's global generator, as in any
 ``transforms.v2`` pipeline; :class:`TransformedDataset` seeds it per sample (and restores it),
-so a sample's augmentation is a function of its seed (see :mod:`iabn.data.samplers`).
+so a sample's augmentation is a function of its seed (see :mod:`iabn.tools.data.samplers`).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class TransformedDataset(Dataset):
     """``(transform(image), label)`` for every ``(image, label)`` of ``source``.
 
     Keys are plain indices (the transform draws from torch's global generator, if it draws at
-    all) or the ``(index, seed)`` pairs of :class:`~iabn.data.samplers.ShuffledShardSampler`:
+    all) or the ``(index, seed)`` pairs of :class:`~iabn.tools.data.samplers.ShuffledShardSampler`:
     then the transform runs with torch's CPU generator seeded by ``seed``, and the generator's
     state is restored afterwards.
     """

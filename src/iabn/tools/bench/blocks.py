@@ -30,8 +30,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .. import InPlaceABN
-from ..memory import saved_storages
+from ... import InPlaceABN
+from ...memory import saved_storages
 from . import machine_info, progress_printer, time_interleaved, train_step, training_step
 
 STRATEGIES = ("bn", "bn_inplace", "checkpoint", "iabn_I", "iabn_II")

@@ -1,11 +1,11 @@
-"""The generic training engine: :func:`train` runs any :class:`~iabn.training.task.Task`.
+"""The generic training engine: :func:`train` runs any :class:`~iabn.tools.training.task.Task`.
 
 One call prepares everything that can fail on bad input first (snapshot to resume, data,
 model, batch split), then writes: ``LOG_DIR/config.json``, the logs (:mod:`.logs`) and, after
 every epoch, ``LOG_DIR/last.pth`` (plus ``best.pth`` when validation improved), atomically.
 
 Exactness of resume: the data order and every sample's augmentation are functions of
-``(data.seed, epoch, index)`` (:mod:`iabn.data.samplers`), the learning rate is a closed form
+``(data.seed, epoch, index)`` (:mod:`iabn.tools.data.samplers`), the learning rate is a closed form
 of the step (:mod:`.schedules`), and a snapshot holds model, optimizer, scheduler, loss-scaler,
 position and each rank's RNG states. So a run resumed from any snapshot reaches bitwise the
 same weights as an uninterrupted one (on the same hardware, software and thread count).

@@ -3,8 +3,8 @@ Cityscapes (fine annotations), Mapillary Vistas v1.2 and Pascal VOC 2012.
 
 Each is a :class:`LabelledImages`: samples are ``(image uint8 [3, H, W], label int64 [H, W])``
 with the label file's values mapped to train ids (``ignore_index``, 255 by default, on void
-pixels) by the dataset's :class:`~iabn.data.label_sets.LabelSet`, and go through the same
-joint transforms and ``(index, seed)`` keys as :class:`~iabn.data.segmentation.
+pixels) by the dataset's :class:`~iabn.tools.data.label_sets.LabelSet`, and go through the same
+joint transforms and ``(index, seed)`` keys as :class:`~iabn.tools.data.segmentation.
 SegmentationFolder`. :func:`detect_layout` tells the layouts apart by their folders.
 
 torchvision's ``Cityscapes`` and ``VOCSegmentation`` list the files; around them this module
@@ -105,7 +105,7 @@ def _require_files(pairs: list[tuple[Path, Path]], what: str) -> None:
 
 
 class CityscapesSegmentation(LabelledImages):
-    """Cityscapes with fine annotations (``gtFine``), 19 classes (:func:`~iabn.data.
+    """Cityscapes with fine annotations (``gtFine``), 19 classes (:func:`~iabn.tools.data.
     label_sets.cityscapes_labels`); ``root`` is the folder holding ``leftImg8bit/`` and
     ``gtFine/``::
 
@@ -174,7 +174,7 @@ def _pair_by_stem(image_dir: Path, label_dir: Path, image_suffix: str,
 
 class VistasSegmentation(LabelledImages):
     """Mapillary Vistas v1.2; ``root`` is the folder the archive unpacked to. Classes and
-    colours come from its config file (:func:`~iabn.data.label_sets.vistas_labels`: 65
+    colours come from its config file (:func:`~iabn.tools.data.label_sets.vistas_labels`: 65
     classes, "Unlabeled" void)::
 
         ROOT/config.json                                  (v1.2 archive)
@@ -212,7 +212,7 @@ def voc_root(root: str | Path) -> Path | None:
 
 
 class PascalVOCSegmentation(LabelledImages):
-    """Pascal VOC 2012 segmentation, 21 classes (:func:`~iabn.data.label_sets.voc_labels`),
+    """Pascal VOC 2012 segmentation, 21 classes (:func:`~iabn.tools.data.label_sets.voc_labels`),
     255 void; ``split`` picks ``ImageSets/Segmentation/SPLIT.txt``, whose order the samples
     keep::
 

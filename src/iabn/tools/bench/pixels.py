@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..models import DeepLabV3Head, ResNeXt, SegmentationNet, deeplabv3_wider_resnet38
-from ..offloading import DEFAULT_LAYERS
+from ...models import DeepLabV3Head, ResNeXt, SegmentationNet, deeplabv3_wider_resnet38
+from ...offloading import DEFAULT_LAYERS
 
 #: Bodies of Table 3, both at output stride 8 (see :func:`segmentation_model`).
 BODIES = ("resnext101", "wider_resnet38_a2")

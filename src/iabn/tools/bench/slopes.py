@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..kernels.dispatch import use_backend
-from ..modules import InPlaceABN
+from ...kernels.dispatch import use_backend
+from ...modules import InPlaceABN
 
 PROVIDERS = ("triton", "reference", "torch")
 SLOPE = 0.01

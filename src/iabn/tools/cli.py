@@ -1,12 +1,12 @@
 """The ``iabn`` command line (also ``python -m iabn``).
 
 ``iabn bench`` compares the activation memory and speed of standard BatchNorm, checkpointing
-and InPlace-ABN on a small stack of blocks; see :mod:`iabn.bench.blocks`. ``iabn memory``
+and InPlace-ABN on a small stack of blocks; see :mod:`iabn.tools.bench.blocks`. ``iabn memory``
 measures the activation memory of an existing torchvision/timm/own model before and after
 :func:`iabn.convert` and the batch that fits the same memory; see
-:mod:`iabn.bench.model_memory`. ``iabn segment`` segments a folder of images. ``iabn train``,
+:mod:`iabn.tools.bench.model_memory`. ``iabn segment`` segments a folder of images. ``iabn train``,
 ``iabn train-seg`` and ``iabn test`` train and evaluate classifiers and segmentation models;
-see :mod:`iabn.training`.
+see :mod:`iabn.tools.training`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from . import __version__
+from .. import __version__
 from .bench import set_threads, write_text_atomic
 from .bench.blocks import BASELINE, BenchConfig, format_table, run_bench, to_json
 
@@ -53,7 +53,7 @@ def _add_int(
 
 def _origin(text: str) -> str:
     """``--origin``: normalised by :func:`iabn.models.checkpoints.resolve_origin`."""
-    from .models.checkpoints import resolve_origin
+    from ..models.checkpoints import resolve_origin
 
     if text.lower() == "auto":
         return "auto"
@@ -202,13 +202,13 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
 _TRAIN_COMMANDS = {
     "train": dict(
         help="train an image classifier (ImageFolder data, or the embedded digits)",
-        task="classification (see iabn.training.classification)",
+        task="classification (see iabn.tools.training.classification)",
         data="folder with train/CLASS/* and val/CLASS/* images",
         embedded="scikit-learn's handwritten digits", example="configs/digits.json"),
     "train-seg": dict(
         help="train DeepLabV3 semantic segmentation (Cityscapes, Mapillary Vistas, Pascal VOC, "
              "image + label folders, or the embedded digits canvases)",
-        task="segmentation (see iabn.training.segmentation)",
+        task="segmentation (see iabn.tools.training.segmentation)",
         data="the dataset's folder as unpacked: Cityscapes (leftImg8bit/ + gtFine/), Mapillary "
              "Vistas v1.2 (config.json + training/, validation/), Pascal VOC 2012 (VOCdevkit/), "
              "or train/ and val/, each images/NAME.png|jpg + labels/NAME.png",
@@ -225,7 +225,7 @@ def _add_train_parser(subparsers: argparse._SubParsersAction, command: str) -> N
     train = subparsers.add_parser(
         command, help=text["help"],
         description=f"Train the model CONFIG describes (JSON; every key has a documented "
-        f"default, see iabn.training.config and the task: {text['task']}) on "
+        f"default, see iabn.tools.training.config and the task: {text['task']}) on "
         f"DATA_ROOT/train and validate on DATA_ROOT/val after every epoch. Without "
         f"DATA_ROOT: {text['embedded']}. Run under torchrun for several processes (the batch "
         f"is split over the ranks). Writes LOG_DIR/last.pth every epoch, best.pth, "
@@ -258,7 +258,7 @@ def _add_train_parser(subparsers: argparse._SubParsersAction, command: str) -> N
                        help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when available)")
     train.add_argument("--print-config", action="store_true",
                        help="print the complete merged config and exit")
-    # Testing only (documented in iabn.training.engine): behave as if interrupted after this
+    # Testing only (documented in iabn.tools.training.engine): behave as if interrupted after this
     # global step, to check that --resume continues exactly.
     train.add_argument("--stop-after-steps", type=_positive_int, default=None,
                        help=argparse.SUPPRESS)

@@ -5,7 +5,7 @@ full ``config``, ``world_size``, the position (``epoch``, ``batches_done`` in th
 ``global_step``), the ``model``/``optimizer``/``scheduler``/``scaler`` state dicts, the best
 validation result so far, the last validation metrics, per rank the RNG states and the
 running training sums of a partial epoch, and ``dataset``: what the task says about its data
-(:attr:`~iabn.training.task.DataSplits.metadata`; segmentation: the label set). Only
+(:attr:`~iabn.tools.training.task.DataSplits.metadata`; segmentation: the label set). Only
 tensors, numbers, strings and containers, so it loads with ``weights_only=True``.
 
 Writing goes to a temporary file in the same folder, flushed to disk, then renamed over the
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..models.checkpoints import CheckpointError, read_checkpoint
+from ...models.checkpoints import CheckpointError, read_checkpoint
 from .config import Config, differences
 
 FORMAT = "iabn-training-snapshot"

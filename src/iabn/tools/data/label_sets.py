@@ -25,7 +25,7 @@ from torch import Tensor
 from .errors import DataLayoutError
 
 #: ``data.dataset`` / ``--dataset`` values: ``auto`` picks one from the folder
-#: (:func:`iabn.data.seg_datasets.detect_layout`), ``digits`` is the embedded set (no folder),
+#: (:func:`iabn.tools.data.seg_datasets.detect_layout`), ``digits`` is the embedded set (no folder),
 #: ``folder`` the ``train|val/images`` + ``labels`` layout.
 LAYOUTS = ("auto", "digits", "folder", "cityscapes", "vistas", "voc")
 #: Layouts of published datasets: their classes come from the data, not the config.

@@ -11,7 +11,7 @@ scale, class-uniform crops, nearest-by-centre mask resizing.
 
 Randomness comes only from the ``torch.Generator`` a transform is given (the v2 pipeline runs
 with torch's global generator swapped for it, then restored). Dataset keys are an
-index, or an ``(index, seed)`` pair such as :class:`iabn.data.samplers.ShuffledShardSampler`
+index, or an ``(index, seed)`` pair such as :class:`iabn.tools.data.samplers.ShuffledShardSampler`
 yields: the pair seeds the sample's own generator, so its augmentation depends on nothing but
 the pair (not on workers or ranks); a plain index draws from torch's global generator.
 """
@@ -88,7 +88,7 @@ class DigitsCanvas(Dataset):
 
     Canvas ``index`` is a pure function of ``(seed, split, index)``. ``"train"`` canvases use
     only the training digits and ``"val"`` only the validation digits of
-    :func:`iabn.data.digits.split_indices` (``val_fraction``, ``split_seed``), so no
+    :func:`iabn.tools.data.digits.split_indices` (``val_fraction``, ``split_seed``), so no
     handwritten digit appears in both.
 
     Without ``transform`` samples are the raw canvases; a model wants e.g.

@@ -1,4 +1,4 @@
-"""``iabn train``, ``iabn train-seg`` and ``iabn test``: arguments from :mod:`iabn.cli` to the
+"""``iabn train``, ``iabn train-seg`` and ``iabn test``: arguments from :mod:`iabn.tools.cli` to the
 engine (one training command per task, the same engine and options).
 
 Exit status: 0 done, 2 bad arguments/config/data/snapshot (reported before anything is
@@ -71,7 +71,7 @@ def default_log_dir(config_path: str | Path) -> Path:
 
 def train_command(args: argparse.Namespace) -> int:
     """``iabn train`` / ``iabn train-seg CONFIG [DATA_ROOT]`` (see
-    :func:`iabn.cli.build_parser`); ``args.command`` picks the task."""
+    :func:`iabn.tools.cli.build_parser`); ``args.command`` picks the task."""
     command = getattr(args, "command", "train")
     task = COMMAND_TASKS[command]
     # A process-wide CPU setting, so the command (whose process this is) sets it, not the
@@ -99,7 +99,7 @@ def train_command(args: argparse.Namespace) -> int:
 
 
 def test_command(args: argparse.Namespace) -> int:
-    """``iabn test CONFIG CHECKPOINT [DATA_ROOT]`` (see :func:`iabn.cli.build_parser`)."""
+    """``iabn test CONFIG CHECKPOINT [DATA_ROOT]`` (see :func:`iabn.tools.cli.build_parser`)."""
     try:
         if args.json is not None:
             check_writable(Path(args.json).parent, f"--json {args.json}: folder")

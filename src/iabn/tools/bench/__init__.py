@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .. import __version__
+from ... import __version__
 
 Step = Callable[[], object]
 

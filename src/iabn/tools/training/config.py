@@ -7,7 +7,7 @@ Unknown sections or keys, wrong types and values outside the allowed ones raise
 :class:`ConfigError` naming the key and what would be accepted, before anything runs.
 
 :data:`ENGINE_SCHEMA` holds what the generic training engine reads; a task adds its own keys
-(:func:`combine`), e.g. :data:`iabn.training.classification.SCHEMA`.
+(:func:`combine`), e.g. :data:`iabn.tools.training.classification.SCHEMA`.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ and a :class:`~.task.Meter` has ``sums`` (a float64 tensor the engine adds over 
 ``update(outputs, targets, loss)`` and ``summarize(sums) -> {"loss": ..., name: value}``.
 Training data items are fetched with ``(index, seed)`` keys: build any randomness of the
 sample from ``numpy.random.default_rng(seed)`` (as
-:class:`~iabn.data.transforms.TransformedDataset` does) and resumed runs stay exact.
+:class:`~iabn.tools.data.transforms.TransformedDataset` does) and resumed runs stay exact.
 
 The engine reads these config sections (:data:`~.config.ENGINE_SCHEMA`): ``network``
 (``precision``, ``channels_last``), ``optimizer``, ``schedule``, ``data`` (``batch_size``,

@@ -1,6 +1,6 @@
 """What a task (classification, segmentation, ...) gives the generic training engine.
 
-The engine (:mod:`iabn.training.engine`) owns the loop, ``torchrun``/DDP, the optimizer and
+The engine (:mod:`iabn.tools.training.engine`) owns the loop, ``torchrun``/DDP, the optimizer and
 schedule, autocast and channels_last, snapshots and exact resume, logs, TensorBoard and the
 progress bar. A task owns what is specific to its problem: its config keys, data, model, loss
 and metrics. See the package docstring for the full contract.
@@ -22,7 +22,7 @@ from .ranks import Ranks
 @dataclass
 class DataSplits:
     """A task's data: ``train`` is indexed by the ``(index, seed)`` keys of
-    :class:`~iabn.data.samplers.ShuffledShardSampler` (the seed drives its augmentation),
+    :class:`~iabn.tools.data.samplers.ShuffledShardSampler` (the seed drives its augmentation),
     ``val`` by plain indices. Both yield ``(input, target)`` pairs the default collate can
     batch. ``description`` is one line for the log. ``metadata``: plain data (strings,
     numbers, lists, dicts) the snapshots keep as ``"dataset"``, for tools that use a trained
@@ -57,12 +57,12 @@ class Task(Protocol):
     name: str
     """Stored in snapshots; a snapshot of another task is refused on resume."""
     schema: Schema
-    """Config keys the task adds to :data:`~iabn.training.config.ENGINE_SCHEMA`."""
+    """Config keys the task adds to :data:`~iabn.tools.training.config.ENGINE_SCHEMA`."""
     best_metric: str
     """The :meth:`Meter.summarize` key whose highest value selects ``best.pth``."""
 
     def check_config(self, config: Config, source: str) -> None:
-        """Raise :class:`~iabn.training.config.ConfigError` for key combinations the task
+        """Raise :class:`~iabn.tools.training.config.ConfigError` for key combinations the task
         cannot run; called before anything is built or written."""
 
     def datasets(self, config: Config) -> DataSplits:

@@ -1,8 +1,9 @@
 """Where classification images come from, and the transforms the ``input`` section describes.
 
 With ``data.root`` set (the ``DATA_ROOT`` argument) the images are an ImageFolder layout
-(:mod:`iabn.data.imagefolder`); without it, scikit-learn's bundled handwritten digits
-(:mod:`iabn.data.digits`), upscaled to ``data.digits_size`` pixels and split deterministically.
+(:mod:`iabn.tools.data.imagefolder`); without it, scikit-learn's bundled handwritten digits
+(:mod:`iabn.tools.data.digits`), upscaled to ``data.digits_size`` pixels and split
+deterministically.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Semantic segmentation as a :class:`~iabn.training.task.Task` (``iabn train-seg``):
+"""Semantic segmentation as a :class:`~iabn.tools.training.task.Task` (``iabn train-seg``):
 DeepLabV3 on a dilated WideResNet-A2 or ResNeXt trunk (output stride 8); data from Cityscapes,
-Mapillary Vistas v1.2 or Pascal VOC 2012 as unpacked (:mod:`iabn.data.seg_datasets`), images +
+Mapillary Vistas v1.2 or Pascal VOC 2012 as unpacked (:mod:`iabn.tools.data.seg_datasets`), images +
 label PNGs, or the embedded digits-on-canvas set; online bootstrapped cross-entropy (the
 hardest 25 % of each crop's pixels, the paper's setting), mIoU and per-class IoU.
 
@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..activation import ALL_ACTIVATIONS
+from ...activation import ALL_ACTIVATIONS
+from ...models import NORM_ACT_NAMES, DeepLabV3Head, SegmentationNet, deeplabv3_wider_resnet38
+from ...models.preact import ResNeXt
 from ..data.label_sets import LAYOUTS, PUBLISHED, LabelSet, identity_labels
 from ..data.seg_datasets import detect_layout, layout_labels, open_dataset
 from ..data.segmentation import (
@@ -31,8 +33,6 @@ from ..data.segmentation import (
 )
 from ..losses import bootstrapped_cross_entropy
 from ..metrics import ConfusionMatrix
-from ..models import NORM_ACT_NAMES, DeepLabV3Head, SegmentationNet, deeplabv3_wider_resnet38
-from ..models.preact import ResNeXt
 from .config import Config, ConfigError, Option, Schema
 from .networks import check_norm_act, norm_act_kwargs
 from .ranks import Ranks
@@ -189,7 +189,7 @@ class SegmentationTask:
     @staticmethod
     def layout(config: Config) -> str:
         """The data layout to read: ``data.dataset``, or for ``auto`` the one
-        :func:`~iabn.data.seg_datasets.detect_layout` finds in ``data.root``."""
+        :func:`~iabn.tools.data.seg_datasets.detect_layout` finds in ``data.root``."""
         data = config["data"]
         if data["dataset"] != "auto":
             return data["dataset"]

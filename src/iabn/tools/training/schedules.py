@@ -67,7 +67,8 @@ class LRFactor:
 
 def lr_factor(schedule: dict[str, Any], base_lr: float, steps_per_epoch: int) -> LRFactor:
     """The :class:`LRFactor` of a ``schedule`` config section (see
-    :data:`iabn.training.config.ENGINE_SCHEMA`), in epochs or steps per ``schedule.update``."""
+    :data:`iabn.tools.training.config.ENGINE_SCHEMA`), in epochs or steps per
+    ``schedule.update``."""
     unit = steps_per_epoch if schedule["update"] == "step" else 1
     return LRFactor(
         kind=schedule["type"],

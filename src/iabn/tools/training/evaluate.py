@@ -22,15 +22,15 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..data.samplers import ExactShardSampler
-from ..data.transforms import TransformedDataset
-from ..models import LoadReport, load_original
-from ..models.checkpoints import (
+from ...models import LoadReport, load_original
+from ...models.checkpoints import (
     CheckpointError,
     abs_into_signed,
     abs_into_signed_note,
     read_checkpoint,
 )
+from ..data.samplers import ExactShardSampler
+from ..data.transforms import TransformedDataset
 from .classification import ClassificationTask, build_classifier
 from .classification_data import eval_transform, image_sources
 from .config import Config, differences

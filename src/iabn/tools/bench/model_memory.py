@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..memory import compiled_saved_bytes, saved_tensor_bytes
+from ...memory import compiled_saved_bytes, saved_tensor_bytes
 from . import machine_info
 from .pixels import largest_fitting
 

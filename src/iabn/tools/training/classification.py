@@ -1,4 +1,4 @@
-"""Image classification as a :class:`~iabn.training.task.Task`: models from
+"""Image classification as a :class:`~iabn.tools.training.task.Task`: models from
 :mod:`iabn.models`, ImageFolder or embedded-digits data, cross-entropy, top-1/top-5.
 
 The model's outputs are log-probabilities: for ten-crop inputs ``[B, 10, 3, H, W]`` they are
@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..activation import ALL_ACTIVATIONS
+from ...activation import ALL_ACTIVATIONS
+from ...models import MODELS, NORM_ACT_NAMES, create
 from ..data.transforms import TransformedDataset
-from ..models import MODELS, NORM_ACT_NAMES, create
 from .classification_data import eval_transform, image_sources, train_transform
 from .config import Config, ConfigError, Option, Schema
 from .networks import check_norm_act, norm_act_kwargs
