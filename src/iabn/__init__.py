@@ -1,6 +1,10 @@
-"""iabn: In-Place Activated BatchNorm and memory-saving tools for training deep CNNs."""
+"""iabn: In-Place Activated BatchNorm and memory-saving tools for training deep CNNs.
 
-from . import debug, functional, memory
+The library core is this package's modules; the command-line tools (training, data,
+segmentation, benchmarks, the ``iabn`` command) live in :mod:`iabn.tools`.
+"""
+
+from . import _moved, debug, functional, memory
 from .blocks import BNActConv
 from .conversion import ConversionReport, convert
 from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
@@ -8,6 +12,10 @@ from .modules import ABN, InPlaceABN
 from .offloading import Offloader, OffloadModel, offload
 
 __version__ = "0.1.0"
+
+# The tools' old paths (iabn.training, iabn.cli, ...) still import, with a DeprecationWarning;
+# installing the finder imports no tool code.
+_moved.install()
 
 __all__ = [
     "ABN",
