@@ -19,6 +19,7 @@ import torch
 
 import iabn
 from iabn.kernels import dispatch, reference
+from iabn.layer_config import LayerConfig
 
 from helpers import TRITON_DEVICE, randomise_, runs_triton
 
@@ -27,6 +28,9 @@ tl = pytest.importorskip("triton.language")
 from iabn.kernels import triton_backend, triton_kernels  # noqa: E402
 
 COMPILE_SCRIPT = Path(__file__).with_name("compile_for_gpu.py")
+
+#: The default layer in training mode, momentum 0.1, as the kernels take it.
+LEAKY = LayerConfig(True, 0.1, 1e-5, "leaky_relu", 0.01, "signed")
 
 
 @pytest.fixture
@@ -87,8 +91,8 @@ def test_statistics_are_exact_when_the_mean_dwarfs_the_spread(tiny_tiles, channe
     exact_mean = x.double().mean((0, 2, 3))
     exact_var = x.double().var((0, 2, 3), unbiased=True)
     running_mean, running_var = torch.zeros(3, device=x.device), torch.zeros(3, device=x.device)
-    triton_backend.forward_(x.clone(), None, None, running_mean, running_var, True, 1.0, 1e-5,
-                            "identity", 0.0, "signed")
+    triton_backend.forward_(x.clone(), None, None, running_mean, running_var,
+                            LayerConfig(True, 1.0, 1e-5, "identity", 0.0, "signed"))
     torch.testing.assert_close(running_var.double(), exact_var, rtol=1e-4, atol=0)
     ulp = torch.finfo(torch.float32).eps * 1000.0
     torch.testing.assert_close(running_mean.double(), exact_mean, rtol=0, atol=ulp)
@@ -103,10 +107,9 @@ def test_results_are_bitwise_deterministic(tiny_tiles):
     for _ in range(2):
         z = x.clone()
         stats = torch.zeros(5, device=x.device), torch.ones(5, device=x.device)
-        invstd, scale = triton_backend.forward_(z, weight, bias, *stats, True, 0.1, 1e-5,
-                                                "leaky_relu", 0.01, "signed")
-        grads = triton_backend.backward(z, grad, weight, bias, invstd, scale, True, 1e-5,
-                                        "leaky_relu", 0.01, "signed", 2, [True, True, True])
+        invstd, scale = triton_backend.forward_(z, weight, bias, *stats, LEAKY)
+        grads = triton_backend.backward(z, grad, weight, bias, invstd, scale, LEAKY,
+                                        [True, True, True])
         runs.append((z, *stats, *grads))
     for first, second in zip(*runs, strict=True):
         assert torch.equal(first, second)
@@ -270,10 +273,8 @@ def test_triton_matches_reference_at_a_paper_shape(dtype, channels_last):
     for backend in (reference, triton_backend):
         z = x.clone()
         stats = torch.zeros(256, device="cuda"), torch.ones(256, device="cuda")
-        invstd, scale = backend.forward_(z, weight, bias, *stats, True, 0.1, 1e-5,
-                                         "leaky_relu", 0.01, "signed")
-        _, dweight, dbias = backend.backward(z, grad, weight, bias, invstd, scale, True, 1e-5,
-                                             "leaky_relu", 0.01, "signed", 2,
+        invstd, scale = backend.forward_(z, weight, bias, *stats, LEAKY)
+        _, dweight, dbias = backend.backward(z, grad, weight, bias, invstd, scale, LEAKY,
                                              [False, True, True])
         results.append((z.float(), *stats, dweight, dbias))
     tol = 1e-4 if dtype == torch.float32 else 2e-2

@@ -18,8 +18,9 @@ from torch import Tensor, nn
 
 from . import debug
 from .checks import check_inputs
+from .layer_config import LayerConfig
 from .modules import ABN, InPlaceABN
-from .ops import LayerConfig, overwritable
+from .ops import overwritable
 from .scale import SIGNED
 from .sync import (
     InPlaceABNSyncFunction,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .checks import check_argument_order, check_inputs, check_options
+from .layer_config import LayerConfig
 from .sync import inplace_abn_sync
 from .unchecked import abn_unchecked, inplace_abn_unchecked
 
@@ -57,10 +58,9 @@ def inplace_abn(
     check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant)
     check_argument_order("inplace_abn", running_mean, running_var)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True)
-    return inplace_abn_unchecked(
-        input, running_mean, running_var, weight, bias, training, momentum, eps,
-        activation, activation_param, variant, gamma_mode,
-    )
+    config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode,
+                         variant)
+    return inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
 
 
 def abn(
@@ -87,10 +87,8 @@ def abn(
     check_options(activation, activation_param, gamma_mode, in_place=False)
     check_argument_order("abn", running_mean, running_var)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=False)
-    return abn_unchecked(
-        input, running_mean, running_var, weight, bias, training, momentum, eps,
-        activation, activation_param, gamma_mode,
-    )
+    config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode)
+    return abn_unchecked(input, running_mean, running_var, weight, bias, config)
 
 
 __all__ = ["abn", "inplace_abn", "inplace_abn_sync"]

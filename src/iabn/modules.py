@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from .checks import check_inputs, check_options, check_per_call, input_signature
+from .layer_config import LayerConfig
 from .scale import ABS, SIGNED
 from .unchecked import abn_unchecked, inplace_abn_unchecked
 
@@ -127,10 +128,9 @@ class ABN(_NormBase):
         weight, bias = self.weight, self.bias
         self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
         momentum = self._count_batch()
-        return abn_unchecked(
-            input, running_mean, running_var, weight, bias, use_batch_stats,
-            momentum, self.eps, self.activation, self.activation_param, self.gamma_mode,
-        )
+        config = LayerConfig(use_batch_stats, momentum, self.eps, self.activation,
+                             self.activation_param, self.gamma_mode)
+        return abn_unchecked(input, running_mean, running_var, weight, bias, config)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -196,11 +196,9 @@ class InPlaceABN(ABN):
         weight, bias = self.weight, self.bias
         self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
         momentum = self._count_batch()
-        return inplace_abn_unchecked(
-            input, running_mean, running_var, weight, bias, use_batch_stats,
-            momentum, self.eps, self.activation, self.activation_param, self.variant,
-            self.gamma_mode,
-        )
+        config = LayerConfig(use_batch_stats, momentum, self.eps, self.activation,
+                             self.activation_param, self.gamma_mode, self.variant)
+        return inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
 
     def extra_repr(self) -> str:
         text = super().extra_repr()

@@ -24,33 +24,24 @@ registered operators, which is what the compiler needs.
 :class:`InPlaceABNFunction` ties them together for autograd: it marks ``x`` dirty (the output
 *is* the input's storage) and saves only ``z`` and per-channel tensors.
 
-Scalar options travel as one :class:`LayerConfig` so that ``Function.apply`` handles six
-arguments rather than thirteen (its per-argument overhead is measurable on small layers).
+Scalar options travel as one :class:`~iabn.layer_config.LayerConfig` from the layer to the
+kernels, so that ``Function.apply`` handles six arguments rather than thirteen (its
+per-argument overhead is measurable on small layers); only the registered operators take them
+one by one, as their schema requires.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .kernels import reference
 from .kernels.dispatch import backend_for
+from .layer_config import LayerConfig
 
 _EMPTY_SHAPE = (0,)
-
-
-class LayerConfig(NamedTuple):
-    """The layer's scalar options, as passed to :class:`InPlaceABNFunction`."""
-
-    training: bool
-    momentum: float
-    eps: float
-    activation: str
-    activation_param: float
-    gamma_mode: str
-    variant: int
 
 
 @torch.library.custom_op(
@@ -70,10 +61,9 @@ def inplace_abn_forward_(
     activation_param: float,
     gamma_mode: str,
 ) -> tuple[Tensor, Tensor]:
-    return backend_for(x).forward_(
-        x, weight, bias, running_mean, running_var, training, momentum, eps,
-        activation, activation_param, gamma_mode,
-    )
+    # An operator's schema takes scalars, not a LayerConfig: the fields travel one by one.
+    config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode)
+    return backend_for(x).forward_(x, weight, bias, running_mean, running_var, config)
 
 
 @inplace_abn_forward_.register_fake
@@ -100,9 +90,9 @@ def inplace_abn_backward(
     variant: int,
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
+    config = LayerConfig(training, 0.0, eps, activation, activation_param, gamma_mode, variant)
     dx, dgamma, dbeta = backend_for(z).backward(
-        z, dz, weight, bias, invstd, scale, training, eps, activation, activation_param,
-        gamma_mode, variant, output_mask,
+        z, dz, weight, bias, invstd, scale, config, output_mask
     )
     # An operator returns tensors, never None: gradients not asked for come back empty.
     empty = z.new_empty(_EMPTY_SHAPE)
@@ -126,11 +116,27 @@ def _(z, dz, weight, bias, invstd, scale, training, eps, activation, activation_
 
 
 class _RegisteredOperators:
-    """The registered operators, with the kernel modules' ``forward_``/``backward`` interface:
-    what the layer calls under ``torch.compile``, which needs operators, not Python."""
+    """The registered operators behind the kernel modules' ``forward_``/``backward``
+    interface: what the layer calls under ``torch.compile``, which needs operators, not
+    Python. The config's fields become the operators' scalar arguments."""
 
-    forward_ = inplace_abn_forward_
-    backward = inplace_abn_backward
+    @staticmethod
+    def forward_(x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                 running_mean: Tensor | None, running_var: Tensor | None,
+                 config: LayerConfig) -> tuple[Tensor, Tensor]:
+        return inplace_abn_forward_(
+            x, weight, bias, running_mean, running_var, config.training, config.momentum,
+            config.eps, config.activation, config.activation_param, config.gamma_mode,
+        )
+
+    @staticmethod
+    def backward(z: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
+                 invstd: Tensor, scale: Tensor, config: LayerConfig,
+                 output_mask: list[bool]) -> tuple[Tensor, Tensor, Tensor]:
+        return inplace_abn_backward(
+            z, dz, weight, bias, invstd, scale, config.training, config.eps, config.activation,
+            config.activation_param, config.gamma_mode, config.variant, output_mask,
+        )
 
 
 def kernels_for(x: Tensor) -> Any:
@@ -147,10 +153,7 @@ def forward_(
     """Run the forward kernel in place (``kernels`` as :func:`kernels_for` gives them)."""
     if kernels is None:
         kernels = kernels_for(x)
-    return kernels.forward_(
-        x, weight, bias, running_mean, running_var, config.training, config.momentum,
-        config.eps, config.activation, config.activation_param, config.gamma_mode,
-    )
+    return kernels.forward_(x, weight, bias, running_mean, running_var, config)
 
 
 def overwritable(x: Tensor) -> Tensor:
@@ -206,10 +209,7 @@ class InPlaceABNFunction(torch.autograd.Function):
         c = ctx.config
         want_dx, want_dweight, want_dbias = ctx.needs_input_grad[:3]
         mask = [want_dx, want_dweight and weight is not None, want_dbias and bias is not None]
-        dx, dgamma, dbeta = ctx.kernels.backward(
-            z, dz, weight, bias, invstd, scale, c.training, c.eps, c.activation,
-            c.activation_param, c.gamma_mode, c.variant, mask,
-        )
+        dx, dgamma, dbeta = ctx.kernels.backward(z, dz, weight, bias, invstd, scale, c, mask)
         return (
             dx if mask[0] else None, dgamma if mask[1] else None, dbeta if mask[2] else None,
             None, None, None,

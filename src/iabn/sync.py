@@ -25,7 +25,8 @@ from .checks import check_argument_order, check_inputs, check_options
 from .kernels import reference
 from .kernels import sync_reference as sync
 from .kernels.dispatch import backend_for, sync_backend_for
-from .ops import LayerConfig, overwritable, refuse_double_backward
+from .layer_config import LayerConfig
+from .ops import overwritable, refuse_double_backward
 from .scale import SIGNED
 from .unchecked import inplace_abn_unchecked
 
@@ -117,10 +118,7 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
                 f"expected more than 1 value per channel when training, got {total} over all "
                 f"ranks: use larger batches or eval mode"
             )
-        invstd, scale = sync.normalize_(
-            backend_for(x), x, weight, bias, mean, var, config.eps, config.activation,
-            config.activation_param, config.gamma_mode,
-        )
+        invstd, scale = sync.normalize_(backend_for(x), x, weight, bias, mean, var, config)
         if running_mean is not None and running_var is not None:
             sync.update_running_stats_(running_mean, running_var, mean, var, total,
                                        config.momentum)
@@ -135,7 +133,7 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         z, weight, bias, invstd, scale = ctx.saved_tensors
         c = ctx.config
         kernels = sync_backend_for(z)
-        saved, sums = kernels.local_sums(z, dz, bias, scale, c.activation, c.activation_param)
+        saved, sums = kernels.local_sums(z, dz, bias, scale, c)
         global_sums = sums.clone()
         dist.all_reduce(global_sums, group=ctx.group)
         dx = None
@@ -178,11 +176,9 @@ def inplace_abn_sync(
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True,
                  synchronised=synced_group is not None)
     if synced_group is None:
-        return inplace_abn_unchecked(
-            input, running_mean, running_var, weight, bias, training, momentum, eps,
-            activation, activation_param, 2, gamma_mode,
-        )
-    config = LayerConfig(True, momentum, eps, activation, activation_param, gamma_mode, 2)
+        config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode)
+        return inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
+    config = LayerConfig(True, momentum, eps, activation, activation_param, gamma_mode)
     if debug._ACTIVE and debug.intercepts():  # iabn.debug.poison_overwritten
         return debug.poisoned_call(
             lambda copy: InPlaceABNSyncFunction.apply(

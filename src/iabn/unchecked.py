@@ -13,28 +13,25 @@ from torch import Tensor
 
 from . import activation as act
 from . import debug
-from .ops import InPlaceABNFunction, LayerConfig, forward_, overwritable
+from .layer_config import LayerConfig
+from .ops import InPlaceABNFunction, forward_, overwritable
 from .scale import ABS, abs_sign
 
 
 def inplace_abn_unchecked(
     input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
-    weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
-    activation: str, activation_param: float, variant: int, gamma_mode: str,
+    weight: Tensor | None, bias: Tensor | None, config: LayerConfig,
 ) -> Tensor:
+    """Overwrite ``input`` with the layer's output and return it (autograd node when needed)."""
     # Every in-place call but the synchronised one passes here; the debug mode
     # (iabn.debug.poison_overwritten) reruns this function on a copy of the input.
     if debug._ACTIVE and debug.intercepts():
         return debug.poisoned_call(
             lambda copy: inplace_abn_unchecked(
-                copy, running_mean, running_var, weight, bias, training, momentum, eps,
-                activation, activation_param, variant, gamma_mode,
+                copy, running_mean, running_var, weight, bias, config
             ),
             input, "iabn.functional.inplace_abn",
         )
-    config = LayerConfig(
-        training, momentum, eps, activation, activation_param, gamma_mode, variant
-    )
     # Spelled out: a generator over the three tensors costs a microsecond per layer call.
     needs_grad = torch.is_grad_enabled() and (
         input.requires_grad
@@ -51,9 +48,11 @@ def inplace_abn_unchecked(
 
 def abn_unchecked(
     input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
-    weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
-    activation: str, activation_param: float, gamma_mode: str,
+    weight: Tensor | None, bias: Tensor | None, config: LayerConfig,
 ) -> Tensor:
+    """Batch norm, then the activation, without overwriting ``input`` (``config.variant`` is
+    not used: nothing is inverted)."""
+    training, momentum, eps, activation, activation_param, gamma_mode, _ = config
     if weight is not None and gamma_mode == ABS:
         # Signed mode uses the weight as it is: nothing is inverted here, so |weight| < eps
         # needs no clamp and ABN computes exactly nn.BatchNorm + activation.

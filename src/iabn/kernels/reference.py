@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import activation as act
+from ..layer_config import LayerConfig
 from ..scale import effective_scale, gamma_grad
 from . import scratch
 
@@ -79,21 +80,17 @@ def forward_(
     bias: Tensor | None,
     running_mean: Tensor | None,
     running_var: Tensor | None,
-    training: bool,
-    momentum: float,
-    eps: float,
-    activation: str,
-    activation_param: float,
-    gamma_mode: str,
+    config: LayerConfig,
 ) -> tuple[Tensor, Tensor]:
     """Overwrite ``x`` with ``phi(g * (x - mu) * invstd + beta)``; return ``(invstd, g)``.
 
     ``g = scale(weight)`` (ones without affine) and ``invstd`` are ``(C,)`` in the statistics
     dtype; backward needs both, so they are returned rather than recomputed there.
-    ``training=True`` normalises with the batch statistics and, when the running buffers are
-    given, updates them in place as ``nn.BatchNorm`` does (unbiased variance, ``momentum``).
-    ``training=False`` normalises with the running statistics.
+    ``config.training`` normalises with the batch statistics and, when the running buffers are
+    given, updates them in place as ``nn.BatchNorm`` does (unbiased variance,
+    ``config.momentum``); otherwise it normalises with the running statistics.
     """
+    training, momentum, eps, activation, activation_param, gamma_mode, _ = config
     channels = x.shape[1]
     sdtype = stat_dtype(x, weight, running_mean)
     device = x.device
@@ -134,21 +131,17 @@ def backward(
     bias: Tensor | None,
     invstd: Tensor,
     scale: Tensor,
-    training: bool,
-    eps: float,
-    activation: str,
-    activation_param: float,
-    gamma_mode: str,
-    variant: int,
+    config: LayerConfig,
     output_mask: list[bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """Gradients ``(dx, dgamma, dbeta)`` from the stored output ``z`` and its gradient ``dz``.
 
-    ``invstd`` and ``scale`` (``g``) are what :func:`forward_` returned. ``training`` says
-    whether forward used batch statistics (their gradient flows into ``dx``) or running
+    ``invstd`` and ``scale`` (``g``) are what :func:`forward_` returned. ``config.training``
+    says whether forward used batch statistics (their gradient flows into ``dx``) or running
     statistics (``dx = dy * g * invstd``). ``output_mask`` selects which of the three are
     computed; the others are ``None``. ``z`` and ``dz`` are only read.
     """
+    training, _, eps, activation, activation_param, gamma_mode, variant = config
     want_dx, want_dgamma, want_dbeta = output_mask
     y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
     invstd = _cast(invstd, y.dtype)

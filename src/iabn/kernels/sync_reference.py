@@ -16,6 +16,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from ..layer_config import LayerConfig
 from .reference import _cast, channel_view, compute_dtype, recover, stat_dtype
 
 MERGE_DTYPE = torch.float64
@@ -64,17 +65,13 @@ def normalize_(
     bias: Tensor | None,
     mean: Tensor,
     var: Tensor,
-    eps: float,
-    activation: str,
-    activation_param: float,
-    gamma_mode: str,
+    config: LayerConfig,
 ) -> tuple[Tensor, Tensor]:
     """Overwrite ``x`` with ``phi(g * (x - mean) / sqrt(var + eps) + beta)``; return
     ``(invstd, g)``: the single-process forward in eval mode of ``kernels`` (a backend module
     from :mod:`.dispatch`), with the merged statistics standing in for the running ones."""
     sdtype = stat_dtype(x, weight, None)
-    return kernels.forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), False,
-                            0.0, eps, activation, activation_param, gamma_mode)
+    return kernels.forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), config.for_eval())
 
 
 def update_running_stats_(
@@ -88,14 +85,13 @@ def update_running_stats_(
 
 
 def local_sums(
-    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
-    activation_param: float,
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
 ) -> tuple[tuple[Tensor, Tensor], Tensor]:
     """``(saved, sums)`` with ``sums = [sum(dy * xhat), sum(dy)]`` stacked ``(2, C)`` and
     ``saved = (y, dy)`` for :func:`input_grad`: scratch tensors (see
     :func:`reference.recover`), valid until the next backward on this thread.
     """
-    y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
+    y, dy, g, beta = recover(z, dz, bias, scale, config.activation, config.activation_param)
     if not z.numel():
         return (y, dy), torch.zeros(2, g.shape[0], dtype=g.dtype, device=z.device)
     # The reductions of the batch-norm backward, with the identity of reference.py.

@@ -28,6 +28,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import activation as act
+from ..layer_config import LayerConfig
 from ..scale import ABS
 from . import reference
 from . import triton_kernels as k
@@ -164,18 +165,13 @@ def forward_(
     bias: Tensor | None,
     running_mean: Tensor | None,
     running_var: Tensor | None,
-    training: bool,
-    momentum: float,
-    eps: float,
-    activation: str,
-    activation_param: float,
-    gamma_mode: str,
+    config: LayerConfig,
 ) -> tuple[Tensor, Tensor]:
     """As :func:`.reference.forward_`: overwrite ``x`` with the layer's output, update the
     running statistics in training, return ``(invstd, g)``."""
     if x.numel() == 0:
-        return reference.forward_(x, weight, bias, running_mean, running_var, training,
-                                  momentum, eps, activation, activation_param, gamma_mode)
+        return reference.forward_(x, weight, bias, running_mean, running_var, config)
+    training, momentum, eps, activation, activation_param, gamma_mode, _ = config
     work, layout = _dense(x)
     channels = layout.c
     sdtype = reference.stat_dtype(x, weight, running_mean)
@@ -187,18 +183,18 @@ def forward_(
     coeffs = torch.empty(2, channels, dtype=adtype, device=device)
     parts, programs = coeffs, 0  # unread placeholders in eval mode
     if training:
-        config = _reduction_config(layout, device)
-        programs = config.programs
+        reduction = _reduction_config(layout, device)
+        programs = reduction.programs
         parts = torch.empty(3, programs, channels, dtype=torch.float64, device=device)
         if layout.channel_on_rows:
-            k.moments_ncs_kernel[config.grid](
-                work, parts, layout.n, channels, layout.s, config.per_program,
-                BLOCK_N=config.block_a, BLOCK_S=config.block_b, ACC=acc, **_LAUNCH,
+            k.moments_ncs_kernel[reduction.grid](
+                work, parts, layout.n, channels, layout.s, reduction.per_program,
+                BLOCK_N=reduction.block_a, BLOCK_S=reduction.block_b, ACC=acc, **_LAUNCH,
             )
         else:
-            k.moments_mc_kernel[config.grid](
-                work, parts, layout.rows, channels, config.per_program,
-                BLOCK_R=config.block_a, BLOCK_C=config.block_b, ACC=acc, **_LAUNCH,
+            k.moments_mc_kernel[reduction.grid](
+                work, parts, layout.rows, channels, reduction.per_program,
+                BLOCK_R=reduction.block_a, BLOCK_C=reduction.block_b, ACC=acc, **_LAUNCH,
             )
     update_running = training and running_mean is not None
     dummy = invstd
@@ -280,19 +276,14 @@ def backward(
     bias: Tensor | None,
     invstd: Tensor,
     scale: Tensor,
-    training: bool,
-    eps: float,
-    activation: str,
-    activation_param: float,
-    gamma_mode: str,
-    variant: int,
+    config: LayerConfig,
     output_mask: list[bool],
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """As :func:`.reference.backward` (``variant`` does not change the kernels' arithmetic)."""
+    """As :func:`.reference.backward` (``config.variant`` does not change the kernels'
+    arithmetic)."""
     if z.numel() == 0:
-        return reference.backward(z, dz, weight, bias, invstd, scale, training, eps,
-                                  activation, activation_param, gamma_mode, variant,
-                                  output_mask)
+        return reference.backward(z, dz, weight, bias, invstd, scale, config, output_mask)
+    training, _, _, activation, activation_param, gamma_mode, _ = config
     want_dx = output_mask[0]
     want_dgamma = output_mask[1] and weight is not None
     want_dbeta = output_mask[2] and bias is not None
@@ -323,12 +314,12 @@ def backward(
 
 
 def local_sums(
-    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
-    activation_param: float,
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
 ) -> tuple[tuple, Tensor]:
     """``(saved, sums)``: this rank's ``sums = [sum(dy * xhat), sum(dy)]`` ``(2, C)``, and
     what :func:`input_grad` needs (``z`` and ``dz``, read again there; nothing full-size is
     materialised)."""
+    activation, activation_param = config.activation, config.activation_param
     if z.numel() == 0:  # a rank without samples contributes zeros
         sums = torch.zeros(2, z.shape[1], dtype=accumulation_dtype(z.dtype), device=z.device)
         return (z, dz, None, activation, activation_param), sums
