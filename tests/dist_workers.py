@@ -36,15 +36,17 @@ def _slice(full: torch.Tensor, sizes: list[int], rank: int) -> torch.Tensor:
 
 
 def _compare_with_single_process(rank, world, sizes, activation, dtype, atol, steps=2,
-                                 momentum=0.1, channels_last=False, shape=(6, 5, 4)):
+                                 momentum=0.1, channels_last=False, shape=(6, 5, 4),
+                                 layer_class=None):
     channels = shape[0]
     param = ACTIVATION_PARAMS[activation] or 0.01
     torch.manual_seed(1)
     reference = torch_batchnorm(len(shape) + 1, channels, momentum=momentum)
     reference = randomise_(reference).to(dtype)
     act = torch_activation(activation, param)
-    layer = iabn.InPlaceABNSync(channels, momentum=momentum, activation=activation,
-                                activation_param=param).to(dtype)
+    layer_class = layer_class or iabn.InPlaceABNSync
+    layer = layer_class(channels, momentum=momentum, activation=activation,
+                        activation_param=param).to(dtype)
     layer.load_state_dict(reference.state_dict())
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     for step in range(steps):
@@ -58,7 +60,10 @@ def _compare_with_single_process(rank, world, sizes, activation, dtype, atol, st
         out_ref.backward(upstream)
 
         x_leaf = _slice(full, sizes, rank).contiguous(memory_format=fmt).requires_grad_()
-        out = layer(x_leaf.clone())
+        before = x_leaf.detach().clone()
+        # ABNSync leaves its input untouched, so it takes the leaf itself
+        out = layer(x_leaf if layer_class is iabn.ABNSync else x_leaf.clone())
+        assert torch.equal(x_leaf.detach(), before)
         out.backward(_slice(upstream, sizes, rank).contiguous(memory_format=fmt))
 
         torch.testing.assert_close(out, _slice(out_ref, sizes, rank), atol=atol, rtol=0)
@@ -90,6 +95,13 @@ def matches_single_process(rank: int, world: int) -> None:
                                  torch.float64, 1e-10, steps=3, momentum=None)
     _compare_with_single_process(rank, world, _sizes_for(world)[0], "leaky_relu",
                                  torch.float64, 1e-10, shape=(3,))  # (N, C) input
+
+
+def abn_sync_matches_single_process(rank: int, world: int) -> None:
+    """ABNSync: the same statistics over all ranks, its input left as it was."""
+    for sizes in _sizes_for(world):
+        _compare_with_single_process(rank, world, sizes, "leaky_relu", torch.float64, 1e-10,
+                                     layer_class=iabn.ABNSync)
 
 
 def counts_collectives(rank: int, world: int) -> None:
@@ -199,6 +211,7 @@ def debug_poisons(rank: int, world: int) -> None:
 
 
 SCENARIOS = {
+    "abn_sync_matches_single_process": abn_sync_matches_single_process,
     "debug_poisons": debug_poisons,
     "matches_single_process": matches_single_process,
     "counts_collectives": counts_collectives,

@@ -59,3 +59,32 @@ def test_without_process_group_behaves_like_inplace_abn_and_warns_once(monkeypat
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         sync_layer(x.clone())  # no second warning
+
+
+def test_abn_sync_across_ranks_leaves_its_input():
+    _spawn(2, "abn_sync_matches_single_process")
+
+
+def test_abn_sync_is_abn_not_an_in_place_layer(monkeypatch):
+    """ABNSync subclasses ABN (it was an InPlaceABNSync that copied its input); without a
+    process group it is nn.BatchNorm2d + activation exactly, zero weights included."""
+    import iabn.sync
+
+    monkeypatch.setattr(iabn.sync, "_warned_single_process", True)
+    layer = iabn.ABNSync(4, activation="leaky_relu", activation_param=0.1).double()
+    assert isinstance(layer, iabn.ABN) and not isinstance(layer, iabn.InPlaceABN)
+    assert not layer._in_place
+    reference = torch.nn.BatchNorm2d(4).double()
+    with torch.no_grad():
+        for module in (layer, reference):
+            module.weight.copy_(torch.tensor([0.0, -1.5, 2.0, 1e-7]))
+            module.bias.copy_(torch.tensor([0.1, 0.2, -0.3, 0.4]))
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64, requires_grad=True)  # a leaf: allowed
+    out = layer(x)
+    expected = torch.nn.functional.leaky_relu(reference(x), 0.1)
+    assert torch.equal(out, expected)  # the same ATen calls
+    assert torch.equal(layer.running_var, reference.running_var)
+    with pytest.raises(ValueError, match="relu is not invertible"):
+        iabn.ABNSync(4, activation="relu")
+    converted = iabn.convert_sync(torch.nn.Sequential(layer))
+    assert converted[0] is layer  # already synchronised: left as it is

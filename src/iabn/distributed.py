@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import debug
-from .checks import check_inputs
+from .checks import check_inputs, check_options
 from .layer_config import LayerConfig
 from .modules import ABN, InPlaceABN
 from .ops import overwritable
@@ -29,6 +29,37 @@ from .sync import (
     inplace_abn_sync,
     resolve_group,
 )
+
+
+def _synchronised_step(layer: ABN, input: Tensor, group: Any) -> Tensor:
+    """One training step of ``layer`` (an :class:`InPlaceABNSync` or :class:`ABNSync`) with
+    statistics over ``group``: overwrites ``input`` and returns it."""
+    _, running_mean, running_var = layer._normalisation()
+    check_inputs(input, running_mean, running_var, layer.weight, layer.bias, True,
+                 in_place=True, num_features=layer.num_features, synchronised=True)
+    if not layer._ranks_checked:
+        check_across_ranks(input, group)
+        layer._ranks_checked = True
+    tracking = layer.track_running_stats and running_mean is not None
+    momentum = layer.momentum
+    if momentum is None:  # cumulative average over the batches seen, counting this one
+        momentum = 1.0 / (float(layer.num_batches_tracked) + 1) if tracking else 0.0
+    config = LayerConfig(True, momentum, layer.eps, layer.activation, layer.activation_param,
+                         layer.gamma_mode)
+
+    def step(x: Tensor) -> Tensor:
+        return InPlaceABNSyncFunction.apply(
+            x, layer.weight, layer.bias, running_mean, running_var, config, group
+        )
+
+    # ABNSync hands in its own copy, which nobody else can read: nothing to poison there.
+    if layer._in_place and debug._ACTIVE and debug.intercepts():
+        out = debug.poisoned_call(step, input, "iabn.InPlaceABNSync")
+    else:
+        out = step(overwritable(input))
+    if tracking:  # counted only once the step succeeded on every rank
+        layer.num_batches_tracked.add_(1)
+    return out
 
 
 class InPlaceABNSync(InPlaceABN):
@@ -67,44 +98,60 @@ class InPlaceABNSync(InPlaceABN):
         group = _group_to_sync(self.group, self.training)
         if group is None:
             return super().forward(input)
-        _, running_mean, running_var = self._normalisation()
-        check_inputs(input, running_mean, running_var, self.weight, self.bias, True,
-                     in_place=True, num_features=self.num_features, synchronised=True)
-        if not self._ranks_checked:
-            check_across_ranks(input, group)
-            self._ranks_checked = True
-        tracking = self.track_running_stats and running_mean is not None
-        momentum = self.momentum
-        if momentum is None:  # cumulative average over the batches seen, counting this one
-            momentum = 1.0 / (float(self.num_batches_tracked) + 1) if tracking else 0.0
-        config = LayerConfig(True, momentum, self.eps, self.activation, self.activation_param,
-                             self.gamma_mode, 2)
-        if debug._ACTIVE and debug.intercepts():  # iabn.debug.poison_overwritten
-            out = debug.poisoned_call(
-                lambda copy: InPlaceABNSyncFunction.apply(
-                    copy, self.weight, self.bias, running_mean, running_var, config, group
-                ),
-                input, "iabn.InPlaceABNSync",
-            )
-        else:
-            out = InPlaceABNSyncFunction.apply(
-                overwritable(input), self.weight, self.bias, running_mean, running_var, config,
-                group,
-            )
-        if tracking:  # counted only once the step succeeded on every rank
-            self.num_batches_tracked.add_(1)
-        return out
+        return _synchronised_step(self, input, group)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.group is None else f", group={self.group}")
 
 
-class ABNSync(InPlaceABNSync):
-    """The synchronised form of :class:`iabn.ABN`: leaves its input untouched (it works on a
-    copy), so it may follow a tensor that is needed again. Invertible activations only."""
+class ABNSync(ABN):
+    """:class:`iabn.ABN` whose training-mode statistics span all ranks of ``group``: it leaves
+    its input untouched, so it may follow a tensor that is needed again.
+
+    Same arguments as :class:`InPlaceABNSync`. Invertible activations only: the synchronised
+    step runs the in-place computation on a copy of the input, whose backward inverts the
+    activation (so it also keeps ``|scale| >= eps``). Without a multi-rank process group, and
+    in eval mode, it is :class:`iabn.ABN` exactly.
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+        device=None,
+        dtype=None,
+        *,
+        gamma_mode: str = SIGNED,
+        group: Any = None,
+    ) -> None:
+        if activation == "relu":
+            raise ValueError(
+                "activation='relu': ABNSync's synchronised backward recovers its input by "
+                "inverting the activation, and relu is not invertible; use "
+                "activation='leaky_relu' (e.g. activation_param=0.01)"
+            )
+        check_options(activation, activation_param, gamma_mode, in_place=True)
+        super().__init__(
+            num_features, eps, momentum, affine, track_running_stats, activation,
+            activation_param, device, dtype, gamma_mode=gamma_mode,
+        )
+        self.group = group
+        self._ranks_checked = False
 
     def forward(self, input: Tensor) -> Tensor:
-        return super().forward(input.clone())
+        group = _group_to_sync(self.group, self.training)
+        if group is None:
+            return super().forward(input)
+        # check_inputs runs on the copy, which holds the same shape, dtype and device.
+        return _synchronised_step(self, input.clone(), group)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.group is None else f", group={self.group}")
 
 
 def convert_sync(module: nn.Module, group: Any = None) -> nn.Module:
@@ -135,7 +182,7 @@ def _convert(module: nn.Module, sync: bool, group: Any) -> nn.Module:
 
 def _target_class(module: nn.Module, sync: bool) -> type[ABN] | None:
     if sync:
-        if isinstance(module, InPlaceABNSync):
+        if isinstance(module, (InPlaceABNSync, ABNSync)):
             return None
         if isinstance(module, InPlaceABN):
             return InPlaceABNSync
