@@ -51,6 +51,14 @@ def test_the_main_job_needs_no_tool_packages():
     assert "usage: iabn bench" in result.stdout
 
 
+def test_conversion_loads_on_first_use():
+    script = ("import sys, iabn; assert 'iabn.conversion' not in sys.modules; "
+              "assert iabn.convert is sys.modules['iabn.conversion'].convert; print('ok')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
 def _import_graph():
     """iabn's modules and the iabn modules each imports (top-level and inside functions)."""
     import ast
