@@ -62,7 +62,26 @@ def _synchronised_step(layer: ABN, input: Tensor, group: Any) -> Tensor:
     return out
 
 
-class InPlaceABNSync(InPlaceABN):
+class _Synchronised:
+    """What :class:`InPlaceABNSync` and :class:`ABNSync` share: in training with a multi-rank
+    group, :func:`_synchronised_step`; otherwise the local layer's own ``forward``."""
+
+    group: Any
+
+    def _to_overwrite(self, input: Tensor) -> Tensor:
+        return input
+
+    def forward(self, input: Tensor) -> Tensor:
+        group = _group_to_sync(self.group, self.training)
+        if group is None:
+            return super().forward(input)
+        return _synchronised_step(self, self._to_overwrite(input), group)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.group is None else f", group={self.group}")
+
+
+class InPlaceABNSync(_Synchronised, InPlaceABN):
     """:class:`iabn.InPlaceABN` whose training-mode statistics span all ranks of ``group``.
 
     Same arguments as :class:`iabn.InPlaceABN` (backward variant II) plus ``group``: a
@@ -94,17 +113,8 @@ class InPlaceABNSync(InPlaceABN):
         self.group = group
         self._ranks_checked = False
 
-    def forward(self, input: Tensor) -> Tensor:
-        group = _group_to_sync(self.group, self.training)
-        if group is None:
-            return super().forward(input)
-        return _synchronised_step(self, input, group)
 
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ("" if self.group is None else f", group={self.group}")
-
-
-class ABNSync(ABN):
+class ABNSync(_Synchronised, ABN):
     """:class:`iabn.ABN` whose training-mode statistics span all ranks of ``group``: it leaves
     its input untouched, so it may follow a tensor that is needed again.
 
@@ -143,15 +153,8 @@ class ABNSync(ABN):
         self.group = group
         self._ranks_checked = False
 
-    def forward(self, input: Tensor) -> Tensor:
-        group = _group_to_sync(self.group, self.training)
-        if group is None:
-            return super().forward(input)
-        # check_inputs runs on the copy, which holds the same shape, dtype and device.
-        return _synchronised_step(self, input.clone(), group)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + ("" if self.group is None else f", group={self.group}")
+    def _to_overwrite(self, input: Tensor) -> Tensor:
+        return input.clone()  # the synchronised step runs in place: on a copy here
 
 
 def convert_sync(module: nn.Module, group: Any = None) -> nn.Module:
