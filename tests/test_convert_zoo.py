@@ -114,8 +114,7 @@ def test_lossless_conversion_is_the_same_model(name):
     x = torch.randn(2, 3, size, size, dtype=torch.float64)
     converted, report = iabn.convert(model, x, verify=False)
     norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    assert [row.name for row in report.rows] == norms or name == "timm-tresnet_m" or (
-        {row.name for row in report.rows} >= set(norms))
+    assert [row.name for row in report.rows] == norms  # one row per norm, in model order
     assert set(converted.state_dict()) == set(model.state_dict())
     assert report.saved_before == saved_tensor_bytes(copy.deepcopy(model).train(), x)
     assert report.saved_after == saved_tensor_bytes(copy.deepcopy(converted).train(), x)
@@ -167,7 +166,7 @@ def test_families_without_batch_norm_are_returned_unchanged():
 
 
 def test_timm_batchnormact_by_activation():
-    timm = pytest.importorskip("timm", reason="timm is not installed")
+    pytest.importorskip("timm", reason="timm is not installed")
     from timm.layers import BatchNormAct2d
 
     class Net(nn.Module):
@@ -180,7 +179,6 @@ def test_timm_batchnormact_by_activation():
         def forward(self, x):
             return self.bn2(self.conv2(self.bn1(self.conv1(x))))
 
-    assert timm.__version__
     model = Net().double()
     x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
     converted, report = iabn.convert(model, x)
