@@ -10,6 +10,10 @@ whether the GPU waits for the host (issue 14). Providers, on the same input and 
 ``noop_function`` a Python ``torch.autograd.Function`` that overwrites nothing and computes
                   nothing (marks its input dirty, saves it, passes the gradient through): the
                   floor of any layer written as a Python autograd function, as iabn's is
+``bare_function`` iabn's reference kernels (``forward_``/``backward``, the same ATen calls as
+                  ``iabn``) in a bare Python ``Function`` with fixed settings: no checks, no
+                  backend choice, no module logic. ``iabn`` minus this is what work on the
+                  layer's own Python could still save; this minus ``bn`` is what it cannot
 
 One call is ``layer(leaf.clone()).backward(grad)`` with the gradients reset as
 ``optimizer.zero_grad()`` does; the clone is in every provider's call. Calls are timed in loops
@@ -35,7 +39,9 @@ import torch
 from torch import nn
 
 import iabn
+from iabn.kernels import reference
 from iabn.kernels.dispatch import use_backend
+from iabn.layer_config import LayerConfig
 from iabn.tools.bench import (
     machine_info,
     results_folder,
@@ -72,6 +78,44 @@ class _NoOp(torch.autograd.Function):
         return dz, None, None
 
 
+class _Bare(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var):
+        invstd, scale = reference.forward_(x, weight, bias, running_mean, running_var, _BARE)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, weight, bias, invstd, scale)
+        return x
+
+    @staticmethod
+    def backward(ctx, dz):
+        z, weight, bias, invstd, scale = ctx.saved_tensors
+        dx, dweight, dbias = reference.backward(
+            z, dz, weight, bias, invstd, scale, _BARE, [True, True, True]
+        )
+        return dx, dweight, dbias, None, None
+
+
+#: InPlaceABN's defaults in training: the settings every provider here runs with.
+_BARE = LayerConfig(True, 0.1, 1e-5, "leaky_relu", 0.01, "signed", 2)
+
+
+class BareFunctionLayer(nn.Module):
+    """InPlaceABN's work and nothing else: its kernels in a Python ``Function`` (training,
+    leaky_relu 0.01, momentum 0.1, eps 1e-5, signed scale, affine)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.register_buffer("running_mean", torch.zeros(channels))
+        self.register_buffer("running_var", torch.ones(channels))
+        self.register_buffer("num_batches_tracked", torch.tensor(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.num_batches_tracked.add_(1)  # as nn.BatchNorm2d and InPlaceABN do
+        return _Bare.apply(x, self.weight, self.bias, self.running_mean, self.running_var)
+
+
 class NoOpFunctionLayer(nn.Module):
     """What every Python-autograd-function layer pays, with the layer's parameters."""
 
@@ -89,6 +133,7 @@ def providers(device: torch.device, channels: int) -> dict[str, tuple[nn.Module,
         "bn": (nn.Sequential(nn.BatchNorm2d(channels), nn.LeakyReLU(0.01, inplace=True)), None),
         "iabn": (iabn.InPlaceABN(channels), None),
         "noop_function": (NoOpFunctionLayer(channels), None),
+        "bare_function": (BareFunctionLayer(channels), None),
     }
     if device.type == "cuda":
         layers["iabn_triton"] = (iabn.InPlaceABN(channels), "triton")

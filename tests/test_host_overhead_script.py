@@ -1,10 +1,14 @@
 """Smoke run of benchmarks/host_overhead.py on CPU: a row per shape with every provider's time
 and its ratio to BatchNorm + activation, side by side from one run; usage errors exit 2."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
+from torch import nn
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "host_overhead.py"
 
@@ -22,7 +26,7 @@ def test_quick_cpu_run_writes_times_and_ratios(tmp_path):
     assert report["machine"]["torch_version"] and report["device"] == "cpu"
     assert [row["shape"] for row in report["rows"]] == [[2, 8, 4, 4], [8, 64, 8, 8]]
     for row in report["rows"]:
-        assert set(row["us_per_call"]) == {"bn", "iabn", "noop_function"}
+        assert set(row["us_per_call"]) == {"bn", "iabn", "noop_function", "bare_function"}
         assert all(len(v) == 3 for v in row["samples_ms"].values())  # --quick: 3 repeats
         for name, us in row["us_per_call"].items():
             assert us > 0
@@ -34,3 +38,41 @@ def test_bad_repeats_is_a_usage_error(tmp_path):
     done = _run("--device", "cpu", "--repeats", "0", "--json", str(tmp_path / "x.json"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("host_overhead", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bare_function_does_the_layers_work():
+    """The floor it stands for is only a floor if it computes what the layer computes: a
+    training step equal to BatchNorm2d + LeakyReLU(0.01) in float64 (outputs, all gradients,
+    running statistics)."""
+    torch.manual_seed(0)
+    bare = _load_script().BareFunctionLayer(5).double()
+    bn = nn.BatchNorm2d(5).double()
+    weight, bias = torch.rand(5) + 0.5, torch.randn(5)
+    with torch.no_grad():
+        for layer in (bare, bn):
+            layer.weight.copy_(weight)
+            layer.bias.copy_(bias)
+    leaf = torch.randn(3, 5, 4, 4, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(3, 5, 4, 4, dtype=torch.float64)
+    expected = nn.functional.leaky_relu(bn(leaf * 1), 0.01)
+    expected.backward(grad)
+    expected_grads = [t.grad.clone() for t in (leaf, bn.weight, bn.bias)]
+    leaf.grad = None
+    out = bare(leaf * 1)
+    out.backward(grad)
+    got = [leaf.grad, bare.weight.grad, bare.bias.grad]
+    # float64 rounding only: the largest difference measured is 1.8e-15 (weight gradient);
+    # the bound is about 50x that
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-13)
+    for g, e in zip(got, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-13)
+    torch.testing.assert_close(bare.running_mean, bn.running_mean, rtol=0, atol=1e-13)
+    torch.testing.assert_close(bare.running_var, bn.running_var, rtol=0, atol=1e-13)
+    assert int(bare.num_batches_tracked) == 1
