@@ -3,7 +3,11 @@ references built from ``torch.nn``."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -16,6 +20,17 @@ HAS_CUDA = torch.cuda.is_available()
 INTERPRET = not HAS_CUDA or os.environ.get("IABN_TEST_INTERPRET", "0") not in ("", "0")
 #: Where tests of the Triton kernels put their tensors.
 TRITON_DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+
+def load_script(path: Path) -> ModuleType:
+    """Import a benchmark script (not a package module) as the module named after its file,
+    freshly executed. It is registered in ``sys.modules`` first, where dataclasses look their
+    module up."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def runs_triton(test):

@@ -2,11 +2,12 @@
 every (shape, dtype, layout, provider, mode) gets a row, and every provider computes the
 same layer as float64 ``nn.BatchNorm2d`` + LeakyReLU."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 # a CPU smoke run of a GPU script; its Triton rows need the interpreter.
 pytestmark = pytest.mark.without_gpu
@@ -14,17 +15,10 @@ pytestmark = pytest.mark.without_gpu
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_speed.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cpu_smoke_run_writes_every_row(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("IABN_BACKEND", "reference")  # restored after the script sets it
-    gpu_speed = _load()
+    gpu_speed = load_script(SCRIPT)
     out, table = tmp_path / "speed.json", tmp_path / "speed.csv"
     assert gpu_speed.main(["--device", "cpu", "--quick", "--repeats", "1", "--dtypes",
                            "float32", "--layouts", "nchw,channels_last", "--providers",
@@ -42,7 +36,7 @@ def test_cpu_smoke_run_writes_every_row(tmp_path, monkeypatch):
 
 
 def test_refuses_to_run_without_cuda_unless_asked_for_cpu():
-    gpu_speed = _load()
+    gpu_speed = load_script(SCRIPT)
     if gpu_speed.torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     with pytest.raises(SystemExit):

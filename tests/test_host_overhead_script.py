@@ -1,7 +1,6 @@
 """Smoke run of benchmarks/host_overhead.py on CPU: a row per shape with every provider's time
 and its ratio to BatchNorm + activation, side by side from one run; usage errors exit 2."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -9,6 +8,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from helpers import load_script
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "host_overhead.py"
 
@@ -40,19 +41,12 @@ def test_bad_repeats_is_a_usage_error(tmp_path):
     assert not (tmp_path / "x.json").exists()
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("host_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bare_function_does_the_layers_work():
     """The floor it stands for is only a floor if it computes what the layer computes: a
     training step equal to BatchNorm2d + LeakyReLU(0.01) in float64 (outputs, all gradients,
     running statistics)."""
     torch.manual_seed(0)
-    bare = _load_script().BareFunctionLayer(5).double()
+    bare = load_script(SCRIPT).BareFunctionLayer(5).double()
     bn = nn.BatchNorm2d(5).double()
     weight, bias = torch.rand(5) + 0.5, torch.randn(5)
     with torch.no_grad():

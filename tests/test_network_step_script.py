@@ -6,10 +6,11 @@ import functools
 import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import load_script
 
 # a CPU smoke run; on a CUDA machine the script would pick CUDA and add the peak search.
 pytestmark = pytest.mark.without_gpu
@@ -19,11 +20,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "network_step.py"
 
 @functools.cache
 def _load():
-    spec = importlib.util.spec_from_file_location("network_step", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["network_step"] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _positive(value) -> bool:

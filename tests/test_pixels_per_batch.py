@@ -3,7 +3,6 @@ from iabn.memory, the offloading rule equals OffloadModel's choice, the size sea
 brute-force scan, and the benchmark script's quick run reports what it measured."""
 
 import gc
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -24,6 +23,8 @@ from iabn.tools.bench.pixels import (
     pixels_per_batch,
     segmentation_model,
 )
+
+from helpers import load_script
 
 # compares with OffloadModel's host-copy path, taken only without CUDA.
 pytestmark = pytest.mark.without_gpu
@@ -197,9 +198,7 @@ def test_bad_arguments_are_named():
 
 
 def test_benchmark_script_prints_and_writes_what_it_measured(tmp_path, capsys, monkeypatch):
-    spec = importlib.util.spec_from_file_location("pixels_per_batch", BENCHMARK)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(BENCHMARK)
     # the script's own bodies are covered above; the tiny model keeps this run to a second
     monkeypatch.setattr(script.ByteCounter, "for_body", classmethod(
         lambda cls, body, depth=None: cls(_tiny_segmenter, body)))
