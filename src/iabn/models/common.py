@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from .norm_act import NormAct
 
@@ -27,17 +26,6 @@ def input_3x3_stem(make: NormAct) -> nn.Sequential:
         ("conv3", nn.Conv2d(64, 64, 3, 1, 1, bias=False)),
         ("pool", nn.MaxPool2d(3, 2, 1)),
     ]))
-
-
-def activate_(x: Tensor, activation: str, param: float) -> Tensor:
-    """The model's activation applied in place (``x`` must be a fresh tensor)."""
-    if activation == "leaky_relu":
-        return F.leaky_relu_(x, param)
-    if activation == "elu":
-        return F.elu_(x, param)
-    if activation == "relu":
-        return F.relu_(x)
-    return x
 
 
 def init_weights(model: nn.Module) -> None:

@@ -16,7 +16,8 @@ from collections import OrderedDict
 
 from torch import Tensor, nn
 
-from .common import activate_, classifier_head, init_weights
+from .. import activation as act
+from .common import classifier_head, init_weights
 from .norm_act import NormAct, norm_act_factory
 
 DEPTHS = {18: (2, 2, 2, 2), 34: (3, 4, 6, 3), 50: (3, 4, 6, 3), 101: (3, 4, 23, 3),
@@ -43,7 +44,7 @@ class _ResidualV1(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         shortcut = x if self.proj_conv is None else self.proj_bn(self.proj_conv(x))
         out = self.convs(x) + shortcut
-        return activate_(out, self.activation, self.activation_param)
+        return act.apply_(out, self.activation, self.activation_param)
 
 
 class BasicBlock(_ResidualV1):
