@@ -78,6 +78,10 @@ class _NoOp(torch.autograd.Function):
         return dz, None, None
 
 
+#: InPlaceABN's defaults in training: the settings every provider here runs with.
+_BARE = LayerConfig(True, 0.1, 1e-5, "leaky_relu", 0.01, "signed", 2)
+
+
 class _Bare(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var):
@@ -93,10 +97,6 @@ class _Bare(torch.autograd.Function):
             z, dz, weight, bias, invstd, scale, _BARE, [True, True, True]
         )
         return dx, dweight, dbias, None, None
-
-
-#: InPlaceABN's defaults in training: the settings every provider here runs with.
-_BARE = LayerConfig(True, 0.1, 1e-5, "leaky_relu", 0.01, "signed", 2)
 
 
 class BareFunctionLayer(nn.Module):
