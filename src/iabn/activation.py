@@ -10,6 +10,8 @@ All functions here run PyTorch's own vectorised kernels (``leaky_relu``, ``elu``
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -47,6 +49,11 @@ def check_activation(activation: str, activation_param: float, *, in_place: bool
         raise ValueError(
             f"unknown activation={activation!r}: use one of {', '.join(map(repr, allowed))}"
         )
+    if not isinstance(activation_param, numbers.Real) or isinstance(activation_param, bool):
+        raise TypeError(
+            f"activation_param={activation_param!r}: must be a number (leaky_relu's negative "
+            f"slope or elu's alpha, e.g. 0.01)"
+        )
     if activation in (LEAKY_RELU, ELU):
         name = "negative slope" if activation == LEAKY_RELU else "alpha"
         param = float(activation_param)
@@ -70,7 +77,9 @@ def apply_(x: Tensor, activation: str, activation_param: float) -> Tensor:
         return F.elu_(x, activation_param)
     if activation == RELU:
         return F.relu_(x)
-    return x
+    if activation == IDENTITY:
+        return x
+    raise ValueError(f"unknown activation={activation!r}: use one of {ALL_ACTIVATIONS}")
 
 
 def invert(

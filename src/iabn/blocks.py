@@ -158,7 +158,8 @@ class BNActConv(nn.Module):
                 f"3x3 'same' convolution)"
             )
         in_place = strategy.startswith("inplace")
-        check_options(activation, activation_param, gamma_mode, in_place=in_place)
+        check_options(activation, activation_param, gamma_mode, in_place=in_place, eps=eps,
+                      momentum=momentum)
         self.strategy = strategy
         factory = {"device": device, "dtype": dtype}
         norm_args = (in_channels, eps, momentum, affine, track_running_stats, activation,

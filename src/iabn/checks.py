@@ -7,6 +7,8 @@ running statistics exactly as they were. Messages name the argument and the fix.
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -19,22 +21,74 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPES = "(N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W)"
 
 
-@functools.lru_cache(maxsize=256)
 def check_options(
     activation: str, activation_param: float, gamma_mode: str, *, in_place: bool,
-    variant: int = 2,
+    variant: int = 2, eps: float = 1e-5, momentum: float | None = 0.1,
 ) -> None:
-    """Validate the layer's configuration (called at construction and by the functionals).
+    """Validate the layer's configuration: at construction, on assignment of an option to a
+    built layer, and by the functionals on every call.
 
-    Memoised: the verdict depends only on the (hashable) arguments, and the functionals call
-    it on every call. A rejected configuration raises every time (exceptions are not cached).
+    The verdict depends only on the arguments; hashable ones are memoised (the functionals
+    call this on every call). A rejected configuration raises every time (exceptions are not
+    cached); an unhashable argument (a list, say) is checked uncached, to name it.
     """
+    try:
+        _check_options_cached(activation, activation_param, gamma_mode, in_place, variant, eps,
+                              momentum)
+    except TypeError:
+        _check_options(activation, activation_param, gamma_mode, in_place, variant, eps, momentum)
+        raise
+
+
+def _check_options(
+    activation: str, activation_param: float, gamma_mode: str, in_place: bool, variant: int,
+    eps: float, momentum: float | None,
+) -> None:
+    check_eps(eps)
+    if momentum is not None and not _is_real(momentum):
+        raise TypeError(
+            f"momentum={momentum!r}: must be a number (the running-statistics factor, e.g. "
+            f"0.1) or None (a cumulative average)"
+        )
     check_activation(activation, activation_param, in_place=in_place)
     check_gamma_mode(gamma_mode)
-    if variant not in (1, 2):
+    if variant not in (1, 2) or isinstance(variant, bool):
         raise ValueError(
             f"variant={variant!r}: use 2 (default, gradients from y) or 1 (the paper's "
             f"reference variant, which recovers xhat first)"
+        )
+
+
+_check_options_cached = functools.lru_cache(maxsize=256)(_check_options)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def check_eps(eps: float) -> None:
+    """``eps`` is added to the variance before its square root (and bounds ``|scale|`` of the
+    in-place layer): it must be a finite number > 0, or a constant channel divides by 0."""
+    if not _is_real(eps):
+        raise TypeError(f"eps={eps!r}: must be a number > 0, e.g. 1e-5")
+    if not 0 < eps < math.inf:
+        raise ValueError(
+            f"eps={eps!r}: must be a finite number > 0 (e.g. 1e-5); eps <= 0 divides by zero "
+            f"(NaN outputs and gradients) on a channel whose values are all equal"
+        )
+
+
+def check_num_features(num_features: int) -> None:
+    """The channel count a layer is built for: a positive integer."""
+    if not isinstance(num_features, numbers.Integral) or isinstance(num_features, bool):
+        raise TypeError(
+            f"num_features={num_features!r}: must be an int, the channel count C of the "
+            f"(N, C, ...) input"
+        )
+    if num_features < 1:
+        raise ValueError(
+            f"num_features={num_features!r}: must be at least 1, the channel count C of the "
+            f"(N, C, ...) input"
         )
 
 
@@ -79,6 +133,15 @@ def check_inputs(
     ):
         _check_channel_tensor(name, t, input, channels)
     _check_param_dtypes(input, weight, bias, running_mean, running_var)
+    if (running_mean is None) != (running_var is None):
+        given, missing = (
+            ("running_var", "running_mean") if running_mean is None
+            else ("running_mean", "running_var")
+        )
+        raise ValueError(
+            f"{missing} is None but {given} is not: pass both running statistics or neither "
+            f"(on a layer, set both buffers to None, or use track_running_stats=False)"
+        )
     if not training and (running_mean is None or running_var is None):
         raise ValueError(
             "running_mean and running_var are required when training=False (normalising with "
@@ -183,11 +246,53 @@ def _check_writable(input: Tensor) -> None:
             )
     # The overlap query returns a Python int, which torch.compile cannot trace, so it runs in
     # eager mode only (inside a compiled graph, layer inputs are the graph's own intermediates).
-    if not torch.compiler.is_compiling() and torch._debug_has_internal_overlap(input) == 1:
+    # torch.func's wrapped tensors (vmap's batched ones) have no overlap query: there the
+    # layer is computed by composition and ATen's copy_ into the input does its own check.
+    if (
+        not torch.compiler.is_compiling() and not functorch_active()
+        and has_internal_overlap(input)
+    ):
         raise ValueError(
-            "input has elements that share memory (e.g. a tensor made by expand()), so it "
-            "cannot be overwritten in place: pass input.contiguous()"
+            "input has elements that share memory (e.g. a tensor made by expand() or "
+            "as_strided()), so it cannot be overwritten in place: pass input.contiguous(), or "
+            "use the non-in-place iabn.ABN"
         )
+
+
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``...) is running."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+# torch._debug_has_internal_overlap's verdicts (ATen's MemOverlap)
+_OVERLAP_NO, _OVERLAP_YES, _OVERLAP_TOO_HARD = 0, 1, 2
+
+
+def has_internal_overlap(t: Tensor) -> bool:
+    """Whether two elements of ``t`` share a memory location.
+
+    ATen answers at once for dense tensors (no) and for a zero stride (yes), and "too hard" for
+    the rest, where its own in-place operators go ahead and write. Here "too hard" is settled:
+    first by a sufficient condition (each stride, in increasing order, steps past the extent of
+    the smaller ones: true of every slice of a dense tensor), and only for tensors that fail
+    it, exactly, by comparing the storage offsets of all elements.
+    """
+    verdict = torch._debug_has_internal_overlap(t)
+    if verdict != _OVERLAP_TOO_HARD:
+        return verdict == _OVERLAP_YES
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz > 1)
+    extent = 0  # the largest offset the dimensions of smaller stride reach
+    for stride, size in dims:
+        if stride <= extent:
+            break
+        extent += stride * (size - 1)
+    else:
+        return False
+    offsets = torch.zeros((), dtype=torch.int64)
+    for dim, (size, stride) in enumerate(zip(t.shape, t.stride(), strict=True)):
+        index = torch.arange(size, dtype=torch.int64) * stride
+        offsets = offsets + index.reshape((size,) + (1,) * (t.dim() - dim - 1))
+    return int(torch.unique(offsets).numel()) < t.numel()
 
 
 def check_argument_order(function: str, running_mean: Tensor | None,

@@ -145,13 +145,17 @@ class ABNSync(_Synchronised, ABN):
                 "inverting the activation, and relu is not invertible; use "
                 "activation='leaky_relu' (e.g. activation_param=0.01)"
             )
-        check_options(activation, activation_param, gamma_mode, in_place=True)
+        check_options(activation, activation_param, gamma_mode, in_place=True, eps=eps,
+                      momentum=momentum)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
             activation_param, device, dtype, gamma_mode=gamma_mode,
         )
         self.group = group
         self._ranks_checked = False
+
+    # the synchronised step inverts the activation, as the in-place layer's backward does
+    _needs_inverse = True
 
     def _to_overwrite(self, input: Tensor) -> Tensor:
         return input.clone()  # the synchronised step runs in place: on a copy here

@@ -55,7 +55,8 @@ def inplace_abn(
         gamma_mode: ``"signed"`` (default, portable to ``nn.BatchNorm``) or ``"abs"``
             (``|gamma| + eps``, the original package); see :mod:`iabn.scale`.
     """
-    check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant)
+    check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant,
+                  eps=eps, momentum=momentum)
     check_argument_order("inplace_abn", running_mean, running_var)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True)
     config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode,
@@ -84,7 +85,8 @@ def abn(
     ``|weight| >= eps`` clamp that the in-place backward needs: ``abn`` is exactly
     ``F.batch_norm`` followed by the activation.
     """
-    check_options(activation, activation_param, gamma_mode, in_place=False)
+    check_options(activation, activation_param, gamma_mode, in_place=False, eps=eps,
+                  momentum=momentum)
     check_argument_order("abn", running_mean, running_var)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=False)
     config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode)

@@ -17,10 +17,20 @@ import warnings
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
-from .checks import check_inputs, check_options, check_per_call, input_signature
+from .checks import (
+    check_inputs,
+    check_num_features,
+    check_options,
+    check_per_call,
+    input_signature,
+)
 from .layer_config import LayerConfig
 from .scale import ABS, SIGNED
 from .unchecked import abn_unchecked, inplace_abn_unchecked
+
+#: The options a layer reads on every call; assigning one to a built layer validates it.
+_OPTIONS = ("num_features", "eps", "momentum", "activation", "activation_param", "gamma_mode",
+            "variant")
 
 
 class GammaModeWarning(UserWarning):
@@ -65,6 +75,8 @@ class ABN(_NormBase):
     """
 
     _in_place = False
+    #: Whether backward inverts the activation (so it must be invertible).
+    _needs_inverse = False
 
     def __init__(
         self,
@@ -80,11 +92,32 @@ class ABN(_NormBase):
         *,
         gamma_mode: str = SIGNED,
     ) -> None:
-        check_options(activation, activation_param, gamma_mode, in_place=self._in_place)
+        check_num_features(num_features)
+        check_options(activation, activation_param, gamma_mode, in_place=self._needs_inverse,
+                      eps=eps, momentum=momentum)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.activation = activation
         self.activation_param = float(activation_param)
         self.gamma_mode = gamma_mode
+
+    def __setattr__(self, name: str, value) -> None:
+        # An option assigned to a built layer is validated as the constructor validates it
+        # (same messages), before it is stored: forward and backward read these attributes
+        # and trust them. During __init__ the constructor has already checked them together.
+        if name in _OPTIONS and "gamma_mode" in self.__dict__:
+            options = {option: self.__dict__.get(option) for option in _OPTIONS}
+            options[name] = value
+            if name == "num_features":
+                check_num_features(value)
+            else:
+                check_options(
+                    options["activation"], options["activation_param"], options["gamma_mode"],
+                    in_place=self._needs_inverse, variant=options["variant"] or 2,
+                    eps=options["eps"], momentum=options["momentum"],
+                )
+            if name == "activation_param":
+                value = float(value)
+        super().__setattr__(name, value)
 
     def _normalisation(self) -> tuple[bool, Tensor | None, Tensor | None]:
         """(use batch statistics?, running_mean, running_var) exactly as ``nn.BatchNorm``."""
@@ -132,6 +165,18 @@ class ABN(_NormBase):
                              self.activation_param, self.gamma_mode)
         return abn_unchecked(input, running_mean, running_var, weight, bias, config)
 
+    def __prepare_scriptable__(self) -> ABN:
+        # torch.jit.script calls this on every submodule before compiling: fail here, with the
+        # way out, rather than deep inside the compiler on a line of the checks.
+        raise RuntimeError(
+            f"iabn.{type(self).__name__} cannot be compiled by TorchScript (torch.jit.script): "
+            f"its forward is Python that TorchScript cannot compile (input checks, an autograd "
+            f"Function). Use torch.compile (it compiles the layer, fullgraph=True included), "
+            f"or, to export for inference, a copy of the model with nn.BatchNorm2d + the "
+            f"activation in its place (a gamma_mode='signed' layer's state_dict loads into it "
+            f"unchanged)"
+        )
+
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
         # Record the parametrisation next to the version, so that loading abs-trained weights
@@ -168,6 +213,7 @@ class InPlaceABN(ABN):
     """
 
     _in_place = True
+    _needs_inverse = True
 
     def __init__(
         self,
@@ -184,7 +230,8 @@ class InPlaceABN(ABN):
         gamma_mode: str = SIGNED,
         variant: int = 2,
     ) -> None:
-        check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant)
+        check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant,
+                      eps=eps, momentum=momentum)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
             activation_param, device=device, dtype=dtype, gamma_mode=gamma_mode,

@@ -170,7 +170,8 @@ def inplace_abn_sync(
     once). It does not compare channel counts across ranks; :class:`InPlaceABNSync` does, and
     :func:`check_across_ranks` can be called once beforehand.
     """
-    check_options(activation, activation_param, gamma_mode, in_place=True)
+    check_options(activation, activation_param, gamma_mode, in_place=True, eps=eps,
+                  momentum=momentum)
     check_argument_order("inplace_abn_sync", running_mean, running_var)
     synced_group = _group_to_sync(group, training)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True,

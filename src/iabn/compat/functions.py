@@ -7,16 +7,21 @@ eps=1e-5, activation="leaky_relu", activation_param=0.01)`` (``inplace_abn_sync`
 overwritten with the result, which is returned.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: TorchScript reads these signatures (below) and
+# needs the annotations as objects, not strings.
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .. import functional
 from ..scale import ABS
 
 
+# TorchScript cannot compile iabn's layer (an autograd Function with Python-side checks), so
+# a scripted module that calls these functions (timm's norm-act layers with jit=True) calls
+# them as Python: it scripts and runs in Python; torch.jit.save refuses it, naming the call.
+@torch.jit.ignore
 def inplace_abn(
     x: Tensor,
     weight: Tensor | None,
@@ -36,6 +41,7 @@ def inplace_abn(
     )
 
 
+@torch.jit.ignore
 def inplace_abn_sync(
     x: Tensor,
     weight: Tensor | None,

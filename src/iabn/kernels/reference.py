@@ -99,6 +99,14 @@ def forward_(
         if weight is not None
         else torch.ones(channels, dtype=sdtype, device=device)
     )
+    if x.numel() == 0:
+        # Nothing to normalise, and no kernel is launched: ATen's batch-norm kernels are not
+        # all safe on empty inputs (see empty_grads). Backward of an empty input reads neither
+        # value; invstd is the running statistics' where they normalise, else NaN (there are
+        # no batch statistics).
+        if training or running_var is None:
+            return torch.full((channels,), float("nan"), dtype=sdtype, device=device), g
+        return torch.add(_cast(running_var, sdtype), eps).rsqrt_(), g
     # The kernel treats a missing bias as 0: no zeros tensor needed.
     beta = _cast(bias, sdtype) if bias is not None else None
     # For other strides the native kernel's ``out=`` write does not follow the input's
@@ -141,6 +149,8 @@ def backward(
     statistics (``dx = dy * g * invstd``). ``output_mask`` selects which of the three are
     computed; the others are ``None``. ``z`` and ``dz`` are only read.
     """
+    if z.numel() == 0:
+        return empty_grads(z, weight, bias, output_mask)
     training, _, eps, activation, activation_param, gamma_mode, variant = config
     want_dx, want_dgamma, want_dbeta = output_mask
     y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
@@ -167,6 +177,21 @@ def backward(
         dx = dy * channel_view(g * invstd, z.dim())
 
     return finish_grads(dx, dg, dbeta, z, weight, bias, gamma_mode, output_mask)
+
+
+def empty_grads(
+    z: Tensor, weight: Tensor | None, bias: Tensor | None, output_mask: list[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The gradients of a zero-size input, as ``nn.BatchNorm`` gives them: an empty ``dx`` and
+    zero parameter gradients (sums over no values). ATen's batch-norm backward is not called:
+    with no samples (N = 0) its CPU kernel divides an integer by zero, which kills the process
+    with SIGFPE."""
+    want_dx, want_dgamma, want_dbeta = output_mask
+    return (
+        torch.empty_like(z) if want_dx else None,
+        torch.zeros_like(weight) if want_dgamma and weight is not None else None,
+        torch.zeros_like(bias) if want_dbeta and bias is not None else None,
+    )
 
 
 def recover(
