@@ -315,3 +315,15 @@ def test_a_device_this_machine_lacks_exits_2_before_building(monkeypatch, capsys
     assert main(["memory", FACTORY, "--device", "cuda:99", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "--device 'cuda:99': not usable here" in err and err.count("\n") == 1
+
+
+def test_an_input_too_large_for_the_machine_is_one_line(monkeypatch, capsys):
+    def allocate(*_args, **_kwargs):  # what the CPU allocator raises for an impossible size
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 960000000000 bytes.")
+
+    monkeypatch.setattr(model_memory, "measure", allocate)
+    assert main(["memory", FACTORY, "--input", "2,3,200000,200000", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("iabn memory: error: out of cpu memory at --input 2,3,200000,200000: use a "
+                   "smaller batch or image\n")

@@ -440,7 +440,11 @@ def _memory(args: argparse.Namespace) -> int:
     try:
         result = mm.measure(model, args.model, source, args.input, args.dtype, device,
                             budgets=list(dict.fromkeys(budgets)), progress=say)
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        # an input too large for the machine; other errors are bugs, shown whole
+        if not (isinstance(error, torch.OutOfMemoryError)
+                or "can't allocate memory" in str(error)):
+            raise
         return _fail("memory", f"out of {device} memory at --input "
                      f"{','.join(map(str, args.input))}: use a smaller batch or image")
     print(mm.format_result(result))
