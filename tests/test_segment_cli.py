@@ -288,14 +288,16 @@ def test_out_dir_inside_a_flat_in_dir_is_not_read(snapshot, tmp_path, capsys):
 
 def test_outputs_that_land_in_the_input_walk_are_refused(snapshot, tmp_path, capsys,
                                                          nothing_read):
-    # IN_DIR inside OUT_DIR: in/imgs/y.png would be written to out/imgs/y.png, an input
+    # IN_DIR inside OUT_DIR: in/imgs/y.png would be written to out/imgs/y.png, an input, and
+    # in/z.png to out/z.png, beside the input folder (replacing what is there)
     out = tmp_path / "out"
     root = out / "imgs"
     _image(root / "imgs" / "y.png")
     _image(root / "z.png")
     before = _files(out)
-    assert _run(snapshot, root, out, "--recursive") == 2
-    _refused(capsys, f"outputs in {root} would be read as images")
+    for extra in ([], ["--recursive"], ["--recursive", "--overwrite"]):
+        assert _run(snapshot, root, out, *extra) == 2
+        _refused(capsys, f"OUT_DIR {out} contains IN_DIR {root}")
     assert _files(out) == before
     # an output subfolder that is a link into IN_DIR
     root2, out2 = tmp_path / "in2", tmp_path / "out2"
@@ -382,3 +384,22 @@ def test_a_full_disk_stops_with_one_line_and_keeps_finished_outputs(snapshot, tm
     assert sorted(os.listdir(out)) == ["a.png"]  # whole, and no temporary file
     with Image.open(out / "a.png") as result:
         assert result.size == (12, 10)
+
+
+def test_an_empty_out_dir_or_an_unreadable_subfolder_is_refused(snapshot, tmp_path, capsys,
+                                                                monkeypatch, nothing_read):
+    root = tmp_path / "in"
+    _image(root / "a.png")
+    _image(root / "sub" / "b.png")
+    assert _run(snapshot, root, "") == 2  # not the current folder
+    _refused(capsys, "OUT_DIR: empty path")
+    real_scandir = os.scandir
+
+    def scandir(path="."):  # as for a folder without read permission (tests may run as root)
+        if os.fspath(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert _run(snapshot, root, tmp_path / "out", "--recursive") == 2
+    _refused(capsys, f"cannot read {root / 'sub'}: Permission denied")

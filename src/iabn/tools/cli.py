@@ -166,11 +166,17 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
         "segment", help="semantic segmentation of a folder of images (DeepLabV3)",
         description="Segment every .png/.jpg/.jpeg in IN_DIR with a DeepLabV3 + WideResNet-A2 "
         "snapshot (iabn's, or the original package's Vistas file) and write the results to "
-        "OUT_DIR. Exit status 1 when an image could not be read (the others are processed).",
+        "OUT_DIR.",
+        epilog="Exit status: 0 done, 1 when an image could not be read (the others are "
+        "processed), 2 for bad arguments, an IN_DIR without images or output paths that "
+        "would lose data (checked before the snapshot or any image is read), or a failed "
+        "write.",
     )
     seg.add_argument("snapshot", help="model snapshot (.pth / .pth.tar)")
     seg.add_argument("in_dir", help="folder of input images")
-    seg.add_argument("out_dir", help="folder for the outputs (mirrors IN_DIR's layout)")
+    seg.add_argument("out_dir", help="folder for the outputs (mirrors IN_DIR's layout; "
+                     "created if missing, its parent must exist; not IN_DIR nor a folder "
+                     "containing it; inside IN_DIR it is left out of a --recursive walk)")
     seg.add_argument("--recursive", action="store_true", help="also process subfolders")
     seg.add_argument("--long-side", type=_non_negative_int, default=None,
                      help="resize so the longer side has this many pixels; 0 keeps the size "

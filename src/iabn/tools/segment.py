@@ -10,9 +10,12 @@ confidence PNG, or the dataset's own label ids (``labelids``: e.g. Cityscapes ``
 its official evaluation reads) (``--output``). Colours and label ids come from the dataset's
 :class:`~iabn.tools.data.label_sets.LabelSet` (``--palette``; by default the one an ``iabn
 train-seg`` snapshot stores, else the VOC colour map). Each file is written to a temporary
-name and renamed, and existing outputs are kept unless ``--overwrite``, so an interrupted run
-resumes. Unreadable images are reported and skipped; the exit status is 1 when any image
-failed.
+name, flushed and renamed, and existing outputs are kept unless ``--overwrite``, so an
+interrupted run resumes. Output paths that would lose data (OUT_DIR is IN_DIR or contains it,
+an output is an input, an output lands where IN_DIR is read) are refused before the snapshot
+or any image is read (:func:`prepare`); with ``--recursive`` an OUT_DIR inside IN_DIR is left
+out of the walk. Unreadable images are reported and skipped; the exit status is 1 when any
+image failed.
 
 Snapshots: the original package's Vistas file (``{"state_dict": {"body", "head", "cls"}}``,
 loaded with :func:`iabn.models.load_original`), an iabn file holding a
@@ -181,7 +184,10 @@ def find_images(root: Path, recursive: bool, exclude: Path | None = None) -> lis
     else:
         excluded = _stat(exclude) if exclude is not None else None
         candidates = []
-        for folder, subfolders, files in os.walk(root):
+        def unreadable(error: OSError) -> None:  # os.walk would skip the folder silently
+            raise error
+
+        for folder, subfolders, files in os.walk(root, onerror=unreadable):
             if excluded is not None:  # pruned in place: os.walk does not descend into them
                 subfolders[:] = [name for name in subfolders
                                  if not _same(_stat(Path(folder, name)), excluded)]
@@ -322,9 +328,14 @@ def prepare(in_dir: Path, out_dir: Path, options: SegmentOptions,
     run reads images (inside ``in_dir``: with ``--recursive`` an ``out_dir`` inside it is left
     out of the walk instead, :attr:`Plan.excluded`); an output is an existing folder or
     other non-file, or its folder cannot be made; no images at all."""
-    if _inside(out_dir, in_dir) and _inside(in_dir, out_dir):
-        raise SegmentError(f"OUT_DIR {out_dir} is IN_DIR {in_dir}: the outputs would replace "
-                           f"the images or be read as images; choose another OUT_DIR")
+    if _inside(in_dir, out_dir):
+        if _inside(out_dir, in_dir):
+            raise SegmentError(f"OUT_DIR {out_dir} is IN_DIR {in_dir}: the outputs would "
+                               f"replace the images or be read as images; choose another "
+                               f"OUT_DIR")
+        # outputs would mix with the folders around the inputs (and replace what is there)
+        raise SegmentError(f"OUT_DIR {out_dir} contains IN_DIR {in_dir}; choose an OUT_DIR "
+                           f"outside IN_DIR")
     excluded = out_dir if options.recursive and _inside(out_dir, in_dir) else None
     images = find_images(in_dir, options.recursive, excluded)
     if not images:
@@ -510,6 +521,8 @@ def run(args: Any) -> int:
         _check_labels(labels, model, args.output)
     except (ValueError, KeyError, ImportError) as error:  # DataLayoutError is a ValueError
         return fail(error)
+    except OSError as error:  # an unreadable input folder
+        return fail(f"cannot read {error.filename or in_dir}: {error.strerror or error}")
     if plan.excluded is not None:  # said even with --quiet: it changes what is read
         print(f"iabn segment: OUT_DIR {out_dir} is inside IN_DIR {in_dir}: its files are "
               f"not read as inputs", file=sys.stderr, flush=True)

@@ -114,6 +114,8 @@ def check_output_folder(text: str | Path, what: str) -> Path:
     """The output folder ``text`` names, checked before any work: an existing folder this
     process can write in, or a new one whose parent folder exists and is writable (the
     command creates it, not its parents). Raises :class:`OutputPathError`."""
+    if not str(text):  # Path("") is the current folder
+        raise OutputPathError(f"{what}: empty path; give a folder")
     path, label = Path(text), f"{what} {text}"
     if path.exists() or path.is_symlink():
         if path.is_symlink() and not path.exists():
