@@ -157,3 +157,12 @@ def test_unwritable_json_folder_exits_2(tmp_path, capsys, no_work, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     assert main([*FACTORY, "--json", str(tmp_path / "x.json")]) == 2
     assert "no permission to write in" in _one_line_error(capsys, "memory")
+
+
+def test_a_bench_input_too_large_for_the_machine_is_one_line(capsys):
+    # 8 x 64 x 10^6 x 10^6 float32: 2 PB, beyond any address space (refused at once even
+    # where the kernel overcommits memory)
+    assert main(["bench", "--size", "1000000", "--quiet", "--warmup", "0"]) == 2
+    assert _one_line_error(capsys, "bench") == (
+        "iabn bench: error: out of memory for input 8x64x1000000x1000000: use a smaller "
+        "--batch, --channels or --size\n")

@@ -386,6 +386,14 @@ def _write_json(command: str, path: Path, report: dict) -> int:
     return 0
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """An allocation the machine cannot make (an input too large for it), as opposed to a
+    bug, whose traceback stays."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
 def _arguments(args: argparse.Namespace) -> dict:
     return {k: str(v) if isinstance(v, Path) else v
             for k, v in vars(args).items() if k != "handler"}
@@ -405,7 +413,13 @@ def _bench(args: argparse.Namespace) -> int:
         repeats=args.repeats, iters=args.iters, warmup=args.warmup, seed=args.seed,
     )
     start = time.perf_counter()
-    result = run_bench(config, progress=not args.quiet)
+    try:
+        result = run_bench(config, progress=not args.quiet)
+    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        if not _out_of_memory(error):
+            raise
+        return _fail("bench", f"out of memory for input {args.batch}x{args.channels}x"
+                     f"{args.size}x{args.size}: use a smaller --batch, --channels or --size")
     print(format_table(result))
     # the run's own wall time: it depends on the machine and its load far more than on iabn
     print(f"wall time {time.perf_counter() - start:.1f} s ({threads} threads)")
@@ -446,10 +460,8 @@ def _memory(args: argparse.Namespace) -> int:
     try:
         result = mm.measure(model, args.model, source, args.input, args.dtype, device,
                             budgets=list(dict.fromkeys(budgets)), progress=say)
-    except (torch.OutOfMemoryError, RuntimeError) as error:
-        # an input too large for the machine; other errors are bugs, shown whole
-        if not (isinstance(error, torch.OutOfMemoryError)
-                or "can't allocate memory" in str(error)):
+    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        if not _out_of_memory(error):
             raise
         return _fail("memory", f"out of {device} memory at --input "
                      f"{','.join(map(str, args.input))}: use a smaller batch or image")
