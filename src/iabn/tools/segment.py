@@ -184,6 +184,7 @@ def find_images(root: Path, recursive: bool, exclude: Path | None = None) -> lis
     else:
         excluded = _stat(exclude) if exclude is not None else None
         candidates = []
+
         def unreadable(error: OSError) -> None:  # os.walk would skip the folder silently
             raise error
 
