@@ -786,7 +786,7 @@ def run(args: argparse.Namespace) -> int:
         for provider, out in row["providers"].items():
             print(format_provider(provider, out, row["ratio_to_bn"].get(provider, {})),
                   flush=True)
-        write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
+        write_text_atomic(args.json, json.dumps(report, indent=2) + "\n", parents=True)
     report["targets"] = targets(report["cells"], device)
     report["complete"] = True
     if report["targets"]:

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     path = args.log or results_folder(RESULTS) / f"suite_{device}.log"
-    write_text_atomic(path, "\n".join(lines) + "\n")
+    write_text_atomic(path, "\n".join(lines) + "\n", parents=True)
     print(f"log written to {path}")
     return code
 

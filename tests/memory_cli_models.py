@@ -33,3 +33,17 @@ def broken():
 
 
 NOT_CALLABLE = 3
+
+
+def exits():
+    """A factory that ends the process its own way: an error of the model, not success."""
+    exit(0)
+
+
+class _ExitsInForward(nn.Module):
+    def forward(self, x):
+        raise SystemExit(3)
+
+
+def exits_in_forward() -> nn.Module:
+    return _ExitsInForward()

@@ -74,7 +74,7 @@ def _check_figures(build, shape, stdout, report, dtype=torch.float32):
 
 @pytest.fixture(scope="module")
 def factory_run(tmp_path_factory):
-    path = tmp_path_factory.mktemp("memory") / "sub" / "small.json"
+    path = tmp_path_factory.mktemp("memory") / "small.json"
     status, stdout, stderr = _run(FACTORY, "--input", _shape_text(FACTORY_SHAPE), "--json",
                                   str(path), "--table")
     return status, stdout, stderr, path
@@ -94,7 +94,7 @@ def test_factory_model_figures_match_independent_counts(factory_run):
     assert report["converted"]["leaky_relu"]["counted_on"] == "meta"
     assert {"machine", "versions", "date", "arguments", "wall_time_s"} <= report.keys()
     assert report["versions"]["torch"] == torch.__version__
-    assert not list(path.parent.glob(".*.tmp"))  # the temporary file was renamed
+    assert os.listdir(path.parent) == [path.name]  # the temporary file was renamed
     umask = os.umask(0)
     os.umask(umask)
     assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
@@ -214,3 +214,116 @@ def test_parse_input():
     for text in ("", "8", "8,3,-1", "a,b"):
         with pytest.raises(ValueError, match="N,C,H,W"):
             model_memory.parse_input(text)
+
+
+# --- an --input the model cannot take, factories that exit, names listed once ---
+
+
+class Measured(Exception):
+    """Raised where the minutes of measuring would start."""
+
+
+@pytest.fixture()
+def no_measuring(monkeypatch):
+    def measured(*_args, **_kwargs):
+        raise Measured
+
+    monkeypatch.setattr(model_memory, "measure", measured)
+
+
+@pytest.mark.parametrize(("shape", "message"), [
+    ("3,16,16", "expected 4D input (got 3D input)"),  # conv2d takes it unbatched, BN does not
+    ("4,3,16", "to have 3 channels, but got 4 channels"),  # taken as unbatched C,H,W
+    ("4,3", "Expected 3D (unbatched) or 4D (batched) input to conv2d"),
+    ("4,3,8,8,5", "Expected 3D (unbatched) or 4D (batched) input to conv2d"),
+    ("4,5,8,8", "to have 3 channels, but got 5 channels"),
+    ("1,3,1,1", "more than one value per channel"),
+])
+def test_input_the_model_cannot_take_exits_2_before_measuring(shape, message, no_measuring,
+                                                              capsys):
+    assert main(["memory", FACTORY, "--input", shape, "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("iabn memory: error: --input ") and err.count("\n") == 1, err
+    assert message in err and "its first layer, 0 (Conv2d)" in err and "takes N,3,H,W" in err
+
+
+def test_one_value_per_channel_deep_in_a_torchvision_model_is_explained(no_measuring, capsys):
+    pytest.importorskip("torchvision")
+    # resnet18 at 32x32: layer4's norms see 1x1 maps, one value per channel at batch 1
+    assert main(["memory", "resnet18", "--input", "1,3,32,32", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "in layer4.0.bn1 (BatchNorm2d)" in err
+    assert "batch norm in training needs more than one value per channel" in err
+
+
+def test_input_check_falls_back_to_the_device_where_meta_cannot_run(monkeypatch):
+    """A model without meta kernels is checked with a real forward, without autograd and
+    without touching its running statistics."""
+    from memory_cli_models import small_net
+
+    real = model_memory._try_forward
+
+    def no_meta(model, shape, dtype, device):
+        if device.type == "meta":
+            return NotImplementedError("no meta kernel"), ""
+        return real(model, shape, dtype, device)
+
+    monkeypatch.setattr(model_memory, "_try_forward", no_meta)
+    model = small_net()
+    stats = model[1].running_mean.clone()
+    model_memory.check_input(model, "small", (2, 3, 8, 8), "fp32", torch.device("cpu"))
+    assert torch.equal(model[1].running_mean, stats) and model[1].num_batches_tracked == 0
+    with pytest.raises(model_memory.ModelMemoryError, match="to have 3 channels"):
+        model_memory.check_input(model, "small", (2, 4, 8, 8), "fp32", torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("memory_cli_models:exits", "calling exits() raised SystemExit(0)"),
+    ("memory_cli_models:exits_in_forward", "its forward raised SystemExit(3)"),
+    ("iabn_test_exit_on_import:f", "importing iabn_test_exit_on_import raised SystemExit(1)"),
+    ("iabn_test_fails_on_import:f", "importing iabn_test_fails_on_import raised "
+                                    "ZeroDivisionError"),
+])
+def test_user_code_that_exits_or_fails_is_an_error_naming_it(spec, message, tmp_path,
+                                                            monkeypatch, no_measuring, capsys):
+    (tmp_path / "iabn_test_exit_on_import.py").write_text("import sys\nsys.exit(1)\n")
+    (tmp_path / "iabn_test_fails_on_import.py").write_text("1 / 0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["memory", spec, "--input", "2,3,8,8", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"iabn memory: error: model {spec!r}"), err
+    assert message in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_close_matches_are_listed_once(monkeypatch):
+    monkeypatch.setattr(model_memory, "_torchvision_names", lambda: ["resnet50", "resnet18"])
+    monkeypatch.setattr(model_memory, "_timm_names",
+                        lambda: ["resnet50", "resnet18", "resnet26", "resnet50d"])
+    status, _, stderr = _run("resnet5", "--quiet")
+    assert status == 2
+    listed = re.search(r"close matches: ([^.;]*)", stderr).group(1).split(", ")
+    assert len(listed) == len(set(listed)) and {"resnet50", "resnet50d"} <= set(listed)
+
+
+def test_a_device_this_machine_lacks_exits_2_before_building(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # but no cuda:99
+
+    def built(_spec):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(model_memory, "build_model", built)
+    assert main(["memory", FACTORY, "--device", "cuda:99", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "--device 'cuda:99': not usable here" in err and err.count("\n") == 1
+
+
+def test_an_input_too_large_for_the_machine_is_one_line(monkeypatch, capsys):
+    def allocate(*_args, **_kwargs):  # what the CPU allocator raises for an impossible size
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 960000000000 bytes.")
+
+    monkeypatch.setattr(model_memory, "measure", allocate)
+    assert main(["memory", FACTORY, "--input", "2,3,200000,200000", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("iabn memory: error: out of cpu memory at --input 2,3,200000,200000: use a "
+                   "smaller batch or image\n")

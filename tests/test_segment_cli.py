@@ -1,5 +1,7 @@
 """``iabn segment`` on a folder of small images with a snapshot in the original Vistas layout."""
 
+import os
+
 import pytest
 import torch
 
@@ -205,3 +207,199 @@ def test_without_pillow_exits_2_before_any_work(snapshot, images, tmp_path, caps
     assert main(["segment", str(snapshot), str(images), str(out), "--depth", "16"]) == 2
     assert "reads and writes images with Pillow" in capsys.readouterr().err
     assert not out.exists()
+
+
+# --- outputs that would lose data: checked before anything is read or written ---
+
+
+def _image(path, size=(12, 10), colour=(200, 30, 60)):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+@pytest.fixture()
+def nothing_read(monkeypatch):
+    """The snapshot (read before any image) must not be read: the run stops before."""
+    import iabn.tools.segment
+
+    def read(_path):
+        raise AssertionError("the snapshot was read")
+
+    monkeypatch.setattr(iabn.tools.segment, "read_snapshot", read)
+
+
+def _files(root):
+    return {p: p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _refused(capsys, message):
+    err = capsys.readouterr().err
+    assert err.startswith("iabn segment: error: ") and err.count("\n") == 1, err
+    assert message in err and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize("spelling", ["same", "absolute", "dotdot", "symlink", "slash"])
+@pytest.mark.parametrize("extra", [[], ["--overwrite"], ["--recursive", "--overwrite"]])
+def test_out_dir_equal_to_in_dir_is_refused(snapshot, tmp_path, monkeypatch, capsys,
+                                            nothing_read, spelling, extra):
+    root = tmp_path / "in"
+    _image(root / "a.png")
+    _image(root / "sub" / "b.png")
+    (root / "x.jpg").write_bytes((root / "a.png").read_bytes())  # x.jpg -> x.png: no clash
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link").symlink_to(root)
+    out = {"same": "in", "absolute": str(root), "dotdot": "in/sub/..", "symlink": "link",
+           "slash": "in/"}[spelling]
+    before = _files(root)
+    assert _run(snapshot, "in", out, *extra) == 2
+    _refused(capsys, "is IN_DIR in: the outputs would replace the images")
+    assert _files(root) == before
+
+
+def test_out_dir_inside_a_recursive_in_dir_is_left_out_of_the_walk(snapshot, tmp_path,
+                                                                   capsys):
+    root = tmp_path / "in"
+    _image(root / "a.png")
+    _image(root / "sub" / "b.png")
+    out = root / "out"
+    assert _run(snapshot, root, out, "--recursive") == 0
+    captured = capsys.readouterr()
+    assert f"OUT_DIR {out} is inside IN_DIR {root}: its files are not read" in captured.err
+    assert "2 segmented" in captured.out
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png")) == [
+        "a.png", "sub/b.png"]
+    # the second run reads the same two images, not its own outputs (no out/out/a.png)
+    assert _run(snapshot, root, out, "--recursive") == 0
+    assert "0 segmented, 2 already done" in capsys.readouterr().out
+    assert not (out / "out").exists()
+
+
+def test_out_dir_inside_a_flat_in_dir_is_not_read(snapshot, tmp_path, capsys):
+    root = tmp_path / "in"
+    _image(root / "a.png")
+    out = root / "out"
+    assert _run(snapshot, root, out) == 0
+    assert _run(snapshot, root, out) == 0
+    assert "0 segmented, 1 already done" in capsys.readouterr().out.splitlines()[-1]
+    assert sorted(p.name for p in out.iterdir()) == ["a.png"]
+
+
+def test_outputs_that_land_in_the_input_walk_are_refused(snapshot, tmp_path, capsys,
+                                                         nothing_read):
+    # IN_DIR inside OUT_DIR: in/imgs/y.png would be written to out/imgs/y.png, an input, and
+    # in/z.png to out/z.png, beside the input folder (replacing what is there)
+    out = tmp_path / "out"
+    root = out / "imgs"
+    _image(root / "imgs" / "y.png")
+    _image(root / "z.png")
+    before = _files(out)
+    for extra in ([], ["--recursive"], ["--recursive", "--overwrite"]):
+        assert _run(snapshot, root, out, *extra) == 2
+        _refused(capsys, f"OUT_DIR {out} contains IN_DIR {root}")
+    assert _files(out) == before
+    # an output subfolder that is a link into IN_DIR
+    root2, out2 = tmp_path / "in2", tmp_path / "out2"
+    _image(root2 / "sub" / "c.jpg")
+    out2.mkdir()
+    (out2 / "sub").symlink_to(root2 / "sub")
+    assert _run(snapshot, root2, out2, "--recursive") == 2
+    _refused(capsys, "would be read as images")
+    assert sorted(p.name for p in (root2 / "sub").iterdir()) == ["c.jpg"]
+
+
+@pytest.mark.parametrize("link", ["hard", "symbolic"])
+def test_an_output_that_is_an_input_by_another_name_is_refused(snapshot, tmp_path, capsys,
+                                                                nothing_read, link):
+    root, out = tmp_path / "in", tmp_path / "out"
+    image = _image(root / "a.png")
+    out.mkdir()
+    if link == "hard":
+        os.link(image, out / "a.png")
+    else:
+        (out / "a.png").symlink_to(image)
+    before = image.read_bytes()
+    for extra in ([], ["--overwrite"]):
+        assert _run(snapshot, root, out, *extra) == 2
+        _refused(capsys, f"output {out / 'a.png'} of a.png is the input {image}")
+    assert image.read_bytes() == before
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_work(snapshot, tmp_path, capsys,
+                                                                nothing_read):
+    root, out = tmp_path / "in", tmp_path / "out"
+    _image(root / "a.png")
+    _image(root / "sub" / "b.png")
+    (out / "a.png").mkdir(parents=True)  # a folder where an output goes
+    assert _run(snapshot, root, out, "--recursive") == 2
+    _refused(capsys, f"output {out / 'a.png'} exists and is not a file")
+    (out / "a.png").rmdir()
+    (out / "sub").write_text("a file where an output folder goes")
+    assert _run(snapshot, root, out, "--recursive") == 2
+    _refused(capsys, f"cannot make the output folder {out / 'sub'}: {out / 'sub'} is a file")
+    assert sorted(p.name for p in out.iterdir()) == ["sub"]
+
+
+def test_a_missing_parent_of_out_dir_is_refused_not_created(snapshot, images, tmp_path,
+                                                            capsys, nothing_read):
+    out = tmp_path / "missing" / "out"
+    assert _run(snapshot, images, out) == 2
+    _refused(capsys, f"folder {tmp_path / 'missing'} does not exist; create it first")
+    assert not (tmp_path / "missing").exists()
+
+
+def test_a_folder_without_images_is_a_user_error(snapshot, tmp_path, capsys, nothing_read):
+    root = tmp_path / "in"
+    root.mkdir()
+    (root / "notes.txt").write_text("")
+    assert _run(snapshot, root, tmp_path / "out") == 2
+    _refused(capsys, "no images in IN_DIR")
+    _image(root / "deeper" / "a.PNG")
+    _image(root / "deeper" / "b.jpeg")
+    assert _run(snapshot, root, tmp_path / "out") == 2
+    _refused(capsys, ".png, .jpg, .jpeg files (any case); its subfolders hold 2: add "
+             "--recursive")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_full_disk_stops_with_one_line_and_keeps_finished_outputs(snapshot, tmp_path,
+                                                                    monkeypatch, capsys):
+    import full_disk
+
+    root, out = tmp_path / "in", tmp_path / "out"
+    for name in ("a.png", "b.png", "c.png"):
+        _image(root / name)
+    real_replace = os.replace
+
+    def replace_then_fill(source, target):
+        real_replace(source, target)
+        full_disk.install(monkeypatch)  # the disk is full after the first output
+
+    monkeypatch.setattr(os, "replace", replace_then_fill)
+    assert _run(snapshot, root, out) == 2
+    monkeypatch.undo()
+    err = _refused(capsys, "cannot write the outputs of b.png in")
+    assert "No space left on device; 1 images segmented before it are kept" in err
+    assert sorted(os.listdir(out)) == ["a.png"]  # whole, and no temporary file
+    with Image.open(out / "a.png") as result:
+        assert result.size == (12, 10)
+
+
+def test_an_empty_out_dir_or_an_unreadable_subfolder_is_refused(snapshot, tmp_path, capsys,
+                                                                monkeypatch, nothing_read):
+    root = tmp_path / "in"
+    _image(root / "a.png")
+    _image(root / "sub" / "b.png")
+    assert _run(snapshot, root, "") == 2  # not the current folder
+    _refused(capsys, "OUT_DIR: empty path")
+    real_scandir = os.scandir
+
+    def scandir(path="."):  # as for a folder without read permission (tests may run as root)
+        if os.fspath(path).endswith("sub"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    assert _run(snapshot, root, tmp_path / "out", "--recursive") == 2
+    _refused(capsys, f"cannot read {root / 'sub'}: Permission denied")

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import __version__
-from .bench import set_threads, write_text_atomic
+from .bench import OutputPathError, check_output_file, set_threads, write_text_atomic
 from .bench.blocks import BASELINE, BenchConfig, format_table, run_bench, to_json
 
 _DEFAULTS = BenchConfig()
@@ -74,7 +74,8 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
             f"saves for backward and the median forward+backward time, relative to {BASELINE}."
         ),
         epilog="Exit status: 0 on success, 1 if the strategies' losses or input gradients "
-        "disagree (the comparison would be meaningless), 2 for bad arguments.",
+        "disagree (the comparison would be meaningless), 2 for bad arguments (checked before "
+        "the run) or a --json file that could not be written.",
     )
     size = bench.add_argument_group("model and input")
     _add_int(size, "--batch", _DEFAULTS.batch, "N")
@@ -91,8 +92,11 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     timing.add_argument("--threads", type=_positive_int, default=None,
                         help="torch intra-op threads (default: torch's own choice)")
     output = bench.add_argument_group("output")
-    output.add_argument("--json", type=Path, default=None, metavar="PATH",
-                        help="also write all results and machine info as JSON to PATH")
+    output.add_argument("--json", default=None, metavar="PATH",
+                        help="also write all results and machine info as JSON to PATH (its "
+                        "folder must exist; checked before the run)")
+    output.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --json file (default: refuse it)")
     output.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.set_defaults(handler=_bench)
 
@@ -124,8 +128,9 @@ def _add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
         "becomes LeakyReLU(0.01) so the norm can go in place) and count again; print the "
         "largest batch the converted models fit in the memory the model as given needs. "
         "Parameters, gradients and optimiser state are not counted.",
-        epilog="Exit status: 0 done, 2 bad arguments (model name, --input, --device, --json "
-        "path), checked before any work where possible.",
+        epilog="Exit status: 0 done, 2 bad arguments (model name, a factory that fails, an "
+        "--input the model cannot take, --device, --json path), checked before the "
+        "measuring, or a --json file that could not be written.",
     )
     memory.add_argument("model", metavar="MODEL",
                         help="a torchvision classification model name (e.g. resnet50), a timm "
@@ -145,9 +150,11 @@ def _add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(default: not measured)")
     memory.add_argument("--table", action="store_true",
                         help="also print the leaky_relu conversion's per-layer table")
-    memory.add_argument("--json", type=Path, default=None, metavar="PATH",
+    memory.add_argument("--json", default=None, metavar="PATH",
                         help="also write all figures, the conversion reports, machine info, "
-                        "versions and the date as JSON to PATH")
+                        "versions and the date as JSON to PATH (its folder must exist)")
+    memory.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --json file (default: refuse it)")
     memory.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     memory.set_defaults(handler=_memory)
 
@@ -159,11 +166,17 @@ def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
         "segment", help="semantic segmentation of a folder of images (DeepLabV3)",
         description="Segment every .png/.jpg/.jpeg in IN_DIR with a DeepLabV3 + WideResNet-A2 "
         "snapshot (iabn's, or the original package's Vistas file) and write the results to "
-        "OUT_DIR. Exit status 1 when an image could not be read (the others are processed).",
+        "OUT_DIR.",
+        epilog="Exit status: 0 done, 1 when an image could not be read (the others are "
+        "processed), 2 for bad arguments, an IN_DIR without images or output paths that "
+        "would lose data (checked before the snapshot or any image is read), or a failed "
+        "write.",
     )
     seg.add_argument("snapshot", help="model snapshot (.pth / .pth.tar)")
     seg.add_argument("in_dir", help="folder of input images")
-    seg.add_argument("out_dir", help="folder for the outputs (mirrors IN_DIR's layout)")
+    seg.add_argument("out_dir", help="folder for the outputs (mirrors IN_DIR's layout; "
+                     "created if missing, its parent must exist; not IN_DIR nor a folder "
+                     "containing it; inside IN_DIR it is left out of a --recursive walk)")
     seg.add_argument("--recursive", action="store_true", help="also process subfolders")
     seg.add_argument("--long-side", type=_non_negative_int, default=None,
                      help="resize so the longer side has this many pixels; 0 keeps the size "
@@ -347,36 +360,74 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _fail(command: str, text: str) -> int:
+    """A user error: one line on stderr, exit status 2."""
+    print(f"iabn {command}: error: {text}", file=sys.stderr)
+    return 2
+
+
+def _json_path(args: argparse.Namespace) -> Path | None:
+    """``--json`` checked before any work (:func:`check_output_file`); None when not given.
+    Raises :class:`OutputPathError`."""
+    if args.json is None:
+        return None
+    return check_output_file(args.json, "--json", overwrite=args.overwrite)
+
+
+def _write_json(command: str, path: Path, report: dict) -> int:
+    """Write ``report`` to ``path`` atomically; 0, or 2 with one line when the disk refuses
+    (full, permissions changed during the run): the temporary file is gone either way."""
+    try:
+        write_text_atomic(path, json.dumps(report, indent=2) + "\n")
+    except OSError as error:
+        return _fail(command, f"cannot write --json {path}: {error.strerror or error} (the "
+                     f"results above were not saved)")
+    print(f"results written to {path}")
+    return 0
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    """An allocation the machine cannot make (an input too large for it), as opposed to a
+    bug, whose traceback stays."""
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
+
+
+def _arguments(args: argparse.Namespace) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v
+            for k, v in vars(args).items() if k != "handler"}
+
+
 def _bench(args: argparse.Namespace) -> int:
     if args.batch * args.size * args.size < 2:
         # Batch statistics need two values per channel; say so before building anything.
-        print("iabn bench: error: --batch x --size^2 must be at least 2", file=sys.stderr)
-        return 2
-    if args.json is not None:
-        from .training.logdir import LogDirError, check_writable
-
-        try:  # before the minute of measuring, not after
-            check_writable(args.json.parent, f"--json {args.json}: folder")
-        except LogDirError as error:
-            print(f"iabn bench: error: {error}", file=sys.stderr)
-            return 2
+        return _fail("bench", "--batch x --size^2 must be at least 2")
+    try:  # before the minute of measuring, not after
+        json_path = _json_path(args)
+    except OutputPathError as error:
+        return _fail("bench", str(error))
     threads = set_threads(args.threads)
     config = BenchConfig(
         batch=args.batch, channels=args.channels, size=args.size, blocks=args.blocks,
         repeats=args.repeats, iters=args.iters, warmup=args.warmup, seed=args.seed,
     )
     start = time.perf_counter()
-    result = run_bench(config, progress=not args.quiet)
+    try:
+        result = run_bench(config, progress=not args.quiet)
+    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        if not _out_of_memory(error):
+            raise
+        return _fail("bench", f"out of memory for input {args.batch}x{args.channels}x"
+                     f"{args.size}x{args.size}: use a smaller --batch, --channels or --size")
     print(format_table(result))
     # the run's own wall time: it depends on the machine and its load far more than on iabn
     print(f"wall time {time.perf_counter() - start:.1f} s ({threads} threads)")
-    if args.json is not None:
-        arguments = {k: str(v) if isinstance(v, Path) else v
-                     for k, v in vars(args).items() if k != "handler"}
-        report = to_json(result, args=arguments)
+    if json_path is not None:
+        report = to_json(result, args=_arguments(args))
         report["wall_time_s"] = round(time.perf_counter() - start, 2)
-        write_text_atomic(args.json, json.dumps(report, indent=2) + "\n")
-        print(f"results written to {args.json}")
+        if _write_json("bench", json_path, report):
+            return 2
     # A benchmark whose strategies disagree measured something broken: fail loudly.
     return 0 if result.check.passed else 1
 
@@ -386,20 +437,11 @@ def _memory(args: argparse.Namespace) -> int:
 
     from .bench import model_memory as mm
 
-    def fail(text: str) -> int:
-        print(f"iabn memory: error: {text}", file=sys.stderr)
-        return 2
-
     start = time.perf_counter()
-    if args.json is not None:
-        from .training.logdir import LogDirError, check_writable
-
-        if args.json.is_dir():
-            return fail(f"--json {args.json} is a folder; give a file name")
-        try:  # before the minutes of measuring, not after
-            check_writable(args.json.parent, f"--json {args.json}: folder")
-        except LogDirError as error:
-            return fail(str(error))
+    try:  # before the minutes of measuring, not after
+        json_path = _json_path(args)
+    except OutputPathError as error:
+        return _fail("memory", str(error))
 
     def say(text: str) -> None:
         if not args.quiet:
@@ -409,11 +451,20 @@ def _memory(args: argparse.Namespace) -> int:
         device = mm.resolve_device(args.device)
         say(f"building {args.model}")
         model, source = mm.build_model(args.model)
+        say(f"checking that {args.model} takes --input "
+            f"{','.join(map(str, args.input))}")
+        mm.check_input(model, args.model, args.input, args.dtype, device)
     except mm.ModelMemoryError as error:
-        return fail(str(error))
+        return _fail("memory", str(error))
     budgets = [b for group in args.compile_budget for b in group]
-    result = mm.measure(model, args.model, source, args.input, args.dtype, device,
-                        budgets=list(dict.fromkeys(budgets)), progress=say)
+    try:
+        result = mm.measure(model, args.model, source, args.input, args.dtype, device,
+                            budgets=list(dict.fromkeys(budgets)), progress=say)
+    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        if not _out_of_memory(error):
+            raise
+        return _fail("memory", f"out of {device} memory at --input "
+                     f"{','.join(map(str, args.input))}: use a smaller batch or image")
     print(mm.format_result(result))
     if args.table:
         print()
@@ -421,11 +472,8 @@ def _memory(args: argparse.Namespace) -> int:
     # the whole command's time, building the model included; it depends on the machine
     result.wall_time_s = round(time.perf_counter() - start, 2)
     print(f"wall time {result.wall_time_s:.1f} s ({torch.get_num_threads()} threads)")
-    if args.json is not None:
-        arguments = {k: str(v) if isinstance(v, Path) else v
-                     for k, v in vars(args).items() if k != "handler"}
-        write_text_atomic(args.json, json.dumps(mm.to_json(result, arguments), indent=2) + "\n")
-        print(f"results written to {args.json}")
+    if json_path is not None:
+        return _write_json("memory", json_path, mm.to_json(result, _arguments(args)))
     return 0
 
 

@@ -10,9 +10,12 @@ confidence PNG, or the dataset's own label ids (``labelids``: e.g. Cityscapes ``
 its official evaluation reads) (``--output``). Colours and label ids come from the dataset's
 :class:`~iabn.tools.data.label_sets.LabelSet` (``--palette``; by default the one an ``iabn
 train-seg`` snapshot stores, else the VOC colour map). Each file is written to a temporary
-name and renamed, and existing outputs are kept unless ``--overwrite``, so an interrupted run
-resumes. Unreadable images are reported and skipped; the exit status is 1 when any image
-failed.
+name, flushed and renamed, and existing outputs are kept unless ``--overwrite``, so an
+interrupted run resumes. Output paths that would lose data (OUT_DIR is IN_DIR or contains it,
+an output is an input, an output lands where IN_DIR is read) are refused before the snapshot
+or any image is read (:func:`prepare`); with ``--recursive`` an OUT_DIR inside IN_DIR is left
+out of the walk. Unreadable images are reported and skipped; the exit status is 1 when any
+image failed.
 
 Snapshots: the original package's Vistas file (``{"state_dict": {"body", "head", "cls"}}``,
 loaded with :func:`iabn.models.load_original`), an iabn file holding a
@@ -28,7 +31,8 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,7 @@ from torch import Tensor
 
 from ..models import deeplabv3_wider_resnet38, load_original
 from ..models.checkpoints import read_checkpoint
+from .bench.outputs import check_output_folder, write_atomic
 from .data.label_sets import LabelSet, voc_colormap
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
@@ -170,10 +175,48 @@ def snapshot_long_side(data: Any) -> tuple[int, str]:
     return VISTAS_LONG_SIDE, "the Vistas model's"
 
 
-def find_images(root: Path, recursive: bool) -> list[Path]:
-    pattern = "**/*" if recursive else "*"
-    return sorted(p for p in root.glob(pattern)
-                  if p.is_file() and p.suffix.lower() in EXTENSIONS)
+def find_images(root: Path, recursive: bool, exclude: Path | None = None) -> list[Path]:
+    """The images under ``root`` (its subfolders too when ``recursive``; symbolic links to
+    folders are not followed), sorted, leaving out the folder ``exclude`` (the output folder
+    where it lies inside ``root``)."""
+    if not recursive:
+        candidates = list(root.iterdir())
+    else:
+        excluded = _stat(exclude) if exclude is not None else None
+        candidates = []
+
+        def unreadable(error: OSError) -> None:  # os.walk would skip the folder silently
+            raise error
+
+        for folder, subfolders, files in os.walk(root, onerror=unreadable):
+            if excluded is not None:  # pruned in place: os.walk does not descend into them
+                subfolders[:] = [name for name in subfolders
+                                 if not _same(_stat(Path(folder, name)), excluded)]
+            candidates.extend(Path(folder, name) for name in files)
+    return sorted(p for p in candidates if p.suffix.lower() in EXTENSIONS and p.is_file())
+
+
+def _stat(path: Path) -> os.stat_result | None:
+    try:
+        return path.stat()
+    except OSError:
+        return None
+
+
+def _same(a: os.stat_result | None, b: os.stat_result | None) -> bool:
+    return a is not None and b is not None and os.path.samestat(a, b)
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """``path`` is ``folder`` or lies under it, however either is spelled: relative or
+    absolute, with ``..``, through symbolic links, or another mount of the same folder
+    (compared by device and inode where the folders exist)."""
+    target, base = path.resolve(), folder.resolve()
+    if target == base or base in target.parents:
+        return True
+    base_stat = _stat(folder)
+    return base_stat is not None and any(_same(_stat(candidate), base_stat)
+                                         for candidate in (target, *target.parents))
 
 
 def palette() -> list[int]:
@@ -230,8 +273,27 @@ def _outputs_for(relative: Path, out_dir: Path, options: SegmentOptions,
     return paths
 
 
-class OutputClash(ValueError):
+class SegmentError(ValueError):
+    """A user error found before any image is read or written (the command exits 2)."""
+
+
+class OutputClash(SegmentError):
     """Two inputs whose outputs would have the same name."""
+
+
+class SegmentWriteError(OSError):
+    """An output could not be written (a full disk, a lost permission); the outputs written
+    before it are complete and kept."""
+
+
+@dataclass
+class Plan:
+    """What :func:`prepare` found: the images, the output files of each, and the output
+    folder left out of the walk (None unless it lies inside a recursively read IN_DIR)."""
+
+    images: list[Path]
+    outputs: dict[Path, list[Path]]
+    excluded: Path | None = None
 
 
 def plan_outputs(images: list[Path], in_dir: Path, out_dir: Path,
@@ -258,33 +320,103 @@ def plan_outputs(images: list[Path], in_dir: Path, out_dir: Path,
     return plan
 
 
+def prepare(in_dir: Path, out_dir: Path, options: SegmentOptions,
+            other_inputs: Sequence[Path] = ()) -> Plan:
+    """Find the images and plan their outputs, refusing (:class:`SegmentError`) anything
+    that would lose data, before any image is read or written: ``out_dir`` is ``in_dir``;
+    an output is an input (the same file, by any path or a hard link) or any of
+    ``other_inputs`` (the snapshot, the palette file); an output lands where this or a later
+    run reads images (inside ``in_dir``: with ``--recursive`` an ``out_dir`` inside it is left
+    out of the walk instead, :attr:`Plan.excluded`); an output is an existing folder or
+    other non-file, or its folder cannot be made; no images at all."""
+    if _inside(in_dir, out_dir):
+        if _inside(out_dir, in_dir):
+            raise SegmentError(f"OUT_DIR {out_dir} is IN_DIR {in_dir}: the outputs would "
+                               f"replace the images or be read as images; choose another "
+                               f"OUT_DIR")
+        # outputs would mix with the folders around the inputs (and replace what is there)
+        raise SegmentError(f"OUT_DIR {out_dir} contains IN_DIR {in_dir}; choose an OUT_DIR "
+                           f"outside IN_DIR")
+    excluded = out_dir if options.recursive and _inside(out_dir, in_dir) else None
+    images = find_images(in_dir, options.recursive, excluded)
+    if not images:
+        text = (f"no images in IN_DIR {in_dir}"
+                + (f" outside OUT_DIR {out_dir}" if excluded is not None else "")
+                + f": iabn segment reads {', '.join(EXTENSIONS)} files (any case)")
+        below = [] if options.recursive else find_images(in_dir, True, out_dir)
+        if below:
+            text += f"; its subfolders hold {len(below)}: add --recursive"
+        raise SegmentError(text)
+    plan = Plan(images, plan_outputs(images, in_dir, out_dir, options), excluded)
+    _check_outputs(plan, in_dir, options.recursive, [*images, *other_inputs])
+    return plan
+
+
+def _check_outputs(plan: Plan, in_dir: Path, recursive: bool, inputs: Sequence[Path]) -> None:
+    """The output checks of :func:`prepare`."""
+    owners = {}
+    for path in inputs:
+        info = _stat(path)
+        if info is not None:
+            owners[(info.st_dev, info.st_ino)] = path
+    folders: dict[Path, None] = {}
+    for image, targets in plan.outputs.items():
+        for target in targets:
+            folders[target.parent] = None
+            if not (target.exists() or target.is_symlink()):
+                continue
+            if not target.is_file():
+                raise SegmentError(f"output {target} exists and is not a file; move it away "
+                                   f"or choose another OUT_DIR")
+            info = target.stat()
+            owner = owners.get((info.st_dev, info.st_ino))
+            if owner is not None:
+                raise SegmentError(f"output {target} of {image.name} is the input {owner} "
+                                   f"(the same file); choose another OUT_DIR")
+    for folder in folders:
+        read = (_inside(folder, in_dir) and not (plan.excluded is not None
+                                                 and _inside(folder, plan.excluded))
+                if recursive else _same(_stat(folder), _stat(in_dir)))
+        if read:
+            raise SegmentError(f"outputs in {folder} would be read as images (it is in IN_DIR "
+                               f"{in_dir}); choose an OUT_DIR outside IN_DIR")
+        probe = folder
+        while not (probe.exists() or probe.is_symlink()) and probe.parent != probe:
+            probe = probe.parent
+        if not probe.is_dir():
+            raise SegmentError(f"cannot make the output folder {folder}: {probe} is a file, "
+                               f"not a folder")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise SegmentError(f"cannot write in the output folder {folder}: no permission "
+                               f"to write in {probe}")
+
+
 def _save_atomic(image: Any, path: Path) -> None:
     """Save a PIL image as PNG through a temporary file and a rename: an interrupted run
     leaves no truncated PNG that the next run would take for done."""
-    partial = path.with_name(path.name + ".partial")
-    try:
-        image.save(partial, format="PNG")
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
+    write_atomic(path, lambda stream: image.save(stream, format="PNG"))
 
 
 def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
                    options: SegmentOptions, device: str | torch.device = "cpu",
-                   progress: bool = True) -> Summary:
+                   progress: bool = True, plan: Plan | None = None) -> Summary:
+    """Segment the images of ``in_dir`` into ``out_dir`` (``plan``: :func:`prepare`'s, made
+    here when not given). Raises :class:`SegmentError` before any work, and
+    :class:`SegmentWriteError` when an output cannot be written."""
     Image = _pil()
     colours = options.labels.palette() if options.labels is not None else PALETTE
     if options.output == "labelids" and options.labels is None:
         raise ValueError("--output labelids needs the dataset's label ids: a train-seg "
                          "snapshot of Cityscapes, Vistas or VOC data, or --palette")
-    images = find_images(in_dir, options.recursive)
-    plan = plan_outputs(images, in_dir, out_dir, options)
+    if plan is None:
+        plan = prepare(in_dir, out_dir, options)
+    images = plan.images
     mean = torch.tensor(options.mean).view(3, 1, 1)
     std = torch.tensor(options.std).view(3, 1, 1)
     summary = Summary()
     for number, path in enumerate(images, 1):
         relative = path.relative_to(in_dir)
-        targets = plan[path]
+        targets = plan.outputs[path]
         if not options.overwrite and all(t.exists() for t in targets):
             summary.skipped += 1
             continue
@@ -304,34 +436,45 @@ def segment_folder(model: torch.nn.Module, in_dir: Path, out_dir: Path,
         pixels = torch.frombuffer(bytearray(resized.tobytes()), dtype=torch.uint8)
         tensor = pixels.view(resized.height, resized.width, 3).permute(2, 0, 1).float() / 255
         labels, confidence = predict(model, ((tensor - mean) / std).to(device), options)
-        label_image = _grey_image(Image, labels.to(torch.uint8)).resize(original.size,
-                                                                       Image.NEAREST)
-        targets[0].parent.mkdir(parents=True, exist_ok=True)
-        if options.output == "palette":
-            coloured = label_image.convert("P")
-            coloured.putpalette(colours)
-            _save_atomic(coloured, targets[0])
-        elif options.output == "labelids":
-            assert options.labels is not None  # checked above
-            ids = options.labels.to_label_ids(labels).to(torch.uint8)
-            _save_atomic(_grey_image(Image, ids).resize(original.size, Image.NEAREST),
-                         targets[0])
-        else:
-            _save_atomic(label_image, targets[0])
-        if options.output == "prob":
-            scaled = (confidence.clamp(0, 1) * 255).round().to(torch.uint8)
-            _save_atomic(_grey_image(Image, scaled).resize(original.size, Image.BILINEAR),
-                         targets[1])
-        if options.overlay:
-            mask = label_image.convert("P")
-            mask.putpalette(colours)
-            blend = Image.blend(original, mask.convert("RGB"), 0.5)
-            side = Image.new("RGB", (original.width * 2, original.height))
-            side.paste(original, (0, 0))
-            side.paste(blend, (original.width, 0))
-            _save_atomic(side, targets[-1])
+        try:
+            _write_outputs(Image, original, labels, confidence, targets, options, colours)
+        except OSError as error:
+            raise SegmentWriteError(
+                f"cannot write the outputs of {relative} in {targets[0].parent}: "
+                f"{error.strerror or error}; {summary.processed} images segmented before "
+                f"it are kept (run again to resume)") from error
         summary.processed += 1
     return summary
+
+
+def _write_outputs(Image: Any, original: Any, labels: Tensor, confidence: Tensor,
+                   targets: list[Path], options: SegmentOptions, colours: list[int]) -> None:
+    """One image's output files (see :func:`_outputs_for`), each written atomically."""
+    label_image = _grey_image(Image, labels.to(torch.uint8)).resize(original.size,
+                                                                   Image.NEAREST)
+    targets[0].parent.mkdir(parents=True, exist_ok=True)
+    if options.output == "palette":
+        coloured = label_image.convert("P")
+        coloured.putpalette(colours)
+        _save_atomic(coloured, targets[0])
+    elif options.output == "labelids":
+        assert options.labels is not None  # checked by segment_folder
+        ids = options.labels.to_label_ids(labels).to(torch.uint8)
+        _save_atomic(_grey_image(Image, ids).resize(original.size, Image.NEAREST), targets[0])
+    else:
+        _save_atomic(label_image, targets[0])
+    if options.output == "prob":
+        scaled = (confidence.clamp(0, 1) * 255).round().to(torch.uint8)
+        _save_atomic(_grey_image(Image, scaled).resize(original.size, Image.BILINEAR),
+                     targets[1])
+    if options.overlay:
+        mask = label_image.convert("P")
+        mask.putpalette(colours)
+        blend = Image.blend(original, mask.convert("RGB"), 0.5)
+        side = Image.new("RGB", (original.width * 2, original.height))
+        side.paste(original, (0, 0))
+        side.paste(blend, (original.width, 0))
+        _save_atomic(side, targets[-1])
 
 
 def _read_rgb(Image: Any, path: Path) -> Any:
@@ -355,40 +498,48 @@ def _grey_image(Image: Any, values: Tensor) -> Any:
 def run(args: Any) -> int:
     """The ``iabn segment`` command (arguments from :mod:`iabn.tools.cli`)."""
     start = time.perf_counter()
-    in_dir, out_dir = Path(args.in_dir), Path(args.out_dir)
-    if not in_dir.is_dir():
-        print(f"iabn segment: error: IN_DIR {in_dir} is not a folder", file=sys.stderr)
+
+    def fail(text: object) -> int:
+        print(f"iabn segment: error: {text}", file=sys.stderr)
         return 2
+
+    in_dir = Path(args.in_dir)
+    if not in_dir.is_dir():
+        return fail(f"IN_DIR {in_dir} is not a folder")
+    options = SegmentOptions(output=args.output, overlay=args.overlay,
+                             overwrite=args.overwrite, recursive=args.recursive)
+    palette_file = Path(getattr(args, "palette", "auto"))
     try:
         _pil()  # a missing Pillow is said before any work
         _check_device(args.device)
-        from .training.logdir import check_writable
-
-        check_writable(out_dir, "OUT_DIR")
+        out_dir = check_output_folder(args.out_dir, "OUT_DIR")
+        # every output path is checked before the snapshot (~0.5 GB) or an image is read
+        plan = prepare(in_dir, out_dir, options,
+                       [Path(args.snapshot), *([palette_file] if palette_file.is_file() else [])])
         data = read_snapshot(args.snapshot)  # read once: a Vistas file is ~0.5 GB
         model = load_segmentation_model(args.snapshot, args.depth, args.device, data)
         labels = label_set(getattr(args, "palette", "auto"), data)
         _check_labels(labels, model, args.output)
     except (ValueError, KeyError, ImportError) as error:  # DataLayoutError is a ValueError
-        print(f"iabn segment: error: {error}", file=sys.stderr)
-        return 2
+        return fail(error)
+    except OSError as error:  # an unreadable input folder
+        return fail(f"cannot read {error.filename or in_dir}: {error.strerror or error}")
+    if plan.excluded is not None:  # said even with --quiet: it changes what is read
+        print(f"iabn segment: OUT_DIR {out_dir} is inside IN_DIR {in_dir}: its files are "
+              f"not read as inputs", file=sys.stderr, flush=True)
     long_side, source = snapshot_long_side(data)
     if args.long_side is not None:
         long_side, source = args.long_side, "--long-side"
     if not args.quiet:
         print(f"iabn segment: long side {long_side or 'as stored'} ({source})",
               file=sys.stderr, flush=True)
-    options = SegmentOptions(
-        long_side=long_side, scales=tuple(args.scales), flip=args.flip, fusion=args.fusion,
-        output=args.output, overlay=args.overlay, overwrite=args.overwrite,
-        recursive=args.recursive, labels=labels, **_normalisation(args, data),
-    )
+    options = replace(options, long_side=long_side, scales=tuple(args.scales), flip=args.flip,
+                      fusion=args.fusion, labels=labels, **_normalisation(args, data))
     try:
         summary = segment_folder(model, in_dir, out_dir, options, args.device,
-                                 progress=not args.quiet)
-    except OutputClash as error:  # raised before any image is processed
-        print(f"iabn segment: error: {error}", file=sys.stderr)
-        return 2
+                                 progress=not args.quiet, plan=plan)
+    except SegmentWriteError as error:
+        return fail(error)
     print(f"iabn segment: {summary.processed} segmented, {summary.skipped} already done "
           f"(kept; --overwrite to redo), {len(summary.failed)} failed, "
           f"{time.perf_counter() - start:.1f} s")
@@ -454,6 +605,12 @@ def _check_device(text: str) -> None:
         raise ValueError(f"--device {text!r}: not a torch device (cpu, cuda, cuda:N)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {text}: no CUDA device is available here; use --device cpu")
+    try:  # cuda:7 on a machine with one GPU, a backend this build lacks
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"--device {text}: not usable here ({first}); use --device cpu"
+                         ) from None
 
 
 def parse_floats(text: str) -> list[float]:
@@ -496,5 +653,6 @@ def parse_std(text: str) -> list[float]:
     return values
 
 
-__all__ = ["SegmentOptions", "label_set", "load_segmentation_model", "predict", "read_snapshot",
-           "run", "segment_folder", "snapshot_long_side", "snapshot_normalisation"]
+__all__ = ["OutputClash", "Plan", "SegmentError", "SegmentOptions", "SegmentWriteError",
+           "label_set", "load_segmentation_model", "predict", "prepare", "read_snapshot", "run",
+           "segment_folder", "snapshot_long_side", "snapshot_normalisation"]

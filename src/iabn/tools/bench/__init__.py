@@ -23,6 +23,13 @@ from typing import Any
 import torch
 
 from ... import __version__
+from .outputs import (
+    OutputPathError,
+    check_output_file,
+    check_output_folder,
+    write_atomic,
+    write_text_atomic,
+)
 
 Step = Callable[[], object]
 
@@ -76,18 +83,10 @@ def results_folder(committed: Path) -> Path:
     return Path("runs") / "benchmarks"
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename: an interrupted run
-    leaves the old file or none, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-
-
 def write_json(path: Path, report: Mapping[str, Any]) -> None:
-    """Write a benchmark's report (indented JSON) atomically and say where."""
-    write_text_atomic(path, json.dumps(report, indent=2) + "\n")
+    """Write a benchmark script's report (indented JSON) atomically, creating its folder (the
+    scripts' default, ``runs/benchmarks``), and say where."""
+    write_text_atomic(path, json.dumps(report, indent=2) + "\n", parents=True)
     print(f"results written to {path}")
 
 
@@ -160,6 +159,7 @@ def progress_printer(prefix: str, repeats: int) -> RepeatCallback:
 
 
 __all__ = [
-    "RESNEXT101_STAGES", "machine_info", "progress_printer", "set_threads", "time_interleaved",
-    "train_step", "training_step", "write_json", "write_text_atomic",
+    "RESNEXT101_STAGES", "OutputPathError", "check_output_file", "check_output_folder",
+    "machine_info", "progress_printer", "set_threads", "time_interleaved", "train_step",
+    "training_step", "write_atomic", "write_json", "write_text_atomic",
 ]

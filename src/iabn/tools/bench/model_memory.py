@@ -128,7 +128,8 @@ def _build_model(spec: str) -> tuple[nn.Module, str]:
         raise ModelMemoryError(
             f"model {spec!r}: model names are looked up in torchvision and timm, and neither "
             f"is installed; pip install torchvision (or timm), or give pkg.module:factory")
-    known = [*(torchvision_names or []), *(timm_names or [])]
+    # one entry per name: torchvision and timm share many (resnet50, ...)
+    known = list(dict.fromkeys([*(torchvision_names or []), *(timm_names or [])]))
     close = difflib.get_close_matches(spec, known, n=5, cutoff=0.6)
     text = f"unknown model {spec!r}"
     if close:
@@ -150,6 +151,9 @@ def _from_factory(spec: str) -> nn.Module:
     except ImportError as error:
         raise ModelMemoryError(f"model {spec!r}: cannot import {module_name!r} ({error}); "
                                f"is it installed or on PYTHONPATH?") from None
+    except (Exception, SystemExit) as error:  # the user's module failed (or exit()ed) on import
+        raise ModelMemoryError(f"model {spec!r}: importing {module_name} raised "
+                               f"{_describe(error)}") from None
     factory: Any = module
     for part in attribute.split("."):
         if not hasattr(factory, part):
@@ -160,13 +164,22 @@ def _from_factory(spec: str) -> nn.Module:
                                f"not a function or class to call")
     try:
         model = factory()
-    except Exception as error:  # the user's code: report what it raised, without a traceback
+    except (Exception, SystemExit) as error:  # the user's code: report it, no traceback;
+        # an exit() in it is an error too, not the command's own exit status
         raise ModelMemoryError(f"model {spec!r}: calling {attribute}() raised "
-                               f"{type(error).__name__}: {error}") from None
+                               f"{_describe(error)}") from None
     if not isinstance(model, nn.Module):
         raise ModelMemoryError(f"model {spec!r}: {attribute}() returned a "
                                f"{type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def _describe(error: BaseException) -> str:
+    """``SystemExit(0)``, ``RuntimeError: text``: what user code raised, in one line."""
+    if isinstance(error, SystemExit):
+        return f"SystemExit({error.code!r}) (it called exit())"
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
 
 
 def resolve_device(text: str) -> torch.device:
@@ -179,7 +192,102 @@ def resolve_device(text: str) -> torch.device:
     if device.type == "meta":
         raise ModelMemoryError("--device meta: the conversion compares real outputs; use cpu "
                                "(the batch search uses meta by itself where it can)")
+    try:  # cuda:7 on a machine with one GPU, a backend this build lacks
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as error:
+        raise ModelMemoryError(f"--device {text!r}: not usable here ({_describe(error)}); "
+                               f"use cpu") from None
     return device
+
+
+# ---------------------------------------------------------------- checking the input
+
+
+def _expects(module: nn.Module) -> str | None:
+    """The input shape a first layer takes, as ``N,3,H,W``; None if it does not say."""
+    if isinstance(module, nn.modules.conv._ConvNd) and module.in_channels:
+        spatial = ("L", "H,W", "D,H,W")[len(module.kernel_size) - 1]
+        return f"N,{module.in_channels},{spatial}"
+    if isinstance(module, nn.Linear) and module.in_features:
+        return f"N,{module.in_features}"
+    return None
+
+
+def _try_forward(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
+                 device: torch.device) -> tuple[BaseException, str] | None:
+    """Run one training forward of ``model`` (a copy the caller may spoil) at ``shape``
+    without autograd; None if it runs, else the error and where it happened (the innermost
+    module running and what the first layer takes)."""
+    running: list[str] = []
+    first: list[str] = []  # the first layer that says what it takes
+
+    def enter(name: str, module: nn.Module) -> None:
+        running.append(name)
+        if not first and _expects(module):
+            first.append(name)
+
+    def leave(*_: object) -> None:  # a forward hook returning a value would replace outputs
+        running.pop()
+
+    handles = []
+    for name, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(
+            lambda m, _args, n=name or "the model": enter(n, m)))
+        handles.append(module.register_forward_hook(leave))
+    try:
+        x = torch.empty(*shape, dtype=dtype, device=device) if device.type == "meta" else \
+            torch.randn(*shape, dtype=dtype, device=device)
+        with torch.no_grad():
+            model.train()(x)
+    except (Exception, SystemExit) as error:  # the model's own code: any error is possible
+        modules = dict(model.named_modules())
+
+        def layer(name: str) -> str:
+            return f"{name} ({type(modules.get(name, model)).__name__})"
+
+        parts = []
+        if running and (not first or running[-1] != first[0]):
+            parts.append(f"in {layer(running[-1])}")
+        if first:
+            inside = bool(running) and running[-1] == first[0]
+            parts.append(f"{'in ' if inside else ''}its first layer, {layer(first[0])}, "
+                         f"{'which ' if inside else ''}takes {_expects(modules[first[0]])}")
+        return error, "; ".join(parts)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return None
+
+
+def check_input(model: nn.Module, name: str, shape: Sequence[int], dtype_name: str,
+                device: torch.device) -> None:
+    """Raise :class:`ModelMemoryError` unless ``model`` runs a training forward at ``shape``
+    (wrong rank, channel count, a batch norm that would see one value per channel), saying
+    what went wrong, where, and what the first layer takes. Checked on a copy moved to the
+    ``meta`` device (shapes only: no data, no memory, a fraction of a second); where the
+    model does not run there, on a copy on ``device`` without autograd. The model's own
+    weights and running statistics are left alone."""
+    dtype = DTYPES[dtype_name]
+    failed = _try_forward(copy.deepcopy(model).to(device="meta", dtype=dtype), shape, dtype,
+                          torch.device("meta"))
+    if failed is None:
+        return
+    failed = _try_forward(copy.deepcopy(model).to(device=device, dtype=dtype), shape, dtype,
+                          device)
+    if failed is None:  # only the meta device could not run it
+        return
+    error, where = failed
+    shape_text = ",".join(map(str, shape))
+    if isinstance(error, SystemExit):  # the model's code, not the input, ended the run
+        raise ModelMemoryError(f"model {name!r}: its forward raised {_describe(error)} at "
+                               f"--input {shape_text}" + (f" ({where})" if where else ""))
+    text = f"--input {shape_text} does not fit {name}: {_describe(error)}"
+    if where:
+        text += f" ({where})"
+    if "more than 1 value per channel" in str(error):
+        text += ("; batch norm in training needs more than one value per channel (batch x "
+                 "height x width > 1 at every norm): use a batch of 2 or more, or a larger image")
+    raise ModelMemoryError(text)
 
 
 # ---------------------------------------------------------------- measuring
@@ -371,5 +479,5 @@ def to_json(result: MemoryResult, arguments: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
-__all__ = ["DTYPES", "POLICIES", "MemoryResult", "ModelMemoryError", "build_model",
+__all__ = ["DTYPES", "POLICIES", "MemoryResult", "ModelMemoryError", "build_model", "check_input",
            "format_result", "measure", "parse_budgets", "parse_input", "to_json"]
