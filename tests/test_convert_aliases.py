@@ -257,6 +257,8 @@ class Escaping(nn.Module):
         h = self.conv(x)
         if self.how == "attribute":
             self.features = h
+        elif self.how == "view":
+            self.transposed = h.mT
         elif self.how == "list":
             self.kept = [x, h]
         elif self.how == "dict":
@@ -293,6 +295,8 @@ ESCAPES = {
     # name: (builder of (model, kept(model)), expected decision of bn, words in the reason)
     "attribute": (_keeping("attribute", lambda m: [m.features]), "ABN",
                   "its input escapes: stored as module attribute `features`"),
+    "attribute holding a view": (_keeping("view", lambda m: [m.transposed]), "ABN",
+                                 "its input escapes: stored as module attribute `transposed`"),
     "list on self": (_keeping("list", lambda m: m.kept), "ABN",
                      "its input escapes: stored as module attribute `kept[1]`"),
     "dict on self": (_keeping("dict", lambda m: list(m.cache.values())), "ABN",
@@ -414,6 +418,30 @@ class ExtraOutput(nn.Module):
 def test_a_conv_output_returned_too_is_not_overwritten():
     _, rows = _convert_and_compare(ExtraOutput())
     assert rows["bn"].decision == "ABN" and "also used by 1 other" in rows["bn"].reason
+
+
+class CaughtError(nn.Module):
+    """forward keeps a caught exception in a local: its traceback and the frame (holding the
+    conv output) form a reference cycle that outlives the call until garbage collection."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, C, 3, padding=1)
+        self.bn = nn.BatchNorm2d(C)
+        self.act = nn.LeakyReLU(0.1)
+
+    def forward(self, x):
+        h = self.conv(x)
+        try:
+            raise KeyError("absent")
+        except KeyError as error:
+            caught = error  # noqa: F841
+        return self.act(self.bn(h))
+
+
+def test_values_only_in_reference_cycles_do_not_escape():
+    _, rows = _convert_and_compare(CaughtError())
+    assert rows["bn"].decision == "InPlaceABN", rows["bn"]
 
 
 def test_a_model_that_already_ran_converts():

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.fx.proxy import Attribute
 from torch.nn.modules import module as _module_globals
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
@@ -155,10 +156,10 @@ class Tracer(fx.Tracer):
     def find_kept(self, root: nn.Module) -> None:
         """After tracing, every proxy still alive is kept by something outside the graph: a
         module attribute (named in the report), a hook's closure, a global."""
+        if not any(r() is not None for r in self._proxies):
+            return
+        gc.collect()  # proxies only in reference cycles (a traceback, a frame) are not kept
         alive = [p for p in (r() for r in self._proxies) if p is not None]
-        if alive:  # proxies in reference cycles (a kept traceback) are not kept
-            gc.collect()
-            alive = [p for p in (r() for r in self._proxies) if p is not None]
         if not alive:
             return
         stored = _stored_proxies(root)
@@ -180,6 +181,9 @@ def _stored_proxies(root: nn.Module, depth: int = 4) -> dict[int, str]:
     def visit(value: Any, path: str, level: int) -> None:
         if isinstance(value, fx.Proxy):
             found.setdefault(id(value), path)
+            while isinstance(value, Attribute):  # ``h.mT``, a view of h: h is what escapes
+                value = value.root
+                found.setdefault(id(value), path)
         elif level < depth and isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
                 visit(item, f"{path}[{i}]", level + 1)
