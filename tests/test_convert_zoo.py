@@ -4,8 +4,9 @@ concatenations, SiLU, norms without activation, shared activation modules).
 
 Lossless conversion must give the original model's outputs and gradients in train and eval
 mode (float64; the reference is the unconverted model itself, plain PyTorch layers), and a
-training step through it must not raise: an unsafe in-place choice shows as an autograd error
-or as a wrong gradient. The report's totals must be the bytes the converted model really saves.
+backward pass through it must not raise in either mode: an unsafe in-place choice shows as an
+autograd error or as a wrong gradient. The report's totals must be the bytes the converted
+model really saves.
 """
 
 import copy
@@ -91,8 +92,8 @@ def _outputs_and_grads(model, x, training):
         torch.manual_seed(1)
         out = model(x)
     leaves = [t for t in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(t)]
-    if not training:
-        return [t.detach() for t in leaves], {}
+    # backward in eval mode too (frozen-statistics fine-tuning, input gradients): there
+    # dropout and stochastic depth return their input, so a later ``+=`` writes into it
     names, weights = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad],
                          strict=True)
     loss = sum((t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view_as(t)).sum()

@@ -18,7 +18,7 @@ from ..modules import ABN
 from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
 from .graph import find_sites, is_convertible_norm, module_activation, node_activation, trace
 from .report import ConversionReport, LayerRow
-from .rewrite import as_graph_module, new_layer, swap, swap_obstacle
+from .rewrite import as_graph_module, new_layer, removal_obstacle, swap, swap_obstacle
 
 
 class ConversionWarning(UserWarning):
@@ -39,11 +39,14 @@ def convert(
     Every ``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm`` and timm ``BatchNormAct2d`` becomes:
 
     - :class:`iabn.InPlaceABN` (``InPlaceABNSync``) where its input is produced by a
-      convolution, linear layer, addition or concatenation and used by nothing else, nothing
-      writes into its output later, its activation (LeakyReLU, ELU, Identity, none) is
-      invertible, and, under the lossless policy, no ``|weight| < eps`` would be clamped;
+      convolution, linear layer, addition or concatenation and used by nothing else (nor
+      kept outside the graph: a module attribute, a hook), nothing writes into its output
+      later (also through an operation that may return its input, such as ``dropout`` in eval
+      mode), its activation (LeakyReLU, ELU, Identity, none) is invertible, and, under the
+      lossless policy, no ``|weight| < eps`` would be clamped;
     - :class:`iabn.ABN` (``ABNSync``) where it is followed by an activation that an in-place
-      layer may not absorb there (ReLU under the lossless policy, an input used twice...);
+      layer may not absorb there (ReLU under the lossless policy, an input used twice or
+      kept outside the graph...);
     - untouched otherwise; the report gives the reason for each layer.
 
     The rules are checked on ``torch.fx`` graphs of the forward in training and in eval mode.
@@ -51,9 +54,10 @@ def convert(
     class with modules swapped (fused activation modules become ``nn.Identity``); otherwise
     (an activation module shared by several calls, ``F.relu`` in forward) it is a
     :class:`~iabn.conversion.rewrite.TrainEvalGraphModule` generated from the graphs, with
-    the same ``state_dict`` keys. A model that cannot be traced gets module-level rules only
-    (a norm followed by ReLU in the same ``nn.Sequential`` becomes ``ABN``) and a
-    :class:`ConversionWarning`.
+    the same ``state_dict`` keys, unless forward keeps values outside the graph (which only
+    the model's own forward does): then such activations stay separate. A model that cannot
+    be traced gets module-level rules only (a norm followed by ReLU in the same
+    ``nn.Sequential`` becomes ``ABN``) and a :class:`ConversionWarning`.
 
     Args:
         model: the network, on any device; its weights and buffers are carried over.
@@ -65,8 +69,9 @@ def convert(
             to fine-tune), and ``|weight| < eps`` is clamped.
         verify: run the original and the converted model on ``example_input`` in eval and in
             train mode (on copies: the returned model's running statistics are untouched),
-            run a backward pass through the converted one, and put the largest output
-            differences in the report.
+            run a backward pass through the converted one in each mode (an error if it
+            fails where the original's runs), and put the largest output differences in the
+            report.
         progress: called with a line of text at each stage (e.g. ``print``).
     """
     if policy not in POLICIES:
@@ -82,17 +87,32 @@ def convert(
     say = progress or (lambda _text: None)
     # ``original`` is traced (the tracer adds its constants to it) and is the reference of
     # the comparisons; ``work`` becomes the result. ``model`` itself is never run.
-    original = copy.deepcopy(model)
-    work = copy.deepcopy(model)
+    original = _deepcopy(model)
+    work = _deepcopy(model)
 
     say("tracing the model in train and eval mode")
     try:
-        graphs = {mode: trace(original, mode) for mode in (True, False)}
+        traced = {mode: trace(original, mode) for mode in (True, False)}
     except Exception as error:  # fx raises many kinds for untraceable code
         return _convert_untraced(original, work, args, policy, verify, error, say)
+    graphs = {mode: t.graph for mode, t in traced.items()}
 
     modules = dict(original.named_modules())
-    sites = {mode: find_sites(graph, modules) for mode, graph in graphs.items()}
+    # Values that forward keeps outside its graph (a module attribute, a list on self, a hook of
+    # a traced module) exist only when the model's own forward runs: then the model must keep
+    # its class, so activations that a module swap cannot remove stay separate.
+    kept = next((e.how for t in traced.values() for e in t.escapes.values() if e.needs_class),
+                None)
+    unfusable = None
+    if kept is not None:
+        obstacle = removal_obstacle(original, list(graphs.values()))
+
+        def unfusable(node):
+            why = obstacle(node)
+            return why and (f"{why}, and the model must keep its class: forward keeps a "
+                            f"value outside the graph, {kept}")
+    sites = {mode: find_sites(t.graph, modules, t.escapes, unfusable)
+             for mode, t in traced.items()}
     rows_info: list[tuple[str, str, Decision]] = []
     layers, fused = {}, []
     for name, norm in modules.items():
@@ -119,8 +139,8 @@ def convert(
     if obstacle is None:
         converted = swap(work, layers, fused)
         result, why = "modules swapped", "every decision is a module swap; the class is kept"
-        probe = copy.deepcopy(converted)  # traced, so it gets the tracer's constants
-        after_nodes, saved_after = _bytes_per_node(probe, trace(probe, True), args)
+        probe = _deepcopy(converted)  # traced, so it gets the tracer's constants
+        after_nodes, saved_after = _bytes_per_node(probe, trace(probe, True).graph, args)
         del probe
     else:
         converted = as_graph_module(work, layers, graphs, fused, traced=original)
@@ -144,6 +164,19 @@ def convert(
 
 
 # ---------------------------------------------------------------- running without side effects
+
+
+def _deepcopy(model: nn.Module) -> nn.Module:
+    """``copy.deepcopy(model)``, except that tensors a forward left on its modules (``self.x =
+    h``, a list on self) which are not autograd leaves are shared: deepcopy refuses them."""
+    memo: dict[int, Any] = {}
+    for m in model.modules():
+        for name, value in vars(m).items():
+            if name not in ("_parameters", "_buffers", "_modules"):
+                for t in tree_leaves(value):
+                    if isinstance(t, Tensor) and not t.is_leaf:
+                        memo[id(t)] = t
+    return copy.deepcopy(model, memo)
 
 
 @contextlib.contextmanager
@@ -234,28 +267,48 @@ def _shapes(args: tuple) -> list[list[int]]:
 
 
 def _differences(original: nn.Module, converted: nn.Module, args: tuple) -> tuple[float, float]:
-    """Largest absolute output difference in eval and in train mode, after a backward pass
-    through the converted model in train mode (which must not raise). Nothing of either
-    model changes: statistics are restored, gradients are not accumulated."""
+    """Largest absolute output difference in eval and in train mode, each after a backward
+    pass through the converted model in that mode (frozen-statistics fine-tuning and input
+    gradients run backward in eval mode). Nothing of either model changes: statistics are
+    restored, gradients are not accumulated."""
     result = []
     with _preserved(original), _preserved(converted):
         for training in (False, True):
             original.train(training)
             converted.train(training)
-            with torch.set_grad_enabled(training):
-                with _same_randomness(args):
-                    expected = [t for t in tree_leaves(original(*args)) if isinstance(t, Tensor)]
-                with _same_randomness(args):
-                    got = [t for t in tree_leaves(converted(*args)) if isinstance(t, Tensor)]
+            with _same_randomness(args):
+                expected = [t for t in tree_leaves(original(*args)) if isinstance(t, Tensor)]
+            with _same_randomness(args):
+                got = [t for t in tree_leaves(converted(*args)) if isinstance(t, Tensor)]
             result.append(max((float((x.detach().double() - y.detach().double()).abs().max())
                                for x, y in zip(expected, got, strict=True) if x.numel()),
                               default=0.0))
-            outputs = [y for y in got if y.requires_grad]
-            weights = [p for p in converted.parameters() if p.requires_grad]
-            if training and outputs and weights:
-                torch.autograd.grad(sum(y.float().sum() for y in outputs), weights,
-                                    allow_unused=True)
+            _backward(converted, got, original, expected, "train" if training else "eval")
     return result[0], result[1]
+
+
+def _backward(converted: nn.Module, got: list[Tensor], original: nn.Module,
+              expected: list[Tensor], mode: str) -> None:
+    """A backward pass through the converted model's outputs; if it fails where the
+    original's runs, a rule missed a write and the returned model would be broken."""
+    outputs = [y for y in got if y.requires_grad]
+    weights = [p for p in converted.parameters() if p.requires_grad]
+    if not outputs or not weights:
+        return
+    try:
+        torch.autograd.grad(sum(y.float().sum() for y in outputs), weights, allow_unused=True)
+    except RuntimeError as error:
+        reference = [x for x in expected if x.requires_grad]
+        try:
+            torch.autograd.grad(sum(x.float().sum() for x in reference),
+                                [p for p in original.parameters() if p.requires_grad],
+                                allow_unused=True)
+        except RuntimeError:
+            return  # the original's backward fails as well
+        raise RuntimeError(
+            f"iabn.convert: the converted model's {mode}-mode backward fails where the "
+            f"original's runs ({str(error).splitlines()[0]}); this is a bug in iabn.convert's "
+            f"rules: please report it with the model") from error
 
 
 # ---------------------------------------------------------------- without a graph

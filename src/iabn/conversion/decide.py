@@ -88,9 +88,12 @@ def decide(norm: nn.Module, sites: list[Site], policy: str) -> Decision:
         # ABN keeps its input and its output, as the norm and its activation did, so it is safe
         # wherever they were; it changes nothing unless it absorbs an activation.
         if not fused:
-            after = (f"{site.next_op} is not an activation iabn's layers compute"
-                     if site.next_op else "no activation follows")
+            after = site.unfused or (f"{site.next_op} is not an activation iabn's layers compute"
+                                     if site.next_op else "no activation follows")
             return Decision(UNTOUCHED, f"{why}; {after}, so ABN would be the norm itself")
+        if written == why:
+            return Decision(UNTOUCHED, f"{written}: InPlaceABN and ABN both keep that output "
+                            f"for backward")
         if written is not None:
             return Decision(UNTOUCHED, f"{why}; and {written}, which ABN's saved output forbids")
         if not _usable(name, param, in_place=False) or (sync and name == "relu"):
@@ -114,6 +117,8 @@ def decide(norm: nn.Module, sites: list[Site], policy: str) -> Decision:
         return Decision(IN_PLACE, f"input used once; |weight| < eps={norm.eps} is clamped to "
                         f"eps", name, param, changes_model=True)
     reason = "its input is used only by it" + (", output not written later" if fused else "")
+    if site.unfused:
+        reason += f"; {site.unfused}"
     if changes_model:
         reason += f"; ReLU becomes LeakyReLU({RELU_SLOPE})"
     return Decision(IN_PLACE, reason, name, param, changes_model)

@@ -15,22 +15,33 @@ needs (docs/design.md, "Converting existing models"):
   not keep it for its own backward (convolution, linear, add, concatenation), used by nothing
   else, and not a graph input — only then may an in-place layer overwrite it;
 - whether anything writes into its (or its activation's) output later: the in-place layer and
-  ``ABN`` keep that output for backward, so a later in-place write would break backward.
+  ``ABN`` keep that output for backward, so a later in-place write would break backward. Writes
+  are followed through every operation not known to return a new tensor (a view, ``dropout``
+  in eval mode, ``.to()`` to the same type and ``nn.Identity`` return their input or a view of
+  it);
+- which traced values *escape* the graph (:class:`Escape`): kept in a module attribute, given to
+  a hook, or otherwise still referenced when tracing ends. An escape counts as one more user.
 """
 
 from __future__ import annotations
 
+import gc
 import inspect
 import operator
 import sys
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
+from torch.fx.proxy import Attribute
+from torch.nn.modules import module as _module_globals
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
+from torch.utils._pytree import tree_leaves
 
 from ..modules import ABN
 
@@ -70,15 +81,45 @@ def _timm_leaves() -> tuple[tuple[type, ...], list[Any]]:
         return (), []
 
 
+@dataclass(frozen=True)
+class Escape:
+    """A traced value that something outside the graph gets: the conversion must neither
+    overwrite it (an in-place layer writes into its input) nor remove it (a fused activation
+    removes the norm's own output)."""
+
+    how: str            # e.g. "stored as module attribute `features`", for the report
+    may_write: bool     # given to code iabn cannot vet (a hook), which may write into it
+    needs_class: bool   # only the model's own forward reproduces it, not a generated fx module
+
+
+#: (attribute, words) of the hooks that get a module's inputs or outputs (or wrap them: a
+#: full backward hook puts its outputs through an autograd function of its own).
+_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+          ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+
+
+def hook_kinds(m: nn.Module) -> list[str]:
+    """The kinds of hooks that run when ``m`` is called: its own and the global module hooks."""
+    kinds = [f"a {words}" for name, words in _HOOKS if getattr(m, name, None)]
+    kinds += [f"a global {words}" for name, words in _HOOKS
+              if getattr(_module_globals, f"_global{name}", None)]
+    return kinds
+
+
 class Tracer(fx.Tracer):
-    """``fx.Tracer`` with in-place operators recorded and normalisation layers as leaves."""
+    """``fx.Tracer`` with in-place operators recorded, normalisation layers as leaves, and the
+    traced values that escape the graph found (:attr:`escapes`, complete after :func:`trace`)."""
 
     def __init__(self) -> None:
         self._timm_modules, functions = _timm_leaves()
         super().__init__(autowrap_functions=tuple(functions))
+        self.escapes: dict[fx.Node, Escape] = {}
+        self._proxies: list[weakref.ref] = []
 
     def proxy(self, node: fx.Node) -> fx.Proxy:
-        return _Proxy(node, self)
+        proxy = _Proxy(node, self)
+        self._proxies.append(weakref.ref(proxy))
+        return proxy
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, (_BatchNorm, ABN)) or is_norm_act(m):
@@ -87,19 +128,103 @@ class Tracer(fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
+    def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
+        result = super().call_module(m, forward, args, kwargs)
+        kinds = hook_kinds(m)
+        if kinds:
+            # A leaf's hooks run when the converted model calls the same module; a traced
+            # module's hooks ran now, on proxies, and only the model's own forward runs them.
+            name = self.path_of_module(m)
+            self.escape((args, kwargs, result), f"passed to {' and '.join(kinds)} of `{name}`",
+                        may_write=True, needs_class=not self.is_leaf_module(m, name))
+        return result
 
-def trace(model: nn.Module, training: bool) -> fx.Graph:
+    def escape(self, values: Any, how: str, may_write: bool, needs_class: bool) -> None:
+        """Record the nodes of this trace among ``values`` (proxies or nodes, nested)."""
+        for value in tree_leaves(values):
+            if isinstance(value, fx.Proxy) and value.tracer is self:
+                value = value.node
+            if not isinstance(value, fx.Node) or value.graph is not self.graph:
+                continue
+            known = self.escapes.get(value)
+            if known is None:
+                self.escapes[value] = Escape(how, may_write, needs_class)
+            else:  # the first description stays; the effects add up
+                self.escapes[value] = Escape(known.how, known.may_write or may_write,
+                                             known.needs_class or needs_class)
+
+    def find_kept(self, root: nn.Module) -> None:
+        """After tracing, every proxy still alive is kept by something outside the graph: a
+        module attribute (named in the report), a hook's closure, a global."""
+        if not any(r() is not None for r in self._proxies):
+            return
+        gc.collect()  # proxies only in reference cycles (a traceback, a frame) are not kept
+        alive = [p for p in (r() for r in self._proxies) if p is not None]
+        if not alive:
+            return
+        stored = _stored_proxies(root)
+        for proxy in alive:
+            where = stored.get(id(proxy))
+            if where is not None:
+                self.escape(proxy, f"stored as module attribute `{where}`", may_write=False,
+                            needs_class=True)
+            else:
+                self.escape(proxy, "kept outside the graph (by a hook, a closure or a global)",
+                            may_write=True, needs_class=True)
+
+
+def _stored_proxies(root: nn.Module, depth: int = 4) -> dict[int, str]:
+    """``id(proxy) -> "name.attribute[0]"`` for the proxies held in ``root``'s modules'
+    attributes, inside lists, tuples and dicts up to ``depth`` levels."""
+    found: dict[int, str] = {}
+
+    def visit(value: Any, path: str, level: int) -> None:
+        if isinstance(value, fx.Proxy):
+            found.setdefault(id(value), path)
+            while isinstance(value, Attribute):  # ``h.mT``, a view of h: h is what escapes
+                value = value.root
+                found.setdefault(id(value), path)
+        elif level < depth and isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(item, f"{path}[{i}]", level + 1)
+        elif level < depth and isinstance(value, dict):
+            for key, item in value.items():
+                visit(item, f"{path}[{key!r}]", level + 1)
+
+    for name, m in root.named_modules():
+        for attribute, value in vars(m).items():
+            if attribute not in ("_modules", "_parameters", "_buffers"):
+                visit(value, f"{name}.{attribute}" if name else attribute, 0)
+    return found
+
+
+class Traced(NamedTuple):
+    graph: fx.Graph
+    escapes: dict[fx.Node, Escape]
+
+
+def trace(model: nn.Module, training: bool) -> Traced:
     """The graph of ``model``'s forward in training or eval mode (every module's mode is
-    restored). The tracer keeps the tensor constants of the code as new attributes of
-    ``model`` (``_tensor_constant0``...), which the graph's ``get_attr`` nodes name: trace a
-    copy when that matters."""
+    restored), and the values that escape it. The tracer keeps the tensor constants of the
+    code as new attributes of ``model`` (``_tensor_constant0``...), which the graph's
+    ``get_attr`` nodes name, and values that forward stores on modules stay there as proxies:
+    trace a copy when that matters."""
     modes = [(m, m.training) for m in model.modules()]
     model.train(training)
     try:
-        return Tracer().trace(model)
+        tracer = Tracer()
+        graph = tracer.trace(model)
     finally:
         for m, mode in modes:
             m.training = mode
+    kinds = hook_kinds(model)
+    if kinds:  # the model's own hooks get its inputs and outputs; a generated module has none
+        tracer.escape([n if n.op == "placeholder" else n.args for n in graph.nodes
+                       if n.op in ("placeholder", "output")],
+                      f"passed to {' and '.join(kinds)} of the model", may_write=True,
+                      needs_class=True)
+    tracer.find_kept(model)
+    return Traced(graph, tracer.escapes)
 
 
 # ------------------------------------------------------------------ normalisation layers
@@ -207,18 +332,62 @@ _FRESH_FUNCTIONS = {
 }
 _FRESH_METHODS = {"add", "sub"}
 
-#: Operations whose result may share memory with their (first) input.
-_VIEW_METHODS = {
-    "view", "view_as", "reshape", "reshape_as", "flatten", "unflatten", "permute", "transpose",
-    "t", "squeeze", "unsqueeze", "expand", "expand_as", "narrow", "chunk", "split",
-    "tensor_split", "unbind", "contiguous", "detach", "as_strided", "movedim", "swapaxes",
-    "select", "unfold", "__getitem__", "type_as", "to", "float", "half", "bfloat16", "double",
+#: Operations known to return a new tensor (never their argument itself nor a view of it, at
+#: any setting: ``F.pad`` by 0, pooling of size 1 and ``x + 0`` copy; checked in
+#: tests/test_convert_aliases.py). Every other operation may return its input or a view of it
+#: (views, ``dropout`` in eval mode or with ``p=0``, ``.to()``/``.contiguous()`` when nothing
+#: changes, ``nn.Identity``, ``+x``, ``einsum``), so a write into its result may be a write into
+#: its input.
+_NEW_FUNCTIONS = {
+    *_FRESH_FUNCTIONS,
+    operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,
+    operator.matmul, operator.neg, operator.abs, operator.lt, operator.le, operator.gt,
+    operator.ge, operator.eq, operator.ne,
+    torch.concatenate, torch.stack, torch.mul, torch.div, torch.matmul, torch.mm, torch.bmm,
+    torch.sum, torch.mean, torch.relu, torch.sigmoid, torch.tanh, torch.exp, torch.log,
+    torch.sqrt, torch.rsqrt, torch.abs, torch.neg, torch.clamp, torch.clip, torch.softmax,
+    torch.log_softmax, torch.where, torch.maximum, torch.minimum,
+    F.bilinear, F.relu, F.relu6, F.leaky_relu, F.elu, F.selu, F.celu, F.gelu, F.silu, F.mish,
+    F.hardswish, F.hardsigmoid, F.hardtanh, F.sigmoid, F.tanh, F.softplus, F.softmax,
+    F.log_softmax, F.glu, F.prelu,
+    F.max_pool1d, F.max_pool2d, F.max_pool3d, F.avg_pool1d, F.avg_pool2d, F.avg_pool3d,
+    F.adaptive_avg_pool1d, F.adaptive_avg_pool2d, F.adaptive_avg_pool3d,
+    F.adaptive_max_pool1d, F.adaptive_max_pool2d, F.adaptive_max_pool3d,
+    F.interpolate, F.pad, F.pixel_shuffle, F.pixel_unshuffle, F.batch_norm, F.layer_norm,
+    F.group_norm, F.instance_norm, F.normalize, F.scaled_dot_product_attention,
 }
-_VIEW_FUNCTIONS = {
-    operator.getitem, torch.flatten, torch.reshape, torch.transpose, torch.permute,
-    torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, torch.tensor_split, torch.narrow,
-    torch.unbind, torch.t, torch.movedim, torch.swapaxes, torch.detach, torch.select,
+_NEW_METHODS = {
+    "add", "sub", "mul", "div", "matmul", "pow", "neg", "abs", "exp", "log", "sqrt", "rsqrt",
+    "sigmoid", "tanh", "relu", "softmax", "log_softmax", "sum", "mean", "amax", "amin", "clamp",
+    "clip", "clone", "masked_fill",
+    # metadata: no tensor at all
+    "size", "dim", "numel", "stride", "is_contiguous", "item", "tolist",
 }
+#: ``x.shape`` and the like: ``getattr`` of these names is no tensor.
+_METADATA = {"shape", "dtype", "device", "ndim", "is_cuda", "requires_grad", "layout"}
+#: PyTorch's own modules (exact classes from these files) that return a new tensor; in-place
+#: variants (``inplace=True``) are writes. Not ``torch.nn.modules.linear`` as a whole: it
+#: holds ``nn.Identity``; nor ``dropout``, ``flatten``.
+_NEW_MODULE_FILES = {
+    f"torch.nn.modules.{name}" for name in (
+        "activation", "conv", "pooling", "padding", "upsampling", "pixelshuffle",
+        "channelshuffle", "normalization", "batchnorm", "instancenorm")
+}
+_NEW_MODULES = (nn.Linear, nn.Bilinear, nn.LazyLinear, ABN)
+
+
+def _returns_new(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    if node.op == "call_module":
+        m = modules[node.target]
+        return isinstance(m, ABN) or (type(m) in _NEW_MODULES
+                                      or type(m).__module__ in _NEW_MODULE_FILES)
+    if node.op == "call_function":
+        if node.target is getattr:
+            return len(node.args) > 1 and node.args[1] in _METADATA
+        return node.target in _NEW_FUNCTIONS
+    if node.op == "call_method":
+        return node.target in _NEW_METHODS
+    return False
 
 
 def is_fresh_producer(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
@@ -231,9 +400,13 @@ def is_fresh_producer(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     return False
 
 
+def _is_torch(module: str) -> bool:
+    return module in ("torch", "_operator") or module.startswith("torch.")
+
+
 def _writes_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool | None:
-    """True if ``node`` may write into its input, False if it provably does not, None when
-    unknown (a function or module iabn knows nothing about)."""
+    """True if ``node`` may write into its first argument, False if it provably does not,
+    None when unknown (a function or module from outside PyTorch, which iabn does not vet)."""
     if node.op == "output":
         return False
     if node.op == "call_module":
@@ -243,7 +416,7 @@ def _writes_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool
         if isinstance(m, ABN):
             return False
         # PyTorch's own modules write into their input only through ``inplace``
-        return False if type(m).__module__.startswith("torch.nn") else None
+        return False if _is_torch(type(m).__module__) else None
     if node.op == "call_method":
         name = str(node.target)
         return name.endswith("_") and not name.startswith("__")
@@ -251,42 +424,46 @@ def _writes_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool
         target = node.target
         if target in _MUTATING_FUNCTIONS:
             return True
-        name = getattr(target, "__name__", "")
-        module = getattr(target, "__module__", None) or ""
-        if target in _VIEW_FUNCTIONS or target in _FRESH_FUNCTIONS:
+        if target is getattr:  # reads an attribute (``x.T`` is a view: see _returns_new)
             return False
-        if module == "_operator" or module.startswith("torch"):
-            if name.endswith("_") and not name.startswith("__"):
-                return True
-            arguments = _bound(target, node)
-            return bool(arguments and arguments.get("inplace") is True)
-        return None
+        name = getattr(target, "__name__", "")
+        if not _is_torch(getattr(target, "__module__", None) or ""):
+            return None
+        if name.endswith("_") and not name.startswith("__"):
+            return True
+        arguments = _bound(target, node)
+        return bool(arguments and arguments.get("inplace") is True)
     return None
 
 
-def _is_view(node: fx.Node) -> bool:
-    return (node.op == "call_method" and node.target in _VIEW_METHODS) or (
-        node.op == "call_function" and node.target in _VIEW_FUNCTIONS)
-
-
-def later_write(output: fx.Node, modules: dict[str, nn.Module]) -> str | None:
-    """Why ``output`` (or a view of it) may be written after it is produced, or ``None``."""
-    pending, seen = [output], set()
+def later_write(output: fx.Node, modules: dict[str, nn.Module],
+                escapes: dict[fx.Node, Escape]) -> str | None:
+    """Why ``output`` may be written after it is produced, or ``None``. Writes are followed
+    through every operation that may return its input or a view of it (all but
+    :func:`_returns_new`'s), in this graph; code the graph does not show (a hook) and
+    functions or modules from outside PyTorch count as writes."""
+    pending, seen = [output], {output}
     while pending:
         node = pending.pop()
+        via = ("" if node is output else f"the output of {describe(node, modules)}, which may "
+               f"return the norm's output or a view of it")
+        what = via or "the norm's output"
+        escape = escapes.get(node)
+        if escape is not None and escape.may_write:
+            return f"{what} escapes: {escape.how}, which may write into it"
         for user in node.users:
             if user in seen:
                 continue
-            seen.add(user)
-            if _is_view(user):
-                pending.append(user)
-                continue
             writes = _writes_first_argument(user, modules)
             if writes is None:
-                return (f"its output goes to {describe(user, modules)}, which iabn cannot vet "
-                        f"for in-place writes")
-            if writes and user.args and user.args[0] is node:
-                return f"{describe(user, modules)} writes into the norm's output in place"
+                return (f"{via or 'its output'} goes to {describe(user, modules)}, which iabn "
+                        f"cannot vet for in-place writes")
+            if user.kwargs.get("out") is node or (writes and user.args and user.args[0] is node):
+                return f"{describe(user, modules)} writes into {what} in place"
+            if writes or _returns_new(user, modules):
+                continue  # an in-place operation returns its first argument, not this one
+            seen.add(user)
+            pending.append(user)
     return None
 
 
@@ -298,19 +475,25 @@ class Site:
     node: fx.Node
     activation: Activation | None  # fused with the norm (None: nothing to fuse)
     activation_node: fx.Node | None
-    next_op: str | None            # the single consumer when it is not fusable (for the report)
+    next_op: str | None            # the single consumer when it is not fused (for the report)
     input_fresh: str | None        # None when fresh, else why not
     output_written: str | None     # None when nothing writes the output later, else why
+    unfused: str | None = None     # why an activation that follows is not fused
 
 
-def find_sites(graph: fx.Graph, modules: dict[str, nn.Module]) -> list[Site]:
-    """Every call of a convertible normalisation module in ``graph``, with its facts."""
+def find_sites(graph: fx.Graph, modules: dict[str, nn.Module],
+               escapes: dict[fx.Node, Escape] | None = None,
+               unfusable: Callable[[fx.Node], str | None] | None = None) -> list[Site]:
+    """Every call of a convertible normalisation module in ``graph``, with its facts.
+    ``escapes``: the graph's values that something outside it gets (:func:`trace`).
+    ``unfusable``: why an activation node may not be removed, if it may not."""
+    escapes = escapes or {}
     sites = []
     for node in graph.nodes:
         if node.op != "call_module" or not is_convertible_norm(modules[node.target]):
             continue
         norm = modules[node.target]
-        activation, activation_node, next_op = None, None, None
+        activation, activation_node, next_op, unfused = None, None, None, None
         if is_norm_act(norm):
             inner = module_activation(norm.act) if type(norm.drop) is nn.Identity else None
             activation = inner or Activation(type(norm.act).__name__, 0.0,
@@ -318,22 +501,31 @@ def find_sites(graph: fx.Graph, modules: dict[str, nn.Module]) -> list[Site]:
         elif len(node.users) == 1:
             (user,) = node.users
             found = node_activation(user, modules) if user.args and user.args[0] is node else None
-            if found is not None:
+            # fusing removes the norm's own output: nothing outside the graph may hold it
+            why = (f"its output escapes: {escapes[node].how}" if node in escapes
+                   else unfusable(user) if found is not None and unfusable else None)
+            if found is not None and why is None:
                 activation, activation_node = found, user
             else:
                 next_op = describe(user, modules)
+                if found is not None:
+                    unfused = f"the {found.written_as} after it is not fused ({why})"
         output = activation_node or node
         sites.append(Site(node.target, node, activation, activation_node, next_op,
-                          _input_not_fresh(node, modules), later_write(output, modules)))
+                          _input_not_fresh(node, modules, escapes),
+                          later_write(output, modules, escapes), unfused))
     return sites
 
 
-def _input_not_fresh(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
+def _input_not_fresh(node: fx.Node, modules: dict[str, nn.Module],
+                     escapes: dict[fx.Node, Escape]) -> str | None:
     source = node.args[0] if node.args else None
     if not isinstance(source, fx.Node):
         return "its input is not a traced tensor"
     if source.op == "placeholder":
         return "its input is the model's input"
+    if source in escapes:  # one more user, outside the graph
+        return f"its input escapes: {escapes[source].how}"
     others = len(source.users) - 1
     if others:
         return f"its input is also used by {others} other operation{'s' * (others > 1)}"

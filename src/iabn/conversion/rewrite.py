@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from collections.abc import Callable
 
 from torch import fx, nn
 
@@ -35,22 +36,35 @@ def _references(model: nn.Module) -> Counter:
     return Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
 
 
-def swap_obstacle(model: nn.Module, graphs: list[fx.Graph], fused: list[Site]) -> str | None:
-    """Why swapping modules cannot express the fusions in ``fused``, or ``None``.
+def removal_obstacle(model: nn.Module, graphs: list[fx.Graph]) -> Callable[[fx.Node], str | None]:
+    """For an activation node of ``graphs``: why swapping modules cannot remove it, or ``None``.
 
     A fused activation is removed by replacing its module with ``nn.Identity``; that is only
     right when the module is called for this norm alone: held once in the model and called
     once in every graph. A functional activation (``F.relu(x)``) has no module to replace."""
     references = _references(model)
     calls = [Counter(n.target for n in g.nodes if n.op == "call_module") for g in graphs]
+
+    def obstacle(node: fx.Node) -> str | None:
+        if node.op != "call_module":
+            return "it is a function call in forward, not a module"
+        module = model.get_submodule(node.target)
+        if references[id(module)] > 1 or any(c[node.target] > 1 for c in calls):
+            return f"its module '{node.target}' is shared with other calls"
+        return None
+    return obstacle
+
+
+def swap_obstacle(model: nn.Module, graphs: list[fx.Graph], fused: list[Site]) -> str | None:
+    """Why swapping modules cannot express the fusions in ``fused``, or ``None``."""
+    obstacle = removal_obstacle(model, graphs)
     for site in fused:
         node = site.activation_node
         if node is None:
             continue  # inside the norm module itself (timm's BatchNormAct2d)
         if node.op != "call_module":
             return f"{site.norm}'s activation is written as {site.activation.written_as} in forward"
-        module = model.get_submodule(node.target)
-        if references[id(module)] > 1 or any(c[node.target] > 1 for c in calls):
+        if obstacle(node) is not None:
             return f"{site.norm}'s activation module '{node.target}' is shared with other calls"
     return None
 
