@@ -181,6 +181,41 @@ def test_strided_inputs_are_refused_exactly_when_elements_share_memory():
     assert refused > 50 and accepted > 50, (refused, accepted)
 
 
+# ---- tensors of other kinds --------------------------------------------------------------------
+
+
+def _sparse():
+    return torch.randn(2, 3, 4, 4).to_sparse()
+
+
+def _nested():
+    return torch.nested.nested_tensor([torch.randn(3, 4, 4), torch.randn(3, 5, 5)])
+
+
+@pytest.mark.parametrize("make", [_sparse, _nested], ids=["sparse", "nested"])
+@pytest.mark.parametrize("layer_cls", [iabn.InPlaceABN, iabn.ABN])
+def test_sparse_and_nested_inputs_are_named(layer_cls, make):
+    """Were: "elements that share memory" (sparse) and torch's internal error (nested)."""
+    layer = layer_cls(3)
+    layer(torch.randn(2, 3, 4, 4))  # a valid call first: its signature is cached
+    with pytest.raises(TypeError, match=r"sparse|nested"):
+        layer(make())
+    assert int(layer.num_batches_tracked) == 1
+
+
+def test_inference_tensor_outside_inference_mode_is_refused_before_counting():
+    """Was torch's in-place error from inside the kernel, after the batch was counted."""
+    with torch.inference_mode():
+        x = torch.randn(2, 3, 4, 4)
+    layer = iabn.InPlaceABN(3)
+    with pytest.raises(ValueError, match="inference tensor"):
+        layer(x)
+    assert int(layer.num_batches_tracked) == 0
+    with torch.inference_mode():  # inside inference mode it is an ordinary in-place call
+        ref = F.leaky_relu(nn.BatchNorm2d(3)(x.clone()), 0.01)
+        torch.testing.assert_close(layer(x), ref, rtol=0, atol=0)  # measured: bitwise equal
+
+
 # ---- options assigned after construction -----------------------------------------------------
 
 BAD_OPTIONS = [

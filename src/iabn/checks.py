@@ -109,8 +109,7 @@ def check_inputs(
     ``synchronised``: the batch statistics come from all ranks, so this rank may hold a single
     value per channel, or none; the total is checked after the ranks' counts are gathered.
     """
-    if not isinstance(input, Tensor):
-        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    _check_tensor_kind(input)
     if input.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"input has dtype {input.dtype}; batch normalisation needs float16, bfloat16, "
@@ -186,12 +185,28 @@ def input_signature(
 
 
 def check_per_call(input: Tensor, *, in_place: bool) -> None:
-    """The checks a cached :func:`input_signature` cannot stand for: whether this particular
-    tensor may be overwritten (autograd leaf, memory overlap)."""
-    if not isinstance(input, Tensor):
-        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    """The checks a cached :func:`input_signature` cannot stand for: the tensor's kind (its
+    layout is not in the signature, and a nested tensor has no shape to build one) and
+    whether this particular tensor may be overwritten (autograd leaf, memory overlap,
+    inference tensor)."""
+    _check_tensor_kind(input)
     if in_place:
         _check_writable(input)
+
+
+def _check_tensor_kind(input: Tensor) -> None:
+    if not isinstance(input, Tensor):
+        raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
+    if input.is_nested:
+        raise TypeError(
+            "input is a nested tensor; batch normalisation takes dense (strided) tensors: "
+            "pass torch.nested.to_padded_tensor(input, 0.0), or each of its tensors"
+        )
+    if input.layout is not torch.strided:
+        raise TypeError(
+            f"input is a {input.layout} tensor; batch normalisation takes dense (strided) "
+            f"tensors: pass input.to_dense()"
+        )
 
 
 def _check_channel_tensor(name: str, t: Tensor | None, input: Tensor, channels: int) -> None:
@@ -234,6 +249,15 @@ def _check_param_dtypes(input: Tensor, *params: Tensor | None) -> None:
 
 def _check_writable(input: Tensor) -> None:
     """The in-place layer overwrites ``input``: reject tensors autograd or memory forbid."""
+    # Neither query below can be traced by torch.compile: they run in eager mode only (inside
+    # a compiled graph, layer inputs are the graph's own intermediates).
+    eager = not torch.compiler.is_compiling()
+    if eager and input.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            "input is an inference tensor (made under torch.inference_mode()), which cannot "
+            "be overwritten outside inference mode: run the layer under "
+            "torch.inference_mode() too, pass input.clone(), or use the non-in-place iabn.ABN"
+        )
     if torch.is_grad_enabled():
         leaf = input if input._base is None else input._base
         if leaf.is_leaf and leaf.requires_grad:
@@ -244,14 +268,9 @@ def _check_writable(input: Tensor) -> None:
                 f"the non-in-place iabn.ABN (iabn.functional.abn), or pass a computed tensor "
                 f"(e.g. the output of a convolution, or input.clone())"
             )
-    # The overlap query returns a Python int, which torch.compile cannot trace, so it runs in
-    # eager mode only (inside a compiled graph, layer inputs are the graph's own intermediates).
     # torch.func's wrapped tensors (vmap's batched ones) have no overlap query: there the
     # layer is computed by composition and ATen's copy_ into the input does its own check.
-    if (
-        not torch.compiler.is_compiling() and not functorch_active()
-        and has_internal_overlap(input)
-    ):
+    if eager and not functorch_active() and has_internal_overlap(input):
         raise ValueError(
             "input has elements that share memory (e.g. a tensor made by expand() or "
             "as_strided()), so it cannot be overwritten in place: pass input.contiguous(), or "
