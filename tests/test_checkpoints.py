@@ -176,3 +176,18 @@ def test_iabn_test_original_loads_a_stdbn_file_with_signed_weights(tmp_path):
     assert args.origin == "ABN"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["test", "config.json", str(path), "--origin", "bn"])
+
+
+def test_a_folder_given_as_checkpoint_is_called_a_folder(tmp_path):
+    """Was "does not exist" for a folder that exists (a run folder given to iabn test)."""
+    from iabn.models.checkpoints import CheckpointError, read_checkpoint
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(CheckpointError, match=r"run is a folder, not a file: give the"):
+        read_checkpoint(run, "snapshot")
+    torch.save({}, run / "last.pth")
+    torch.save({}, run / "best.pth")
+    names = r"e\.g\. .*best\.pth \(it has best\.pth, last\.pth\)"
+    with pytest.raises(CheckpointError, match=names):
+        read_checkpoint(run)

@@ -88,8 +88,15 @@ def read_checkpoint(path: str | Path, what: str = "checkpoint") -> Any:
     original-package files, weights for ``iabn test`` and ``iabn segment``. ``what`` names the
     file in the :class:`CheckpointError` (``"snapshot"``, ``"checkpoint"``)."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        inside = sorted(f.name for f in path.glob("*.pth") if f.is_file())[:5]
+        hint = (f"give a file in it, e.g. {path / inside[0]} (it has {', '.join(inside)})"
+                if inside else "give the checkpoint file (.pth)")
+        raise CheckpointError(f"{what} {path} is a folder, not a file: {hint}")
+    if not path.exists():
         raise CheckpointError(f"{what} {path} does not exist")
+    if not path.is_file():
+        raise CheckpointError(f"{what} {path} is not a regular file")
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a clear message naming the file, whatever torch raised
