@@ -36,18 +36,21 @@ into one ``.tar.gz`` (members relative to ``--out``; rewritten atomically after 
 a device machine that returns only 8 files.
 
 Resuming and time: ``--resume`` continues the campaign in ``--out`` (or starts it): parts
-already done or failed are skipped, a part stopped by the budget runs again (at most
-``--max-attempts`` times). ``--parts`` selects parts by name, group (suite, slopes, host,
-gpu_speed, network, offload) or shell pattern (``'net_eager_*'``); ``--rerun`` runs selected
-parts again even when done or failed. With ``--budget-s`` the campaign starts a part only when
-its expected time fits what is left (less ``--reserve-s`` for the summary and the bundle),
-except the first part of a call, which always starts; a part still running when the budget
-ends is stopped (its process group killed) and recorded as interrupted. Expected times are
-the measured durations of finished parts of the same kind (x1.25), else planning allowances
-(``Part.expect_s``; for the budget only, never reported as measurements). The last thing
-printed is a short table of the parts and targets, what is left and the command to continue.
-Exit status: 0 all selected parts done, 1 all ran but some failed, 3 stopped by the budget
-with parts left, 2 a usage error (one line on stderr, nothing written).
+already done or failed are skipped. ``--parts`` selects parts by name, group (suite, slopes,
+host, gpu_speed, network, offload) or shell pattern (``'net_eager_*'``); ``--rerun`` runs
+selected parts again even when done or failed (a network part keeps a cell the JSON already
+holds without an error: network_step's own ``--resume``). With ``--budget-s`` the campaign
+starts a part only when its expected time fits what is left (less ``--reserve-s`` for the
+summary and the bundle), except the first part of a call, which always starts. A part still
+running when the budget ends is stopped (its process group killed): started after other parts,
+it is "interrupted" and runs first in the next call; started first, it had the whole budget
+and is "failed" (run it alone with a larger ``--budget-s``). Expected times are the measured
+durations of finished parts of the same kind (x1.25), else planning allowances
+(``Part.expect_s``, or ``--expect-s PATTERN=SECONDS``; for the budget only, never reported as
+measurements). The last thing printed is a short table of the parts and targets, what is
+left and the command to continue. Exit status: 0 all selected parts done, 1 all ran but some
+failed, 3 stopped by the budget with parts left, 2 a usage error (one line on stderr, nothing
+written).
 
 On the device machine (its ``python3`` has torch; the tree arrives without ``.git``, so paste
 this checkout's ``git rev-parse HEAD`` after ``--commit``), as the device tool's command, with
@@ -76,7 +79,7 @@ filled in).
 Usage::
 
     python benchmarks/gpu_campaign.py [--resume | --restart] [--parts P,...] [--rerun]
-        [--budget-s S] [--reserve-s 20] [--max-attempts 3] [--commit HASH] [--out DIR]
+        [--budget-s S] [--reserve-s 20] [--expect-s PATTERN=S] [--commit HASH] [--out DIR]
         [--bundle PATH.tar.gz] [--smoke] [--list] [--part-command-override PATTERN=COMMAND]
 """
 
@@ -540,13 +543,18 @@ def run_part(part: Part, out: Path, timeout: float | None, attempt: int,
     return entry
 
 
-def expected_seconds(part: Part, parts: list[Part], state: dict[str, Any]) -> float:
-    """Measured duration of finished parts of the same kind (with a margin), else the
-    part's allowance; an interrupted part needs at least what it already ran."""
+def expected_seconds(part: Part, parts: list[Part], state: dict[str, Any],
+                     given: list[tuple[str, float]] = ()) -> float:
+    """``--expect-s`` for the part if given, else the measured duration of finished parts of
+    the same kind (with a margin), else the part's allowance; an interrupted part needs at
+    least what it already ran."""
     entries = state["parts"]
     finished = [entries[p.name]["seconds"] for p in parts
                 if p.kind == part.kind and entries.get(p.name, {}).get("status") == "done"]
     expect = LEARNED_MARGIN * max(finished) if finished else part.expect_s
+    for pattern, seconds in given:
+        if fnmatch.fnmatchcase(part.name, pattern):
+            expect = seconds
     own = entries.get(part.name, {})
     if own.get("status") == "interrupted":
         expect = max(expect, own.get("seconds", 0))
@@ -803,8 +811,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds this call may take (stop before a part that does not fit)")
     parser.add_argument("--reserve-s", type=float, default=20,
                         help="seconds of the budget kept for the summary and bundle (20)")
-    parser.add_argument("--max-attempts", type=int, default=3,
-                        help="tries of a part the budget keeps stopping (3)")
+    parser.add_argument("--expect-s", action="append", default=[], metavar="PATTERN=SECONDS",
+                        help="expected seconds of the matching parts, for --budget-s")
     parser.add_argument("--commit", default=None,
                         help="the commit being measured, recorded when there is no .git")
     parser.add_argument("--out", type=Path, default=None)
@@ -821,8 +829,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise UsageError(f"--budget-s {args.budget_s:g}: give a positive number of seconds")
     if args.reserve_s < 0 or (args.budget_s is not None and args.reserve_s >= args.budget_s):
         raise UsageError(f"--reserve-s {args.reserve_s:g}: use 0 or more, less than --budget-s")
-    if args.max_attempts < 1:
-        raise UsageError("--max-attempts must be >= 1")
+    args.expect = []
+    for item in args.expect_s:
+        pattern, _, seconds = item.partition("=")
+        try:
+            args.expect.append((pattern, float(seconds)))
+        except ValueError:
+            raise UsageError(f"--expect-s {item!r}: use PATTERN=SECONDS") from None
+        if not pattern or not args.expect[-1][1] >= 0:
+            raise UsageError(f"--expect-s {item!r}: use PATTERN=SECONDS")
     if args.commit is not None and not re.fullmatch(r"[0-9a-fA-F]{7,40}", args.commit):
         raise UsageError(f"--commit {args.commit!r}: give a git commit hash (7 to 40 hex "
                          f"digits; git rev-parse HEAD)")
@@ -929,12 +944,7 @@ def run(args: argparse.Namespace, raw: list[str], parts: list[Part], selected: l
         if status in ("done", "failed") and not args.rerun:
             continue
         attempts = entry.get("attempts", 0) if status == "interrupted" else 0
-        if attempts >= args.max_attempts:
-            entry.update(status="failed", reason=f"stopped by the budget {attempts} times: "
-                         f"it needs a longer call (run it alone with a larger --budget-s)")
-            save()
-            continue
-        expect = expected_seconds(part, parts, state)
+        expect = expected_seconds(part, parts, state, args.expect)
         timeout = None
         if args.budget_s is not None:
             left = args.budget_s - (time.monotonic() - start) - args.reserve_s
@@ -945,6 +955,11 @@ def run(args: argparse.Namespace, raw: list[str], parts: list[Part], selected: l
             timeout = left
         print(f"[{part.name}] started (expects ~{expect:.0f} s)", flush=True)
         result = run_part(part, out, timeout, attempts + 1, record)
+        out_of_time = result["status"] == "interrupted"
+        if out_of_time and not ran:
+            result.update(status="failed", reason=(
+                f"stopped by the budget after {result['seconds']:.0f} s as the first part of "
+                f"the call: it needs more than --budget-s; run it alone with a larger one"))
         state["parts"][part.name] = result
         ran += 1
         print(f"[{part.name}] {result['status']} (exit {result['exit_status']}, "
@@ -953,7 +968,7 @@ def run(args: argparse.Namespace, raw: list[str], parts: list[Part], selected: l
             print("\n".join(f"    {line}" for line in
                             result.get("log_tail", "").splitlines()[-8:]), flush=True)
         save()
-        if result["status"] == "interrupted":
+        if out_of_time:
             call["stopped"] = f"budget: {part.name} was stopped after {result['seconds']:.0f} s"
             break
     left = [p.name for p in selected

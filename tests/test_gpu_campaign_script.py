@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import shlex
 import tarfile
 import time
@@ -53,9 +54,16 @@ def _state(out: Path) -> dict:
     return json.loads((out / "gpu_campaign_state.json").read_text())
 
 
-def test_failing_part_is_recorded_and_the_next_runs_into_the_bundle(tmp_path, capsys):
+def test_failing_part_is_recorded_and_the_next_runs_into_the_bundle(tmp_path, capsys,
+                                                                    monkeypatch):
     out, bundle = tmp_path / "campaign", tmp_path / "back" / "campaign.tar.gz"
-    host_json = "import sys, json; json.dump(dict(rows=[]), open(sys.argv[1], 'w'))"
+    # parts are told where to write and measure the default backend, whatever the caller set
+    monkeypatch.setenv("IABN_COMMIT_RESULTS", "1")
+    monkeypatch.setenv("IABN_BACKEND", "triton")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "elsewhere"))
+    host_json = ("import json, os, sys; env = os.environ; json.dump(dict(rows=[], "
+                 "commit=env.get('IABN_COMMIT_RESULTS'), backend=env.get('IABN_BACKEND'), "
+                 "path=env.get('PYTHONPATH')), open(sys.argv[1], 'w'))")
     code, printed, _ = _run([
         "--smoke", "--out", str(out), "--bundle", str(bundle),
         "--parts", "suite,slope_errors,host_overhead",
@@ -68,6 +76,9 @@ def test_failing_part_is_recorded_and_the_next_runs_into_the_bundle(tmp_path, ca
     assert parts["suite"]["status"] == "failed" and parts["suite"]["exit_status"] == 3
     assert "boom in the suite" in parts["suite"]["log_tail"]
     assert parts["slope_errors"]["status"] == "done" and parts["host_overhead"]["status"] == "done"
+    seen = json.loads((out / "host_overhead_cpu.json").read_text())
+    assert seen["commit"] is None and seen["backend"] is None
+    assert seen["path"].split(os.pathsep)[0] == str(ROOT / "src")  # the tree, not an install
     # the real part's JSON and the stub's carry the call's machine record
     slopes = json.loads((out / "slope_errors_cpu.json").read_text())
     assert len(slopes["rows"]) == 1 and slopes["rows"][0]["elements"] == 2 * 3 * 8 * 8
@@ -147,15 +158,18 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
-def test_a_part_overrunning_the_budget_is_stopped_and_retried(tmp_path, capsys):
+def test_a_part_overrunning_the_budget_is_stopped_with_what_it_started(tmp_path, capsys):
     out = tmp_path / "campaign"
-    argv = ["--smoke", "--out", str(out), "--parts", "suite", "--budget-s", "2",
-            "--reserve-s", "0", "--max-attempts", "2",
-            "--part-command-override", "suite=" + _stub(SLEEPER, "{out}/grandchild")]
+    # started after another part, it is interrupted and runs first in the next call
+    argv = ["--smoke", "--out", str(out), "--parts", "suite,slope_errors", "--budget-s", "3",
+            "--reserve-s", "0", "--expect-s", "slope_errors=1",
+            "--part-command-override", "suite=" + _stub("pass"),
+            "--part-command-override", "slope_errors=" + _stub(SLEEPER, "{out}/grandchild")]
     start = time.monotonic()
     code, printed, _ = _run(argv, capsys)
     assert code == 3 and time.monotonic() - start < 20
-    entry = _state(out)["parts"]["suite"]
+    assert "slope_errors was stopped after" in printed
+    entry = _state(out)["parts"]["slope_errors"]
     assert entry["status"] == "interrupted" and entry["attempts"] == 1
     # the part's whole process group went, the process it started too
     grandchild = int((out / "grandchild").read_text())
@@ -163,22 +177,23 @@ def test_a_part_overrunning_the_budget_is_stopped_and_retried(tmp_path, capsys):
     while _alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(grandchild)
-    assert "was stopped after" in printed
-    assert _run([*argv, "--resume"], capsys)[0] == 3
-    assert _state(out)["parts"]["suite"]["attempts"] == 2
-    # after --max-attempts interruptions it is failed, not run again
+    # first in the next call it has the whole budget; stopped again, it is failed
     (out / "grandchild").unlink()
-    code, _, _ = _run([*argv, "--resume"], capsys)
-    entry = _state(out)["parts"]["suite"]
-    assert code == 1 and entry["status"] == "failed" and "2 times" in entry["reason"]
-    assert not (out / "grandchild").exists()
+    code, printed, _ = _run([*argv, "--resume"], capsys)
+    entry = _state(out)["parts"]["slope_errors"]
+    assert code == 1 and entry["status"] == "failed" and entry["attempts"] == 2
+    assert "first part of the call" in entry["reason"] and "=== stopped" in entry["log_tail"]
+    assert (out / "grandchild").exists()  # it did run again
+    # not run again unless asked
+    (out / "grandchild").unlink()
+    assert _run([*argv, "--resume"], capsys)[0] == 1 and not (out / "grandchild").exists()
 
 
 @pytest.mark.parametrize("argv", [
     ["--parts", "nosuch"], ["--budget-s", "0"], ["--budget-s", "10", "--reserve-s", "10"],
     ["--commit", "not-a-hash"], ["--bundle", "campaign.zip"],
-    ["--part-command-override", "suite"], ["--resume", "--restart"], ["--max-attempts", "0"],
-    ["--bogus"], ["--budget-s", "soon"],
+    ["--part-command-override", "suite"], ["--resume", "--restart"], ["--expect-s", "suite"],
+    ["--expect-s", "suite=-1"], ["--bogus"], ["--budget-s", "soon"],
 ])
 def test_usage_errors_exit_2_with_one_line_and_write_nothing(tmp_path, argv, capsys):
     out = tmp_path / "campaign"
@@ -317,6 +332,9 @@ def test_layer_and_offload_targets(tmp_path):
     assert target.cells[0][1] == pytest.approx(130.0 / 125.0)
     pcie["copy_ms"] = 50.0  # the eager step is the bound: 130 / 100
     assert campaign.offload_target(pareto, pcie)[0].verdict() == "missed"
+    pareto["rows"][0]["results"]["offload_all"]["ms"] = 105.0  # 105 / 100
+    target, facts = campaign.offload_target(pareto, pcie)
+    assert target.verdict() == "met" and facts["bound_ms"] == 100.0
     assert campaign.offload_target(pareto, None)[0].verdict() == "unmeasured"
     pcie["batch"] = 2  # another setting than the timed step
     assert campaign.offload_target(pareto, pcie)[0].verdict() == "unmeasured"
