@@ -503,7 +503,7 @@ def run_part(part: Part, out: Path, timeout: float | None, attempt: int,
                 for name in part.outputs if name.endswith(".json")}
     started = time.time()
     start_utc = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    with log.open("a") as stream:
+    with log.open("w" if attempt == 1 else "a") as stream:  # a new run's log replaces an old one
         stream.write(f"=== gpu_campaign part {part.name}, attempt {attempt}, {start_utc}\n"
                      f"=== command: {shlex.join(command)}\n")
         stream.flush()
@@ -802,7 +802,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     order.add_argument("--resume", action="store_true",
                        help="continue the campaign in --out (start one if there is none)")
     order.add_argument("--restart", action="store_true",
-                       help="start over in --out, replacing its campaign state")
+                       help="start over in --out, replacing its campaign state (the parts' "
+                            "files are rewritten as they run; network_step keeps the cells "
+                            "its JSON holds)")
     parser.add_argument("--parts", default=None,
                         help="comma-separated part names, groups or patterns (default: all)")
     parser.add_argument("--rerun", action="store_true",

@@ -4,7 +4,7 @@ part that does not fit and kills one that overruns, with every process it starte
 holds the files), its summary (targets from the parts' files only, 'unmeasured' where a figure
 is missing or not from a GPU), the GPU commands it will run (valid for their scripts) and
 benchmarks/offload_pcie.py's byte count. Most parts are replaced by trivial commands through
-the documented --part-command-override; slope_errors runs for real (its quickest CPU case)."""
+the documented --part-command-override; host_overhead runs for real (its quickest CPU case)."""
 
 from __future__ import annotations
 
@@ -61,30 +61,31 @@ def test_failing_part_is_recorded_and_the_next_runs_into_the_bundle(tmp_path, ca
     monkeypatch.setenv("IABN_COMMIT_RESULTS", "1")
     monkeypatch.setenv("IABN_BACKEND", "triton")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "elsewhere"))
-    host_json = ("import json, os, sys; env = os.environ; json.dump(dict(rows=[], "
-                 "commit=env.get('IABN_COMMIT_RESULTS'), backend=env.get('IABN_BACKEND'), "
-                 "path=env.get('PYTHONPATH')), open(sys.argv[1], 'w'))")
+    env_json = ("import json, os, sys; env = os.environ; json.dump(dict(rows=[], "
+                "commit=env.get('IABN_COMMIT_RESULTS'), backend=env.get('IABN_BACKEND'), "
+                "path=env.get('PYTHONPATH')), open(sys.argv[1], 'w'))")
     code, printed, _ = _run([
         "--smoke", "--out", str(out), "--bundle", str(bundle),
         "--parts", "suite,slope_errors,host_overhead",
         "--part-command-override",
         "suite=" + _stub("print('boom in the suite'); raise SystemExit(3)"),
         "--part-command-override",
-        "host_overhead=" + _stub(host_json, "{out}/host_overhead_cpu.json")], capsys)
+        "slope_errors=" + _stub(env_json, "{out}/slope_errors_cpu.json")], capsys)
     assert code == 1  # every part ran, one failed
     parts = _state(out)["parts"]
     assert parts["suite"]["status"] == "failed" and parts["suite"]["exit_status"] == 3
     assert "boom in the suite" in parts["suite"]["log_tail"]
     assert parts["slope_errors"]["status"] == "done" and parts["host_overhead"]["status"] == "done"
-    seen = json.loads((out / "host_overhead_cpu.json").read_text())
+    seen = json.loads((out / "slope_errors_cpu.json").read_text())
     assert seen["commit"] is None and seen["backend"] is None
     assert seen["path"].split(os.pathsep)[0] == str(ROOT / "src")  # the tree, not an install
-    # the real part's JSON and the stub's carry the call's machine record
-    slopes = json.loads((out / "slope_errors_cpu.json").read_text())
-    assert len(slopes["rows"]) == 1 and slopes["rows"][0]["elements"] == 2 * 3 * 8 * 8
-    for report in (slopes, json.loads((out / "host_overhead_cpu.json").read_text())):
+    # the real part's JSON (host_overhead's quickest CPU run) and the stub's carry the call's
+    # machine record
+    host = json.loads((out / "host_overhead_cpu.json").read_text())
+    assert [row["shape"] for row in host["rows"]] == [[2, 8, 4, 4], [8, 64, 8, 8]]
+    for report in (seen, host):
         block = report["campaign"]
-        assert block["machine"]["torch_version"] == torch.__version__.split("+")[0]
+        assert torch.__version__.startswith(block["machine"]["torch_version"])
         assert block["machine"]["date_utc"] and block["machine"]["commit"]
         assert set(block["parts"]) <= {"slope_errors", "host_overhead"}
     with tarfile.open(bundle) as tar:
@@ -212,6 +213,36 @@ def test_gpu_campaign_refuses_a_machine_without_cuda(tmp_path, capsys):
         pytest.skip("this machine has CUDA")
     code, _, err = _run(["--out", str(tmp_path / "c")], capsys)
     assert code == 2 and "no CUDA device" in err and not (tmp_path / "c").exists()
+
+
+def test_gpu_campaign_is_tied_to_one_device_and_commits_only_when_asked(tmp_path, monkeypatch,
+                                                                         capsys):
+    """The GPU run (its machine record faked: no GPU here) writes by default where the
+    committed results are only with IABN_COMMIT_RESULTS=1, and a campaign measured on one
+    device is not continued on another."""
+    campaign = _load()
+    monkeypatch.delenv("IABN_COMMIT_RESULTS", raising=False)
+    assert campaign.parse_args([]).out == (Path("runs") / "benchmarks" / "campaign").resolve()
+    monkeypatch.setenv("IABN_COMMIT_RESULTS", "1")
+    assert campaign.parse_args([]).out == (BENCHMARKS / "results").resolve()
+    device = {"name": "test GPU A"}
+    monkeypatch.setattr(campaign, "machine", lambda smoke, commit: {
+        "device_name": device["name"], "cuda_available": True, "commit": commit})
+    out = tmp_path / "campaign"
+    argv = ["--out", str(out), "--resume", "--parts", "suite", "--commit", "abc1234",
+            "--part-command-override", "*=" + _stub("pass")]
+    code, printed, _ = _run(argv, capsys)
+    assert code == 0 and "test GPU A" in printed
+    state = _state(out)
+    assert state["smoke"] is False and state["parts"]["suite"]["status"] == "done"
+    assert state["calls"][0]["machine"]["commit"] == "abc1234"
+    device["name"] = "test GPU B"
+    code, _, err = _run(argv, capsys)
+    assert code == 2 and "test GPU A" in err and "--out" in err
+    assert len(_state(out)["calls"]) == 1
+    # nor is a CPU rehearsal mixed into it
+    code, _, err = _run([*argv, "--smoke"], capsys)
+    assert code == 2 and "a GPU campaign" in err
 
 
 def test_commit_comes_from_git_or_the_command_line(tmp_path, monkeypatch):
