@@ -778,7 +778,8 @@ def summarize(out: Path, state: dict[str, Any], parts: list[Part]) -> tuple[str,
                "| strategy | ms | vs eager | peak MiB | vs eager |", "|---|---|---|---|---|"]
         for name, r in facts["strategies"].items():
             peak = r.get("peak_mib")
-            md.append(f"| {name} | {r['ms']:.1f} | {r['ms'] / eager['ms']:.2f}x | "
+            time_ratio = f"{r['ms'] / eager['ms']:.2f}x" if eager.get("ms") else "-"
+            md.append(f"| {name} | {r['ms']:.1f} | {time_ratio} | "
                       + (f"{peak:.0f} | {peak / eager['peak_mib']:.2f}x |"
                          if peak is not None and eager.get("peak_mib") else "- | - |"))
         md += [f"| {name} | failed: {why} | | | |" for name, why in facts["failed"].items()]

@@ -382,6 +382,14 @@ def test_layer_and_offload_targets(tmp_path):
                 if line.startswith("| ") and " vs " in line]
     assert verdicts == ["met"] * 10 + ["missed", "met", "unmeasured"]
     assert "unmeasured" in short.splitlines()[-1]
+    pareto["rows"][0]["results"]["save_on_cpu"] = {"ms": 300.0, "peak_mib": None}
+    pareto["rows"][0]["failed"] = {"compile_0.5": "RuntimeError: Inductor"}
+    (out / names["pareto"]).write_text(json.dumps(pareto))
+    (out / names["pcie"]).write_text(json.dumps({**pcie, "batch": 32}))
+    markdown, short = campaign.summarize(out, state, campaign.plan(False))
+    assert short.splitlines()[-1].endswith(" met")  # 105 ms against the 100 ms eager bound
+    assert "| save_on_cpu | 300.0 | 3.00x | - | - |" in markdown
+    assert "| compile_0.5 | failed: RuntimeError: Inductor |" in markdown
 
 
 # --- the GPU commands are valid for the scripts they call --------------------------------------
