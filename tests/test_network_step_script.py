@@ -106,3 +106,27 @@ def test_largest_fitting_finds_the_last_fitting_batch_from_any_guess():
 
             assert network_step.largest_fitting(fits, guess) == answer
             assert min(calls) >= 2 and len(calls) <= 2 * math.log2(300) + 2
+
+
+def test_compiled_modes_pass_their_torch_compile_options(monkeypatch):
+    """``--modes reduce_overhead`` is ``torch.compile(mode="reduce-overhead")`` (CUDA graphs on
+    a GPU), ``compile`` the default compile, ``eager`` no compile at all."""
+    network_step = _load()
+    args = network_step.parse_args(["--device", "cpu", "--quick", "--modes",
+                                    "eager,compile,reduce_overhead"])
+    assert args.modes == ["eager", "compile", "reduce_overhead"]
+    calls = []
+
+    def fake_compile(model, **options):
+        calls.append(options)
+        return model
+
+    monkeypatch.setattr(network_step.torch, "compile", fake_compile)
+    weights = network_step.build_model("bn", "resnet50").state_dict()
+    for mode, expected in (("eager", []), ("compile", [{}]),
+                           ("reduce_overhead", [{"mode": "reduce-overhead"}])):
+        calls.clear()
+        cell = network_step.Cell("resnet50", 2, 32, "float32", "channels_last", mode)
+        runner = network_step.make_runner("bn", cell, network_step.torch.device("cpu"), weights)
+        assert calls == expected, mode
+        assert runner.forward is runner.model  # fake_compile returned the model itself

@@ -1,0 +1,1009 @@
+"""The GPU checks and measurements still outstanding, as one resumable command (the campaign).
+
+On an H100/H200 it runs, in this order, each part as a subprocess of its own (a crash or a
+failure of one part is recorded with its exit status and the tail of its log, and the campaign
+goes on with the next):
+
+1. ``suite``: the whole test suite with ``-n 8`` through ``benchmarks/suite_log.py``
+   (``suite_cuda.log``);
+2. ``slope_errors``: ``benchmarks/slope_errors.py`` on CUDA (``slope_errors_cuda.json``);
+3. ``host_overhead``: ``benchmarks/host_overhead.py --device cuda``; ``gpu_speed``:
+   ``benchmarks/gpu_speed.py`` with eager BN, iabn's reference kernels and iabn's Triton
+   kernels (``gpu_speed.json``), ``gpu_speed_plot`` (``gpu_speed.png``) and
+   ``gpu_speed_compile`` (eager and compiled BN, ``gpu_speed_compile.json``);
+4. ``net_<mode>_<model>_<dtype>_<layout>``: one cell each of ``benchmarks/network_step.py``
+   (providers bn, iabn, iabn_triton; 12 GiB for the largest batch), all into one
+   ``network_step_cuda.json`` through its ``--resume``: modes eager, compile and
+   reduce_overhead (``torch.compile(mode="reduce-overhead")``); ResNet-50 b64 (channels-last
+   and NCHW), ResNeXt-101 b32 and WideResNet-38-A2 b16 (channels-last) at 224 x 224; float32
+   and bfloat16 autocast;
+5. offloading VGG-19 (BN) b32 at 128 x 128: ``offload_pcie`` (``benchmarks/offload_pcie.py``:
+   pinned copy bandwidth and the bytes ``OffloadModel`` transfers) and ``offload_pareto``
+   (``benchmarks/memory_time_pareto.py``: step time and peak memory of eager,
+   ``OffloadModel``, ``torch.autograd.graph.save_on_cpu`` and ``torch.compile`` with
+   ``activation_memory_budget=0.5``);
+6. the summary ``gpu_campaign_summary.md``: the targets met / missed / unmeasured, read from the
+   parts' files only (a figure no part measured on a GPU is "unmeasured", never estimated);
+   rewritten after every part.
+
+Everything goes to ``--out`` (default ``benchmarks/results/`` with ``IABN_COMMIT_RESULTS=1``,
+else ``runs/benchmarks/campaign``): the parts' files, ``gpu_campaign_state.json`` (each part's
+status, exit status, seconds, attempts, command and log tail, and each call's machine: device,
+driver, torch, Triton, torchvision and timm versions, git commit and UTC date) and
+``gpu_campaign_logs/<part>.log``. Every JSON file a part writes gets a ``campaign`` block with
+the same machine record, and the suite log a header of it. ``--bundle PATH`` packs all of that
+into one ``.tar.gz`` (members relative to ``--out``; rewritten atomically after every part), for
+a device machine that returns only 8 files.
+
+Resuming and time: ``--resume`` continues the campaign in ``--out`` (or starts it): parts
+already done or failed are skipped. ``--parts`` selects parts by name, group (suite, slopes,
+host, gpu_speed, network, offload) or shell pattern (``'net_eager_*'``); ``--rerun`` runs
+selected parts again even when done or failed (a network part keeps a cell the JSON already
+holds without an error: network_step's own ``--resume``). With ``--budget-s`` the campaign
+starts a part only when its expected time fits what is left (less ``--reserve-s`` for the
+summary and the bundle), except the first part of a call, which always starts. A part still
+running when the budget ends is stopped (its process group killed): started after other parts,
+it is "interrupted" and runs first in the next call; started first, it had the whole budget
+and is "failed" (run it alone with a larger ``--budget-s``). Expected times are the measured
+durations of finished parts of the same kind (x1.25), else planning allowances
+(``Part.expect_s``, or ``--expect-s PATTERN=SECONDS``; for the budget only, never reported as
+measurements). The last thing printed is a short table of the parts and targets, what is
+left and the command to continue. Exit status: 0 all selected parts done, 1 all ran but some
+failed, 3 stopped by the budget with parts left, 2 a usage error (one line on stderr, nothing
+written).
+
+On the device machine (its ``python3`` has torch; the tree arrives without ``.git``, so paste
+this checkout's ``git rev-parse HEAD`` after ``--commit``), as the device tool's command, with
+``timeout_s`` 600::
+
+    IABN_COMMIT_RESULTS=1 python3 benchmarks/gpu_campaign.py --resume --budget-s 540 \\
+        --commit <HASH> --bundle $OUT/campaign.tar.gz
+
+then here, from the repository root, unpack what came back into ``benchmarks/results/`` (the
+state file travels with the next call's working tree, so the same command continues)::
+
+    tar -xzf <files_at>/campaign.tar.gz -C benchmarks/results
+
+and repeat until nothing is left; commit ``benchmarks/results/``. A campaign is tied to one
+device name: on another kind of GPU use another ``--out`` (e.g. ``benchmarks/results/h200``;
+unpack into that folder). ``--list`` prints the parts and their commands.
+
+``--smoke`` rehearses the same orchestration on a CPU with each part's quickest settings (tiny
+shapes, ``--quick``, ``tests/test_errors.py`` instead of the suite; every network part runs one
+quick eager cell, measured by the first and resumed by the others, and nothing is compiled:
+Inductor takes minutes on a CPU) into ``runs/benchmarks/campaign_smoke``; it never writes
+under ``benchmarks/results/``. For tests, ``--part-command-override 'PATTERN=COMMAND'``
+replaces the command of the parts matching PATTERN (``{python}``, ``{out}``, ``{root}`` are
+filled in).
+
+Usage::
+
+    python benchmarks/gpu_campaign.py [--resume | --restart] [--parts P,...] [--rerun]
+        [--budget-s S] [--reserve-s 20] [--expect-s PATTERN=S] [--commit HASH] [--out DIR]
+        [--bundle PATH.tar.gz] [--smoke] [--list] [--part-command-override PATTERN=COMMAND]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import fnmatch
+import importlib.metadata
+import io
+import json
+import os
+import platform
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+STATE = "gpu_campaign_state.json"
+SUMMARY = "gpu_campaign_summary.md"
+LOGS = "gpu_campaign_logs"
+COMMITTED = ROOT / "benchmarks" / "results"
+GROUPS = ("suite", "slopes", "host", "gpu_speed", "network", "offload")
+#: Issue 14's whole-network table: model -> (short name, batch, layouts).
+NETWORK = {"resnet50": ("r50", 64, ("channels_last", "nchw")),
+           "resnext101": ("rx101", 32, ("channels_last",)),
+           "wider_resnet38_a2": ("wrn38", 16, ("channels_last",))}
+NETWORK_MODES = {"eager": "eager", "compile": "compile", "reduce_overhead": "ro"}
+NETWORK_DTYPES = {"float32": "fp32", "bfloat16": "bf16"}
+NETWORK_LAYOUTS = {"channels_last": "cl", "nchw": "nchw"}
+NETWORK_IMAGE = 224
+NETWORK_BUDGET_GIB = 12
+#: Planning allowances (seconds) per part kind, for --budget-s only: not measurements.
+ALLOWANCE = {"suite": 420, "slope_errors": 240, "host_overhead": 90, "gpu_speed": 300,
+             "gpu_speed_plot": 30, "gpu_speed_compile": 360, "eager": 240, "compile": 360,
+             "reduce_overhead": 420, "offload_pcie": 90, "offload_pareto": 300}
+SMOKE_ALLOWANCE = 30
+LEARNED_MARGIN = 1.25
+#: Offloading setting (the offloading paper's Table 3, as memory_time_pareto.py).
+OFFLOAD_MODEL, OFFLOAD_BATCH, OFFLOAD_SIZE = "vgg19:bn", 32, 128
+OFFLOAD_STRATEGIES = ("eager", "offload_all", "save_on_cpu", "compile_0.5")
+SMOKE_OFFLOAD_STRATEGIES = ("eager", "offload_all", "save_on_cpu")
+TAIL_CHARS = 3000
+
+
+class UsageError(Exception):
+    """A bad command line: one line on stderr, exit status 2, nothing written."""
+
+
+# --- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    group: str
+    kind: str                 # parts of one kind take about as long (expected times)
+    argv: tuple[str, ...]     # a script under the repository and its arguments ({out} filled)
+    outputs: tuple[str, ...]  # files it writes in the output folder
+    expect_s: float           # planning allowance for --budget-s (not a measurement)
+    env: tuple[tuple[str, str], ...] = ()
+    note: str = ""
+
+
+def files(smoke: bool) -> dict[str, str]:
+    """The parts' result files, by role (names in the output folder)."""
+    tag = "cpu" if smoke else "cuda"
+    return {"suite": f"suite_{tag}.log", "slopes": f"slope_errors_{tag}.json",
+            "host": f"host_overhead_{tag}.json", "speed": "gpu_speed.json",
+            "speed_csv": "gpu_speed.csv", "speed_png": "gpu_speed.png",
+            "speed_compile": "gpu_speed_compile.json",
+            "speed_compile_csv": "gpu_speed_compile.csv",
+            "network": f"network_step_{tag}.json", "network_png": f"network_step_{tag}.png",
+            "pcie": f"offload_pcie_{tag}.json",
+            "pareto": f"memory_time_pareto_vgg19_{tag}.json",
+            "pareto_png": f"memory_time_pareto_vgg19_{tag}.png"}
+
+
+def network_cells() -> list[tuple[str, str, str, str]]:
+    """(mode, model, dtype, layout) of every network part, in the campaign's order: every
+    eager cell first (they give the memory and batch figures too), then compile, then
+    reduce-overhead."""
+    return [(mode, model, dtype, layout) for mode in NETWORK_MODES for model in NETWORK
+            for dtype in NETWORK_DTYPES for layout in NETWORK[model][2]]
+
+
+def network_part_name(mode: str, model: str, dtype: str, layout: str) -> str:
+    return (f"net_{NETWORK_MODES[mode]}_{NETWORK[model][0]}_{NETWORK_DTYPES[dtype]}_"
+            f"{NETWORK_LAYOUTS[layout]}")
+
+
+def plan(smoke: bool) -> list[Part]:
+    """Every part, in order; ``smoke``: the same parts with their quickest CPU settings."""
+    f = {role: "{out}/" + name for role, name in files(smoke).items()}
+    names = files(smoke)
+
+    def part(name, group, argv, outputs, kind=None, env=(), note="", allowance=None):
+        kind = kind or name
+        expect = SMOKE_ALLOWANCE if smoke else (allowance or ALLOWANCE[kind])
+        return Part(name, group, kind, tuple(argv), tuple(names[o] for o in outputs),
+                    expect, tuple(env), note)
+
+    if smoke:
+        parts = [
+            part("suite", "suite", ["benchmarks/suite_log.py", "--log", f["suite"], "--",
+                                    "-p", "no:cacheprovider", "tests/test_errors.py"],
+                 ["suite"], note="smoke: tests/test_errors.py only"),
+            part("slope_errors", "slopes", ["benchmarks/slope_errors.py", "--device", "cpu",
+                                            "--shapes", "2x3x8x8", "--dtypes", "float32",
+                                            "--layouts", "nchw", "--json", f["slopes"]],
+                 ["slopes"]),
+            part("host_overhead", "host", ["benchmarks/host_overhead.py", "--device", "cpu",
+                                           "--quick", "--json", f["host"]], ["host"]),
+            part("gpu_speed", "gpu_speed",
+                 ["benchmarks/gpu_speed.py", "--device", "cpu", "--quick", "--repeats", "1",
+                  "--dtypes", "float32", "--layouts", "nchw", "--providers",
+                  "eager,reference,triton", "--json", f["speed"], "--csv", f["speed_csv"]],
+                 ["speed", "speed_csv"], env=[("TRITON_INTERPRET", "1")]),
+            part("gpu_speed_plot", "gpu_speed",
+                 ["benchmarks/plot_gpu_speed.py", f["speed"], "--out", f["speed_png"]],
+                 ["speed_png"]),
+            part("gpu_speed_compile", "gpu_speed",
+                 ["benchmarks/gpu_speed.py", "--device", "cpu", "--quick", "--repeats", "1",
+                  "--dtypes", "float32", "--layouts", "nchw", "--providers", "eager",
+                  "--json", f["speed_compile"], "--csv", f["speed_compile_csv"]],
+                 ["speed_compile", "speed_compile_csv"],
+                 note="smoke: eager only (Inductor takes minutes on a CPU)"),
+        ]
+        quick_cell = ["benchmarks/network_step.py", "--device", "cpu", "--quick", "--threads",
+                      "1", "--models", "resnet50", "--dtypes", "float32", "--layouts",
+                      "channels_last", "--modes", "eager", "--resume", "--json", f["network"],
+                      "--png", f["network_png"]]
+        parts += [part(network_part_name(*cell), "network", quick_cell,
+                       ["network", "network_png"], kind=f"net_{cell[0]}_{cell[1]}",
+                       note="smoke: one quick eager cell for every network part")
+                  for cell in network_cells()]
+        parts += [
+            part("offload_pcie", "offload", ["benchmarks/offload_pcie.py", "--device", "cpu",
+                                             "--quick", "--model", OFFLOAD_MODEL, "--json",
+                                             f["pcie"]], ["pcie"]),
+            part("offload_pareto", "offload",
+                 ["benchmarks/memory_time_pareto.py", "--device", "cpu", "--quick", "--models",
+                  OFFLOAD_MODEL, "--strategies", ",".join(SMOKE_OFFLOAD_STRATEGIES), "--json",
+                  f["pareto"], "--png", f["pareto_png"]], ["pareto", "pareto_png"],
+                 note="smoke: without compile_0.5 (Inductor takes minutes on a CPU)"),
+        ]
+        return parts
+    parts = [
+        part("suite", "suite", ["benchmarks/suite_log.py", "--log", f["suite"], "--", "-n", "8"],
+             ["suite"]),
+        part("slope_errors", "slopes", ["benchmarks/slope_errors.py", "--device", "cuda",
+                                        "--json", f["slopes"]], ["slopes"]),
+        part("host_overhead", "host", ["benchmarks/host_overhead.py", "--device", "cuda",
+                                       "--json", f["host"]], ["host"]),
+        part("gpu_speed", "gpu_speed",
+             ["benchmarks/gpu_speed.py", "--device", "cuda", "--providers",
+              "eager,reference,triton", "--json", f["speed"], "--csv", f["speed_csv"]],
+             ["speed", "speed_csv"]),
+        part("gpu_speed_plot", "gpu_speed",
+             ["benchmarks/plot_gpu_speed.py", f["speed"], "--out", f["speed_png"]],
+             ["speed_png"]),
+        part("gpu_speed_compile", "gpu_speed",
+             ["benchmarks/gpu_speed.py", "--device", "cuda", "--providers", "eager,compile",
+              "--json", f["speed_compile"], "--csv", f["speed_compile_csv"]],
+             ["speed_compile", "speed_compile_csv"]),
+    ]
+    for mode, model, dtype, layout in network_cells():
+        parts.append(part(
+            network_part_name(mode, model, dtype, layout), "network",
+            ["benchmarks/network_step.py", "--device", "cuda", "--models", model, "--batch",
+             str(NETWORK[model][1]), "--image-size", str(NETWORK_IMAGE), "--dtypes", dtype,
+             "--layouts", layout, "--modes", mode, "--providers", "bn,iabn,iabn_triton",
+             "--budget-gib", str(NETWORK_BUDGET_GIB), "--resume", "--json", f["network"],
+             "--png", f["network_png"]],
+            ["network", "network_png"], kind=f"net_{mode}_{model}",
+            allowance=ALLOWANCE[mode]))
+    parts += [
+        part("offload_pcie", "offload",
+             ["benchmarks/offload_pcie.py", "--device", "cuda", "--model", OFFLOAD_MODEL,
+              "--batch", str(OFFLOAD_BATCH), "--size", str(OFFLOAD_SIZE), "--json", f["pcie"]],
+             ["pcie"]),
+        part("offload_pareto", "offload",
+             ["benchmarks/memory_time_pareto.py", "--device", "cuda", "--models", OFFLOAD_MODEL,
+              "--batch", str(OFFLOAD_BATCH), "--size", str(OFFLOAD_SIZE), "--strategies",
+              ",".join(OFFLOAD_STRATEGIES), "--json", f["pareto"], "--png", f["pareto_png"]],
+             ["pareto", "pareto_png"]),
+    ]
+    return parts
+
+
+def select(parts: list[Part], tokens: list[str] | None) -> list[Part]:
+    """The parts named, grouped or matched by ``tokens`` (all when None), in plan order."""
+    if not tokens:
+        return parts
+    chosen = set()
+    for token in tokens:
+        hits = {p.name for p in parts
+                if token in (p.name, p.group) or fnmatch.fnmatchcase(p.name, token)}
+        if not hits:
+            raise UsageError(f"--parts: {token!r} names no part; use part names, groups "
+                             f"({', '.join(GROUPS)}) or patterns like 'net_eager_*' (--list "
+                             f"shows them)")
+        chosen |= hits
+    return [p for p in parts if p.name in chosen]
+
+
+def apply_overrides(parts: list[Part], overrides: list[tuple[str, str]]) -> list[Part]:
+    """Parts whose command an override replaces (the last matching override wins)."""
+    out = []
+    for part in parts:
+        argv = part.argv
+        for pattern, command in overrides:
+            if fnmatch.fnmatchcase(part.name, pattern):
+                argv = ("--override--", *shlex.split(command))
+        out.append(Part(part.name, part.group, part.kind, argv, part.outputs, part.expect_s,
+                        part.env, part.note))
+    return out
+
+
+def command_for(part: Part, out: Path) -> list[str]:
+    fill = {"python": sys.executable, "out": str(out), "root": str(ROOT)}
+    if part.argv[:1] == ("--override--",):
+        return [arg.format(**fill) for arg in part.argv[1:]]
+    return [sys.executable, *(arg.format(**fill) for arg in part.argv)]
+
+
+# --- the machine ------------------------------------------------------------------------------
+
+
+def _output(command: list[str], timeout: float = 60) -> str | None:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+_PROBE = """
+import json, torch
+cuda = torch.cuda.is_available()
+print(json.dumps({"cuda_available": cuda, "torch_version": torch.__version__,
+                  "torch_cuda": torch.version.cuda,
+                  "device_name": torch.cuda.get_device_name(0) if cuda else None,
+                  "device_count": torch.cuda.device_count() if cuda else 0}))
+"""
+
+
+def machine(smoke: bool, commit: str | None) -> dict[str, Any]:
+    """Device, driver, versions, commit and UTC date of this call. The GPU run asks torch in a
+    child process (this one keeps no CUDA context on the device the parts measure)."""
+    info: dict[str, Any] = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(), "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        **{f"{name}_version": _version(name) for name in ("torch", "triton", "torchvision",
+                                                          "timm")},
+    }
+    git = _output(["git", "-C", str(ROOT), "rev-parse", "HEAD"]) if (ROOT / ".git").exists() \
+        else None
+    if git:
+        dirty = _output(["git", "-C", str(ROOT), "status", "--porcelain"])
+        info.update(commit=git, commit_source="git", commit_dirty=bool(dirty))
+        if commit and not git.startswith(commit):
+            info["commit_given"] = commit
+    else:
+        info.update(commit=commit or "unknown",
+                    commit_source="--commit (no .git here)" if commit else "unknown")
+    if smoke:
+        info.update(device_name="cpu (smoke run: not a GPU)", driver_version=None,
+                    cuda_available=None)
+        return info
+    probe = _output([sys.executable, "-c", _PROBE], timeout=300)
+    info.update(json.loads(probe.splitlines()[-1]) if probe
+                else {"cuda_available": False, "device_name": None})
+    driver = _output(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    info["driver_version"] = driver.splitlines()[0].strip() if driver else None
+    return info
+
+
+# --- files ------------------------------------------------------------------------------------
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write through a temporary file in the same folder and a rename; on failure the
+    temporary file is removed and the old file, if any, stays."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            stream.write(data)
+        os.chmod(temp, 0o666 & ~_UMASK)  # mkstemp makes it private; a result file is not
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+
+
+def write_json(path: Path, value: Any) -> None:
+    write_atomic(path, (json.dumps(value, indent=2) + "\n").encode())
+
+
+def read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def tail(path: Path, chars: int = TAIL_CHARS) -> str:
+    try:
+        with path.open("rb") as stream:
+            stream.seek(0, os.SEEK_END)
+            stream.seek(max(0, stream.tell() - chars))
+            return stream.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def stamp(path: Path, part: Part, entry: dict[str, Any], record: dict[str, Any],
+          previous: Any) -> None:
+    """Mark a part's result file with the machine record of this call: a ``campaign`` block
+    in a JSON file (``machine``: this call's; ``parts``: each part that wrote the file, with
+    its commit, device and dates, kept across the resumed runs that rewrite the file), header
+    lines above a log."""
+    entry = {**entry, "commit": record.get("commit"), "device_name": record.get("device_name")}
+    if path.suffix == ".json":
+        report = read_json(path)
+        if not isinstance(report, dict):
+            return
+        parts = previous.get("parts", {}) if isinstance(previous, dict) else {}
+        report["campaign"] = {"machine": record, "parts": {**parts, part.name: entry}}
+        write_json(path, report)
+    elif path.suffix == ".log":
+        header = {"part": part.name, **entry, **record}
+        lines = "".join(f"# gpu_campaign {key}: {value}\n" for key, value in header.items())
+        write_atomic(path, lines.encode() + path.read_bytes())
+
+
+def bundle(out: Path, target: Path, names: Iterable[str]) -> list[str]:
+    """Pack ``names`` (relative to ``out``; the existing ones) into ``target`` (.tar.gz),
+    atomically; returns the members."""
+    members = []
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name in dict.fromkeys(names):
+            path = out / name
+            if path.is_file() and path.resolve() != target.resolve():
+                tar.add(path, arcname=name)
+                members.append(name)
+    write_atomic(target, buffer.getvalue())
+    return members
+
+
+def campaign_files(out: Path, state: dict[str, Any], parts: list[Part]) -> list[str]:
+    """The files of this campaign in ``out``: state, summary, logs and the parts' results."""
+    names = [STATE, SUMMARY]
+    names += sorted(f"{LOGS}/{p.name}" for p in (out / LOGS).glob("*.log")) \
+        if (out / LOGS).is_dir() else []
+    names += [name for part in parts for name in part.outputs]
+    return [n for n in dict.fromkeys(names) if (out / n).is_file()]
+
+
+# --- running a part ---------------------------------------------------------------------------
+
+
+def part_environment(part: Part) -> dict[str, str]:
+    env = dict(os.environ)
+    # every part is told where to write; the campaign measures iabn's default backend and
+    # names Triton explicitly where it is measured
+    env.pop("IABN_COMMIT_RESULTS", None)
+    env.pop("IABN_BACKEND", None)
+    source = str(ROOT / "src")  # the device machine has the tree, not an installed package
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (source, env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(dict(part.env))
+    return env
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    """Stop the part and every process it started (its own process group)."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 30)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        try:
+            process.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_part(part: Part, out: Path, timeout: float | None, attempt: int,
+             record: dict[str, Any]) -> dict[str, Any]:
+    """Run one part as a subprocess (its output to its log); the state entry of this try."""
+    command = command_for(part, out)
+    log = out / LOGS / f"{part.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    previous = {name: (read_json(out / name) or {}).get("campaign")
+                for name in part.outputs if name.endswith(".json")}
+    started = time.time()
+    start_utc = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    with log.open("w" if attempt == 1 else "a") as stream:  # a new run's log replaces an old one
+        stream.write(f"=== gpu_campaign part {part.name}, attempt {attempt}, {start_utc}\n"
+                     f"=== command: {shlex.join(command)}\n")
+        stream.flush()
+        try:
+            process = subprocess.Popen(command, cwd=ROOT, env=part_environment(part),
+                                       stdout=stream, stderr=subprocess.STDOUT,
+                                       start_new_session=True)
+        except OSError as error:
+            stream.write(f"=== could not start: {error}\n")
+            process = None
+        status, code = "failed", None
+        if process is not None:
+            try:
+                code = process.wait(timeout=timeout)
+                status = "done" if code == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                _kill_group(process)
+                code, status = process.returncode, "interrupted"
+                stream.write(f"=== stopped by gpu_campaign at the budget after {timeout:.0f} s\n")
+            except BaseException:
+                _kill_group(process)
+                raise
+    seconds = round(time.time() - started, 1)
+    entry = {"status": status, "exit_status": code, "seconds": seconds, "attempts": attempt,
+             "started_utc": start_utc,
+             "ended_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                 timespec="seconds"),
+             "command": command, "log": f"{LOGS}/{part.name}.log", "note": part.note}
+    if status != "done":
+        entry["log_tail"] = tail(log)
+    stamped = {"status": status, "exit_status": code, "started_utc": start_utc,
+               "ended_utc": entry["ended_utc"]}
+    for name in part.outputs:
+        path = out / name
+        if path.is_file() and path.stat().st_mtime >= started - 1:
+            stamp(path, part, stamped, record, previous.get(name))
+    return entry
+
+
+def expected_seconds(part: Part, parts: list[Part], state: dict[str, Any],
+                     given: list[tuple[str, float]] = ()) -> float:
+    """``--expect-s`` for the part if given, else the measured duration of finished parts of
+    the same kind (with a margin), else the part's allowance; an interrupted part needs at
+    least what it already ran."""
+    entries = state["parts"]
+    finished = [entries[p.name]["seconds"] for p in parts
+                if p.kind == part.kind and entries.get(p.name, {}).get("status") == "done"]
+    expect = LEARNED_MARGIN * max(finished) if finished else part.expect_s
+    for pattern, seconds in given:
+        if fnmatch.fnmatchcase(part.name, pattern):
+            expect = seconds
+    own = entries.get(part.name, {})
+    if own.get("status") == "interrupted":
+        expect = max(expect, own.get("seconds", 0))
+    return expect
+
+
+# --- the summary ------------------------------------------------------------------------------
+
+
+def _on_gpu(report: Any) -> str | None:
+    """The GPU a report was measured on, None for a CPU run or no report."""
+    if not isinstance(report, dict):
+        return None
+    name = str(report.get("machine", {}).get("device_name") or "")
+    return name if name and not name.lower().startswith("cpu") else None
+
+
+@dataclass
+class Target:
+    what: str
+    provider: str
+    op: str            # "<=" or ">="
+    limit: float
+    unit: str          # "x" or "%"
+    cells: list[tuple[str, float | None, str | None]]  # (cell, value, failure)
+    note: str = ""
+
+    def verdict(self) -> str:
+        measured = [c for c in self.cells if c[1] is not None or c[2]]
+        if any(c[2] or not self.meets(c[1]) for c in measured):
+            return "missed"
+        if measured and len(measured) == len(self.cells):
+            return "met"
+        return "unmeasured"
+
+    def meets(self, value: float | None) -> bool:
+        if value is None:
+            return False
+        return value <= self.limit if self.op == "<=" else value >= self.limit
+
+    def fmt(self, value: float) -> str:
+        return f"{value:.0%}" if self.unit == "%" else f"{value:.3f}x"
+
+    def value_text(self) -> str:
+        failed = [c for c in self.cells if c[2]]
+        values = [c for c in self.cells if c[1] is not None]
+        if not values and not failed:
+            return "unmeasured"
+        parts = []
+        if values:
+            worst = (max if self.op == "<=" else min)(values, key=lambda c: c[1])
+            parts.append(f"worst {self.fmt(worst[1])} ({worst[0]})" if len(values) > 1
+                         else self.fmt(worst[1]))
+        if failed:
+            parts.append(f"{len(failed)} failed")
+        return ", ".join(parts)
+
+    def cells_text(self) -> str:
+        measured = [c for c in self.cells if c[1] is not None or c[2]]
+        met = sum(1 for c in measured if not c[2] and self.meets(c[1]))
+        return f"{len(measured)}/{len(self.cells)} measured, {met} met"
+
+
+PROVIDER_NAMES = {"iabn": "iabn (default)", "iabn_triton": "iabn Triton",
+                  "reference": "iabn (default)", "triton": "iabn Triton",
+                  "offload_all": "OffloadModel"}
+
+
+def network_targets(report: Any) -> list[Target]:
+    """Issue 14's whole-network targets over the campaign's cells of network_step's JSON."""
+    gpu = _on_gpu(report)
+    cells = {}
+    if gpu:
+        for cell in report.get("cells", []):
+            if cell.get("image_size") == NETWORK_IMAGE:
+                cells[(cell["mode"], cell["model"], cell["dtype"], cell["layout"],
+                       cell["batch"])] = cell
+    budget_ok = gpu and report.get("settings", {}).get("budget_gib") == NETWORK_BUDGET_GIB
+    specs = [
+        ("whole-network eager step vs BN", "eager", tuple(NETWORK), "step_time", "<=", 0.95,
+         ""),
+        ("compiled step vs compiled BN", "compile", tuple(NETWORK), "step_time", "<=", 1.0, ""),
+        ("reduce-overhead step vs BN (and runs)", "reduce_overhead", tuple(NETWORK),
+         "step_time", "<=", 1.0, ""),
+        ("peak step memory vs BN", "eager", ("resnext101", "wider_resnet38_a2"), "peak_step",
+         "<=", 0.55, "eager cells"),
+        (f"largest batch in {NETWORK_BUDGET_GIB} GiB vs BN", "eager", ("resnext101",),
+         "largest_batch_peak", ">=", 2.0, "real steps, allocator peak"),
+    ]
+    targets = []
+    for what, mode, models, key, op, limit, note in specs:
+        for provider in ("iabn", "iabn_triton"):
+            found = []
+            for m, model, dtype, layout in network_cells():
+                if m != mode or model not in models:
+                    continue
+                label = network_part_name(m, model, dtype, layout).removeprefix("net_")
+                cell = cells.get((mode, model, dtype, layout, NETWORK[model][1]))
+                if cell is None or (key == "largest_batch_peak" and not budget_ok):
+                    found.append((label, None, None))
+                elif "error" in cell:
+                    found.append((label, None, f"cell failed: {cell['error']}"))
+                elif "error" in cell.get("providers", {}).get(provider, {}):
+                    found.append((label, None, cell["providers"][provider]["error"]))
+                elif "error" in cell.get("providers", {}).get("bn", {}):
+                    found.append((label, None, None))  # no baseline: not a result for iabn
+                else:
+                    value = cell.get("ratio_to_bn", {}).get(provider, {}).get(key)
+                    found.append((label, value, None))
+            targets.append(Target(what, PROVIDER_NAMES[provider], op, limit, "x", found,
+                                  note))
+    return targets
+
+
+LAYER_SHAPE = "32x256x56x56"
+
+
+def layer_targets(report: Any) -> list[Target]:
+    """One layer's forward + backward at 32x256x56x56 against the device copy bandwidth."""
+    rows = report.get("rows", []) if _on_gpu(report) else []
+    targets = []
+    for provider in ("reference", "triton"):
+        found = []
+        for dtype in NETWORK_DTYPES:
+            for layout in ("nchw", "channels_last"):
+                value = next((r["fraction_of_copy"] for r in rows
+                              if r["shape"] == LAYER_SHAPE and r["dtype"] == dtype
+                              and r["layout"] == layout and r["provider"] == provider
+                              and r["mode"] == "full"), None)
+                found.append((f"{NETWORK_DTYPES[dtype]} {NETWORK_LAYOUTS[layout]}", value,
+                              None))
+        targets.append(Target(f"layer fwd+bwd {LAYER_SHAPE} vs copy bandwidth",
+                              PROVIDER_NAMES[provider], ">=", 0.60, "%", found))
+    return targets
+
+
+def offload_target(pareto: Any, pcie: Any) -> tuple[Target, dict[str, Any]]:
+    """OffloadModel's VGG-19 step against its PCIe bound, max(eager step, copy time)."""
+    found: tuple[str, float | None, str | None] = ("vgg19 b32 128px", None, None)
+    facts: dict[str, Any] = {}
+    row = None
+    if _on_gpu(pareto) and _on_gpu(pcie) and _on_gpu(pareto) == _on_gpu(pcie):
+        args = pareto.get("args", {})
+        same = (args.get("batch") == pcie.get("batch") == OFFLOAD_BATCH
+                and args.get("size") == pcie.get("size") == OFFLOAD_SIZE)
+        row = next((r for r in pareto.get("rows", [])
+                    if f"{r['model']}:{r['norm_act']}" == OFFLOAD_MODEL), None) if same else None
+    if row is not None:
+        results, failed = row.get("results", {}), row.get("failed", {})
+        facts = {"strategies": results, "failed": failed, "copy_ms": pcie.get("copy_ms"),
+                 "transferred_bytes": pcie.get("transferred_bytes"),
+                 "d2h_gbps": pcie.get("d2h_gbps"), "h2d_gbps": pcie.get("h2d_gbps")}
+        if "offload_all" in failed:
+            found = (found[0], None, f"offload_all failed: {failed['offload_all']}")
+        elif "offload_all" in results and "eager" in results and pcie.get("copy_ms"):
+            bound = max(results["eager"]["ms"], pcie["copy_ms"])
+            facts["bound_ms"] = bound
+            found = (found[0], results["offload_all"]["ms"] / bound, None)
+    return Target("offloaded step vs PCIe bound", "OffloadModel", "<=", 1.1, "x", [found],
+                  "bound = max(eager step, transferred/d2h + transferred/h2d)"), facts
+
+
+def suite_result(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no log"
+    result = next((line.strip("= ") for line in reversed(lines)
+                   if re.search(r"\d+ (passed|failed|error)", line) and " in " in line), None)
+    code = next((line for line in reversed(lines) if line.startswith("exit code:")), None)
+    return "; ".join(x for x in (result, code) if x) or "no pytest result in the log"
+
+
+def summarize(out: Path, state: dict[str, Any], parts: list[Part]) -> tuple[str, str]:
+    """(markdown of the whole summary, the short table printed last)."""
+    names = files(state["smoke"])
+    network = read_json(out / names["network"])
+    targets = [*network_targets(network), *layer_targets(read_json(out / names["speed"]))]
+    offload, facts = offload_target(read_json(out / names["pareto"]),
+                                    read_json(out / names["pcie"]))
+    targets.append(offload)
+    calls = state.get("calls", [])
+    last = calls[-1]["machine"] if calls else {}
+    title = ("# GPU campaign: CPU SMOKE RUN (no figure here is a GPU measurement)"
+             if state["smoke"] else "# GPU campaign")
+    md = [title, "",
+          f"Device {last.get('device_name')}, driver {last.get('driver_version')}, torch "
+          f"{last.get('torch_version')} (CUDA {last.get('torch_cuda')}), Triton "
+          f"{last.get('triton_version')}, torchvision {last.get('torchvision_version')}, timm "
+          f"{last.get('timm_version')}.", "",
+          "Calls (commit, UTC start):", ""]
+    md += [f"- {c['machine'].get('commit')} ({c['machine'].get('commit_source')}), "
+           f"{c['machine'].get('date_utc')}, {c.get('stopped') or 'running'}" for c in calls]
+    md += ["", "Targets, from the parts' files in this folder only. 'unmeasured': no GPU "
+               "measurement of every cell exists yet; nothing is estimated.", "",
+           "| target | provider | limit | value | cells | verdict |",
+           "|---|---|---|---|---|---|"]
+    for t in targets:
+        md.append(f"| {t.what}{f' ({t.note})' if t.note else ''} | {t.provider} | "
+                  f"{t.op} {t.fmt(t.limit)} | {t.value_text()} | {t.cells_text()} | "
+                  f"{t.verdict()} |")
+    md += ["", "Parts:", "", "| part | status | exit | seconds | attempts | note |",
+           "|---|---|---|---|---|---|"]
+    for part in parts:
+        e = state["parts"].get(part.name, {})
+        md.append(f"| {part.name} | {e.get('status', 'pending')} | {e.get('exit_status', '')} "
+                  f"| {e.get('seconds', '')} | {e.get('attempts', 0)} | {part.note} |")
+    md += ["", f"Suite: {suite_result(out / names['suite'])}.", "", "Cells of every target:",
+           ""]
+    for t in targets:
+        cells = ", ".join(f"{label} {t.fmt(v) if v is not None else fail or 'unmeasured'}"
+                          for label, v, fail in t.cells)
+        md.append(f"- {t.what}, {t.provider}: {cells}")
+    if facts.get("strategies"):
+        eager = facts["strategies"].get("eager", {})
+        md += ["", f"Offloading, VGG-19 (BN) b{OFFLOAD_BATCH} {OFFLOAD_SIZE}px "
+                   f"(memory_time_pareto.py, offload_pcie.py): d2h "
+                   f"{facts['d2h_gbps']:.1f} GB/s, h2d {facts['h2d_gbps']:.1f} GB/s, "
+                   f"{facts['transferred_bytes'] / 2**20:.0f} MiB transferred, copies "
+                   f"{facts['copy_ms']:.1f} ms", "",
+               "| strategy | ms | vs eager | peak MiB | vs eager |", "|---|---|---|---|---|"]
+        for name, r in facts["strategies"].items():
+            peak = r.get("peak_mib")
+            time_ratio = f"{r['ms'] / eager['ms']:.2f}x" if eager.get("ms") else "-"
+            md.append(f"| {name} | {r['ms']:.1f} | {time_ratio} | "
+                      + (f"{peak:.0f} | {peak / eager['peak_mib']:.2f}x |"
+                         if peak is not None and eager.get("peak_mib") else "- | - |"))
+        md += [f"| {name} | failed: {why} | | | |" for name, why in facts["failed"].items()]
+    short = [f"{'target':<44} {'provider':<15} {'value':<34} {'cells':<22} verdict"]
+    short += [f"{t.what[:44]:<44} {t.provider:<15} {t.value_text()[:34]:<34} "
+              f"{t.cells_text():<22} {t.verdict()}" for t in targets]
+    return "\n".join(md) + "\n", "\n".join(short)
+
+
+# --- command line -----------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, as every usage error here
+        raise UsageError(message)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(description=__doc__.split("\n\n")[0])
+    order = parser.add_mutually_exclusive_group()
+    order.add_argument("--resume", action="store_true",
+                       help="continue the campaign in --out (start one if there is none)")
+    order.add_argument("--restart", action="store_true",
+                       help="start over in --out, replacing its campaign state (the parts' "
+                            "files are rewritten as they run; network_step keeps the cells "
+                            "its JSON holds)")
+    parser.add_argument("--parts", default=None,
+                        help="comma-separated part names, groups or patterns (default: all)")
+    parser.add_argument("--rerun", action="store_true",
+                        help="run the selected parts even when done or failed")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds this call may take (stop before a part that does not fit)")
+    parser.add_argument("--reserve-s", type=float, default=20,
+                        help="seconds of the budget kept for the summary and bundle (20)")
+    parser.add_argument("--expect-s", action="append", default=[], metavar="PATTERN=SECONDS",
+                        help="expected seconds of the matching parts, for --budget-s")
+    parser.add_argument("--commit", default=None,
+                        help="the commit being measured, recorded when there is no .git")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--bundle", type=Path, default=None,
+                        help="also pack the campaign's files into this .tar.gz")
+    parser.add_argument("--smoke", action="store_true",
+                        help="rehearse on a CPU with the quickest settings")
+    parser.add_argument("--list", action="store_true", help="print the parts and exit")
+    parser.add_argument("--part-command-override", action="append", default=[],
+                        metavar="PATTERN=COMMAND",
+                        help="replace the command of matching parts (tests, rehearsals)")
+    args = parser.parse_args(argv)
+    if args.budget_s is not None and not args.budget_s > 0:
+        raise UsageError(f"--budget-s {args.budget_s:g}: give a positive number of seconds")
+    if args.reserve_s < 0 or (args.budget_s is not None and args.reserve_s >= args.budget_s):
+        raise UsageError(f"--reserve-s {args.reserve_s:g}: use 0 or more, less than --budget-s")
+    args.expect = []
+    for item in args.expect_s:
+        pattern, _, seconds = item.partition("=")
+        try:
+            args.expect.append((pattern, float(seconds)))
+        except ValueError:
+            raise UsageError(f"--expect-s {item!r}: use PATTERN=SECONDS") from None
+        if not pattern or not args.expect[-1][1] >= 0:
+            raise UsageError(f"--expect-s {item!r}: use PATTERN=SECONDS")
+    if args.commit is not None and not re.fullmatch(r"[0-9a-fA-F]{7,40}", args.commit):
+        raise UsageError(f"--commit {args.commit!r}: give a git commit hash (7 to 40 hex "
+                         f"digits; git rev-parse HEAD)")
+    if args.bundle is not None and not args.bundle.name.endswith(".tar.gz"):
+        raise UsageError(f"--bundle {args.bundle}: the bundle is a .tar.gz file")
+    overrides = []
+    for item in args.part_command_override:
+        pattern, sep, command = item.partition("=")
+        if not sep or not pattern or not command.strip():
+            raise UsageError(f"--part-command-override {item!r}: use PATTERN=COMMAND")
+        overrides.append((pattern, command))
+    args.overrides = overrides
+    if args.out is None:
+        if args.smoke:
+            args.out = Path("runs") / "benchmarks" / "campaign_smoke"
+        elif os.environ.get("IABN_COMMIT_RESULTS") == "1":
+            args.out = COMMITTED
+        else:
+            args.out = Path("runs") / "benchmarks" / "campaign"
+    args.out = args.out.resolve()
+    if args.smoke and (args.out == COMMITTED.resolve()
+                       or COMMITTED.resolve() in args.out.parents):
+        raise UsageError(f"--smoke --out {args.out}: a CPU rehearsal never writes under "
+                         f"benchmarks/results/; give another --out")
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: not a folder")
+    if args.bundle is not None:
+        args.bundle = args.bundle.resolve()
+    return args
+
+
+def load_state(args: argparse.Namespace, record: dict[str, Any]) -> dict[str, Any]:
+    path = args.out / STATE
+    if path.exists() and not (args.resume or args.restart):
+        raise UsageError(f"{path} exists: continue that campaign with --resume, or start "
+                         f"over with --restart")
+    state = read_json(path) if path.exists() and args.resume else None
+    if path.exists() and args.resume and not isinstance(state, dict):
+        raise UsageError(f"{path}: not a campaign state file; move it away or use --restart")
+    if state is None:
+        return {"campaign": "gpu_campaign", "smoke": args.smoke, "parts": {}, "calls": []}
+    if state.get("smoke") != args.smoke:
+        kind = "a CPU smoke run" if state.get("smoke") else "a GPU campaign"
+        raise UsageError(f"{path} holds {kind}: use another --out for this one")
+    devices = {c["machine"].get("device_name") for c in state.get("calls", [])}
+    if devices and record.get("device_name") not in devices:
+        raise UsageError(f"{path} was measured on {', '.join(map(str, devices))}, this machine "
+                         f"is {record.get('device_name')}: use another --out (e.g. "
+                         f"benchmarks/results/<gpu>) for it")
+    return state
+
+
+def continue_command(argv: list[str]) -> str:
+    rest = [a for a in argv if a not in ("--resume", "--restart")]
+    return shlex.join(["python3", "benchmarks/gpu_campaign.py", "--resume", *rest])
+
+
+def main(argv: list[str] | None = None) -> int:
+    raw = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse_args(raw)
+        parts = apply_overrides(plan(args.smoke), args.overrides)
+        selected = select(parts, [t.strip() for t in args.parts.split(",") if t.strip()]
+                          if args.parts else None)
+        if args.list:
+            for part in parts:
+                print(f"{part.name:<28} {part.group:<10} ~{part.expect_s:>4.0f} s  "
+                      f"{shlex.join(command_for(part, args.out))}")
+            return 0
+        record = machine(args.smoke, args.commit)
+        if not args.smoke and not record.get("cuda_available"):
+            raise UsageError("no CUDA device: the campaign measures a GPU (use --smoke for the "
+                             "CPU rehearsal)")
+        state = load_state(args, record)
+    except UsageError as error:
+        print(f"gpu_campaign: error: {error}", file=sys.stderr)
+        return 2
+    return run(args, raw, parts, selected, state, record)
+
+
+def run(args: argparse.Namespace, raw: list[str], parts: list[Part], selected: list[Part],
+        state: dict[str, Any], record: dict[str, Any]) -> int:
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    call = {"argv": raw, "machine": record, "budget_s": args.budget_s, "stopped": None}
+    state["calls"].append(call)
+    state_path = out / STATE
+
+    def save() -> None:
+        write_json(state_path, state)
+        summary, _ = summarize(out, state, parts)
+        write_atomic(out / SUMMARY, summary.encode())
+        if args.bundle is not None:
+            bundle(out, args.bundle, campaign_files(out, state, parts))
+
+    save()
+    mode = "CPU smoke run" if args.smoke else record.get("device_name")
+    print(f"gpu_campaign: {len(selected)} parts selected, on {mode}; out {out}", flush=True)
+    ran = 0
+    for part in selected:
+        entry = state["parts"].get(part.name, {})
+        status = entry.get("status", "pending")
+        if status in ("done", "failed") and not args.rerun:
+            continue
+        attempts = entry.get("attempts", 0) if status == "interrupted" else 0
+        expect = expected_seconds(part, parts, state, args.expect)
+        timeout = None
+        if args.budget_s is not None:
+            left = args.budget_s - (time.monotonic() - start) - args.reserve_s
+            if left <= 0 or (ran and expect > left):
+                call["stopped"] = (f"budget: {part.name} expects ~{expect:.0f} s, "
+                                   f"{max(left, 0):.0f} s left")
+                break
+            timeout = left
+        print(f"[{part.name}] started (expects ~{expect:.0f} s)", flush=True)
+        result = run_part(part, out, timeout, attempts + 1, record)
+        out_of_time = result["status"] == "interrupted"
+        if out_of_time and not ran:
+            result.update(status="failed", reason=(
+                f"stopped by the budget after {result['seconds']:.0f} s as the first part of "
+                f"the call: it needs more than --budget-s; run it alone with a larger one"))
+        state["parts"][part.name] = result
+        ran += 1
+        print(f"[{part.name}] {result['status']} (exit {result['exit_status']}, "
+              f"{result['seconds']:.0f} s)", flush=True)
+        if result["status"] != "done":
+            print("\n".join(f"    {line}" for line in
+                            result.get("log_tail", "").splitlines()[-8:]), flush=True)
+        save()
+        if out_of_time:
+            call["stopped"] = f"budget: {part.name} was stopped after {result['seconds']:.0f} s"
+            break
+    left = [p.name for p in selected
+            if state["parts"].get(p.name, {}).get("status") not in ("done", "failed")]
+    call["stopped"] = call["stopped"] or ("finished" if not left else "stopped")
+    save()
+    _, short = summarize(out, state, parts)
+    table = [f"{'part':<28} {'status':<12} {'exit':>5} {'seconds':>8} {'tries':>5}"]
+    for part in selected:
+        e = state["parts"].get(part.name, {})
+        table.append(f"{part.name:<28} {e.get('status', 'pending'):<12} "
+                     f"{e.get('exit_status', ''):>5} {e.get('seconds', ''):>8} "
+                     f"{e.get('attempts', 0):>5}")
+    print("\n" + "\n".join(table) + "\n\n" + short, flush=True)
+    if args.bundle is not None:
+        size = args.bundle.stat().st_size
+        over = "; OVER the 16 MiB a device call returns" if size > 16 * 2**20 else ""
+        print(f"bundle: {args.bundle} ({len(campaign_files(out, state, parts))} files, "
+              f"{size / 2**20:.1f} MiB{over})")
+    print(f"summary: {out / SUMMARY}")
+    if left:
+        print(f"{call['stopped']}. Left: {len(left)} parts ({', '.join(left[:6])}"
+              f"{', ...' if len(left) > 6 else ''}). Continue: {continue_command(raw)}")
+        return 3
+    failed = [p.name for p in selected if state["parts"].get(p.name, {}).get("status")
+              == "failed"]
+    if failed:
+        print(f"finished; failed: {', '.join(failed)}")
+        return 1
+    print("finished: every selected part done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
