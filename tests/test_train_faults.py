@@ -220,11 +220,19 @@ def test_tensorboard_points_are_on_disk_before_each_snapshot(tmp_path, monkeypat
 
 
 def test_a_resume_after_a_kill_repeats_no_point(tmp_path):
+    """Readers take a folder's event files in name order, which starts with the creation
+    second: here the killed run's file is named a second ahead (a resume within the same
+    second, or a clock just behind), and the resumed run's must still come after it."""
     pytest.importorskip("tensorboard")
+    import time
+
     config = toy_config(logging={"tensorboard": True, "log_every": 1})
     train(ToyTask(), config, TrainOptions(tmp_path / "whole", device="cpu"))
     run = tmp_path / "run"
     train(ToyTask(), config, TrainOptions(run, device="cpu", stop_after_steps=6))
+    [events] = (run / "tensorboard").glob("events.out.tfevents.*")
+    rest = events.name.removeprefix("events.out.tfevents.").split(".", 1)[1]
+    events.rename(events.with_name(f"events.out.tfevents.{int(time.time()) + 1}.{rest}"))
     # as if killed at step 6 before writing its snapshot: the one of step 4 is the last
     shutil.copy(run / "previous.pth", run / "last.pth")
     (run / "last.pth.sha256").write_text(
@@ -250,6 +258,7 @@ def test_a_resume_after_a_kill_repeats_no_point(tmp_path):
     ("train", "input.crop_train=1180591620717411303424", "input.crop_train: must be at most"),
     ("train", "data.digits_size=100000", "data.digits_size: must be at most 16384"),
     ("train", "data.workers=100000", "data.workers: must be at most 256"),
+    ("train", "data.val_batch_size=1180591620717411303424", "val_batch_size: must be at most"),
     ("train-seg", "network.pooling_size=[0,4]", "each number must be at least 1"),
     ("train-seg", "network.head_channels=100000", "network.head_channels: must be at most"),
     ("train-seg", "data.ignore_index=1180591620717411303424", "data.ignore_index: must be at"),
@@ -334,6 +343,22 @@ def test_batches_batch_norm_cannot_train_on_are_refused_before_writing(tmp_path,
         assert code == 0, capsys.readouterr().err
 
 
+def test_a_crop_the_network_cannot_run_on_is_refused_before_writing(tmp_path, capsys):
+    """DenseNet-121's last transition pools 2x2 windows: at 16x16 inputs its input is 1x1
+    (the reference: the real forward fails the same way)."""
+    from iabn.models import create
+
+    with pytest.raises(RuntimeError, match="Output size is too small"):
+        create("densenet121", num_classes=10).train()(torch.randn(2, 3, 16, 16))
+    config = write_config(tmp_path / "c.json", network={"arch": "densenet121"},
+                          data={"batch_size": 2})
+    run = tmp_path / "run"
+    assert main(["train", str(config), "--log-dir", str(run)]) == 2
+    err = _one_line_error(capsys, "train")
+    assert "the network cannot train on 3x16x16 inputs: layer tra4.pool (AvgPool2d)" in err
+    assert not run.exists()
+
+
 def test_a_full_disk_while_writing_a_snapshot_keeps_the_older_ones(tmp_path, capsys,
                                                                    monkeypatch):
     config = write_config(tmp_path / "c.json")
@@ -400,6 +425,13 @@ def test_a_tensorboard_folder_that_fails_to_write_is_one_line(tmp_path):
         done.stderr)
     assert "Permission denied" in done.stderr
     assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_an_empty_resume_path_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # "" is the current folder
+    config = write_config(tmp_path / "c.json")
+    assert main(["train", str(config), "--log-dir", "run", "--resume", ""]) == 2
+    assert "snapshot . is a folder, not a file" in _one_line_error(capsys, "train")
 
 
 @pytest.mark.parametrize("resume", [False, True])
@@ -547,6 +579,26 @@ def test_test_json_paths_are_checked_before_the_evaluation(tmp_path, capsys, tra
     assert captured.out == ""  # no evaluation ran
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--crop", "100000", "--scale", "100000"], "--crop must be at most 16384"),
+    (["--batch-size", "1180591620717411303424"], "--batch-size must be at most 16777216"),
+    (["--workers", "100000"], "--workers must be at most 256"),
+])
+def test_test_arguments_out_of_range(capsys, trained, args, message):
+    config, checkpoint = trained
+    assert main(["test", str(config), str(checkpoint), *args]) == 2
+    assert message in _one_line_error(capsys, "test")
+
+
+def test_test_json_to_a_device_or_pipe_is_refused(tmp_path, capsys, trained):
+    config, checkpoint = trained
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)  # the atomic write would rename a regular file over it
+    assert main(["test", str(config), str(checkpoint), "--json", str(pipe)]) == 2
+    assert "exists and is not a regular file" in _one_line_error(capsys, "test")
+    assert pipe.is_fifo()
+
+
 def test_test_messages_name_the_real_problem(tmp_path, capsys, trained):
     from pathlib import Path
 
@@ -555,6 +607,8 @@ def test_test_messages_name_the_real_problem(tmp_path, capsys, trained):
     folder.mkdir()
     assert main(["test", str(config), str(folder)]) == 2
     assert f"checkpoint {folder} is a folder, not a file" in _one_line_error(capsys, "test")
+    assert main(["test", str(config), str(config)]) == 2  # torch's message spans lines
+    assert f"cannot read checkpoint {config}" in _one_line_error(capsys, "test")
     assert main(["test", str(config), str(checkpoint), "--set", "network.num_classes=5"]) == 2
     err = _one_line_error(capsys, "test")
     assert "network.num_classes=5 but the data has 10 classes" in err

@@ -276,8 +276,9 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
         "embedded digits). The network may differ from the trained one where the weights "
         "fit (norm_act bn/abn/iabn/iabn_sync, activation). Run under torchrun to split the "
         "images over processes; every image is counted once.",
-        epilog="Exit status: 0 done, 2 bad arguments, config, data, device, checkpoint or "
-        "--json path (checked before the evaluation where possible), 130 interrupted.",
+        epilog="Exit status: 0 done, 1 out of memory, 2 bad arguments, config, data, device, "
+        "checkpoint or --json path (checked before the evaluation where possible), 130 "
+        "interrupted. Errors are one line on stderr.",
     )
     test.add_argument("config", help="JSON config file the model is built from")
     test.add_argument("checkpoint", help="snapshot or state_dict file (.pth)")

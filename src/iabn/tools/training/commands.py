@@ -22,18 +22,21 @@ from ..data.imagefolder import DataLayoutError
 from .classification import ClassificationTask
 from .config import (
     ENGINE_SCHEMA,
+    MAX_BATCH,
+    MAX_SIDE,
+    MAX_WORKERS,
     Config,
     ConfigError,
     check_engine_config,
     combine,
     load_config,
 )
-from .engine import EXIT_FAILED, TrainingFailed, TrainOptions, train
+from .engine import EXIT_FAILED, TrainingFailed, TrainOptions, out_of_memory, train
 from .evaluate import TestOptions, run_test, write_json
 from .logdir import LogDirError, check_writable
 from .ranks import DeviceError
 from .segmentation import SegmentationTask
-from .snapshot import LAST, RESUME_LAST, SnapshotError
+from .snapshot import LAST, RESUME_LAST, SnapshotError, one_line
 from .task import Task
 
 TASK = ClassificationTask()
@@ -129,11 +132,15 @@ def train_command(args: argparse.Namespace) -> int:
                                stop_after_steps=args.stop_after_steps)
         return train(task, config, options)
     except USER_ERRORS as error:
-        print(f"iabn {command}: error: {error}", file=sys.stderr)
-        return 2
+        return _fail(command, error, 2)
     except TrainingFailed as error:
-        print(f"iabn {command}: error: {error}", file=sys.stderr)
-        return EXIT_FAILED
+        return _fail(command, error, EXIT_FAILED)
+
+
+def _fail(command: str, error: object, status: int) -> int:
+    """The error as one line on stderr (some messages quote multi-line ones); ``status``."""
+    print(f"iabn {command}: error: {one_line(str(error))}", file=sys.stderr)
+    return status
 
 
 def check_json_path(path: Path) -> None:
@@ -141,6 +148,9 @@ def check_json_path(path: Path) -> None:
     written (:class:`LogDirError` otherwise)."""
     if path.is_dir():
         raise LogDirError(f"--json {path} is a folder; give a file name")
+    if path.exists() and not path.is_file():
+        # a device or a pipe: the atomic write would rename a regular file over it
+        raise LogDirError(f"--json {path} exists and is not a regular file")
     if not path.parent.is_dir() and not path.parent.exists():
         raise LogDirError(f"--json {path}: folder {path.parent} does not exist")
     check_writable(path.parent, f"--json {path}: folder")
@@ -153,6 +163,11 @@ def test_command(args: argparse.Namespace) -> int:
             check_json_path(Path(args.json))
         config = load_run_config(args.config, data_root_argument(args), args.set,
                                  command="test")
+        for flag, value, most in (("--crop", args.crop, MAX_SIDE), ("--scale", args.scale,
+                                  MAX_SIDE), ("--batch-size", args.batch_size, MAX_BATCH),
+                                  ("--workers", args.workers, MAX_WORKERS)):
+            if value is not None and value > most:
+                raise ConfigError(f"{flag} must be at most {most}, got {value}")
         scale = args.scale or config["input"]["scale_val"]
         crop = args.crop or config["input"]["crop_val"]
         if crop > scale:
@@ -164,7 +179,13 @@ def test_command(args: argparse.Namespace) -> int:
             strict=not args.non_strict,
             device=args.device, batch_size=args.batch_size, workers=args.workers,
             progress=not args.quiet)
-        result = run_test(config, options)
+        try:
+            result = run_test(config, options)
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            if not out_of_memory(error):
+                raise
+            return _fail("test", f"out of memory ({one_line(str(error))[:200]}); lower "
+                         f"--batch-size or --scale", EXIT_FAILED)
         if args.json is not None and int(os.environ.get("RANK", "0")) == 0:
             try:
                 write_json(result, Path(args.json))
@@ -172,8 +193,7 @@ def test_command(args: argparse.Namespace) -> int:
                 raise LogDirError(f"cannot write --json {args.json}: "
                                   f"{error.strerror or error}") from None
     except USER_ERRORS as error:
-        print(f"iabn test: error: {error}", file=sys.stderr)
-        return 2
+        return _fail("test", error, 2)
     return 0
 
 

@@ -51,6 +51,10 @@ MAX_SEED = 2**63 - 1
 MAX_SIDE = 2**14
 #: Floats and numbers in lists are used as float32 by torch: larger magnitudes overflow.
 FLOAT32_MAX = 3.4028234663852886e38
+#: The largest batch (global, training or validation) and the most data-loading worker
+#: processes per rank a config may ask for.
+MAX_BATCH = 2**24
+MAX_WORKERS = 256
 
 Schema = dict[str, dict[str, Option]]
 
@@ -101,11 +105,11 @@ ENGINE_SCHEMA: Schema = {
     },
     "data": {
         "batch_size": Option(256, "global training batch, split evenly over the ranks", int,
-                             minimum=1),
+                             minimum=1, maximum=MAX_BATCH),
         "val_batch_size": Option(None, "global validation batch; null: data.batch_size", int,
-                                 nullable=True, minimum=1),
+                                 nullable=True, minimum=1, maximum=MAX_BATCH),
         "workers": Option(4, "data-loading worker processes per rank", int, minimum=0,
-                          maximum=256),
+                          maximum=MAX_WORKERS),
         "seed": Option(0, "seed of weight initialisation, data order and augmentation", int,
                        minimum=0, maximum=MAX_SEED),
     },
@@ -294,7 +298,7 @@ def differences(old: Config, new: Config, ignore: Sequence[str] = ()) -> list[st
     return lines
 
 
-__all__ = ["ENGINE_SCHEMA", "FLOAT32_MAX", "MAX_SEED", "MAX_SIDE", "OPTIMIZERS", "PRECISIONS",
-           "SCHEDULES", "Config", "ConfigError", "Option", "Schema", "check_engine_config",
-           "combine", "defaults", "differences", "load_config", "merge", "parse_override",
-           "with_defaults"]
+__all__ = ["ENGINE_SCHEMA", "FLOAT32_MAX", "MAX_BATCH", "MAX_SEED", "MAX_SIDE", "MAX_WORKERS",
+           "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "Config", "ConfigError", "Option", "Schema",
+           "check_engine_config", "combine", "defaults", "differences", "load_config", "merge",
+           "parse_override", "with_defaults"]

@@ -656,7 +656,7 @@ def _first_non_finite(model: nn.Module, optimizer: torch.optim.Optimizer) -> str
     return named[int((~finite).nonzero()[0])][0]
 
 
-def _out_of_memory(error: RuntimeError) -> bool:
+def out_of_memory(error: RuntimeError) -> bool:
     """CUDA's ``OutOfMemoryError``, or the CPU allocator's failure (a plain RuntimeError)."""
     return isinstance(error, torch.OutOfMemoryError) or "can't allocate memory" in str(error)
 
@@ -694,7 +694,7 @@ def train(task: Task, config: Config, options: TrainOptions) -> int:
         finished = True
         return code
     except RuntimeError as error:  # torch.OutOfMemoryError is one
-        if not _out_of_memory(error):
+        if not out_of_memory(error):
             raise
         last = run.last_good if run is not None else None
         raise TrainingFailed(
@@ -711,4 +711,4 @@ def train(task: Task, config: Config, options: TrainOptions) -> int:
 
 
 __all__ = ["EXIT_FAILED", "EXIT_FINISHED", "EXIT_INTERRUPTED", "EXIT_STOPPED", "TrainOptions",
-           "TrainingFailed", "train"]
+           "TrainingFailed", "out_of_memory", "train"]

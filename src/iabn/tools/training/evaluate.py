@@ -38,7 +38,7 @@ from .config import Config, ConfigError, differences
 from .loops import evaluate, memory_format
 from .progress import ProgressLine
 from .ranks import Ranks, finish, start
-from .snapshot import FORMAT, SnapshotError, not_a_file
+from .snapshot import FORMAT, SnapshotError, not_a_file, one_line
 
 TEN_CROPS = 10
 
@@ -73,7 +73,7 @@ def _read(path: Path) -> Any:
     try:
         return read_checkpoint(path)
     except CheckpointError as error:
-        raise SnapshotError(str(error)) from error
+        raise SnapshotError(one_line(str(error))) from error
 
 
 def _origin_with_name(origin: str, path: Path) -> str:

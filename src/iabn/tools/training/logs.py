@@ -5,9 +5,10 @@
 
 On resume, TensorBoard events after the snapshot's step are purged (those at its step were
 written, and flushed, before the snapshot and are kept), so a killed and resumed run shows one
-curve, the same as an uninterrupted run's. A fresh start in a folder whose earlier run died
-before its first snapshot moves that run's event files aside (:func:`set_aside_tensorboard`),
-so its points do not mix with the new curve.
+curve, the same as an uninterrupted run's; that needs the new event file to be named after
+the old ones (:func:`after_existing_event_files`). A fresh start in a folder whose earlier run
+died before its first snapshot moves that run's event files aside
+(:func:`set_aside_tensorboard`), so its points do not mix with the new curve.
 """
 
 from __future__ import annotations
@@ -81,6 +82,25 @@ def set_aside_tensorboard(log_dir: Path) -> Path | None:
     return target
 
 
+EVENT_FILE_PREFIX = "events.out.tfevents."
+
+
+def after_existing_event_files(folder: Path) -> None:
+    """Wait (a second at most) until a new event file in ``folder`` gets a later name than
+    the ones there. Readers load a folder's files in name order, which starts with the
+    creation time in whole seconds: a resumed run's file named before the killed run's would
+    be read first, and the older points would then replace the newer ones (TensorBoard drops
+    the points at and after a step that goes back)."""
+    stamps = []
+    for path in folder.glob(EVENT_FILE_PREFIX + "*"):
+        field = path.name[len(EVENT_FILE_PREFIX):].split(".", 1)[0]
+        if field.isdigit():
+            stamps.append(int(field))
+    wait = max(stamps, default=-1) + 1 - time.time()
+    if 0 < wait <= 2:  # more: a clock set back, which waiting would not mend
+        time.sleep(wait)
+
+
 def _writer_thread_errors_to_the_caller(previous: object) -> object:
     """A ``threading.excepthook`` that keeps quiet about an OSError of TensorBoard's writer
     thread (a full disk, a folder that turned read-only): the writer raises it again in the
@@ -108,6 +128,7 @@ class RunLog:
             if tensorboard and ranks.is_main:
                 writer_class = summary_writer_class()
                 threading.excepthook = _writer_thread_errors_to_the_caller(self._excepthook)
+                after_existing_event_files(log_dir / TENSORBOARD)
                 self.writer = writer_class(log_dir / TENSORBOARD, purge_step=purge_step)
                 # The writer's thread opens the event file at its first write: flush now, so
                 # a folder that cannot be written fails here, before the run starts.
@@ -158,5 +179,6 @@ class RunLog:
                 self.file.close()
 
 
-__all__ = ["TENSORBOARD", "RunLog", "RunLogError", "peak_memory_mib", "set_aside_tensorboard",
+__all__ = ["EVENT_FILE_PREFIX", "TENSORBOARD", "RunLog", "RunLogError",
+           "after_existing_event_files", "peak_memory_mib", "set_aside_tensorboard",
            "summary_writer_class"]

@@ -172,9 +172,9 @@ def read_snapshot(path: str | Path) -> dict[str, Any]:
         payload[READ_FROM] = str(path)
         return payload
     except SnapshotError as error:
-        previous = path.with_name(PREVIOUS)
-        if path.name != LAST or not previous.is_file():
+        if path.name != LAST or not path.with_name(PREVIOUS).is_file():
             raise
+        previous = path.with_name(PREVIOUS)
         try:
             payload = _read_verified(previous)
         except SnapshotError:
@@ -184,6 +184,11 @@ def read_snapshot(path: str | Path) -> dict[str, Any]:
               file=sys.stderr, flush=True)
         payload[READ_FROM] = str(previous)
         return payload
+
+
+def one_line(text: str) -> str:
+    """``text``'s non-empty lines joined by "; " (torch's load errors span several lines)."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def not_a_file(path: Path, what: str) -> str | None:
@@ -210,7 +215,7 @@ def _read_verified(path: Path) -> dict[str, Any]:
     try:
         payload = read_checkpoint(path, "snapshot")
     except CheckpointError as error:
-        raise SnapshotError(str(error)) from error
+        raise SnapshotError(one_line(str(error))) from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise SnapshotError(
             f"{path} is not an iabn training snapshot (no format={FORMAT!r} marker); plain "
@@ -251,5 +256,5 @@ def load_state(target: Any, state: dict[str, Any], what: str, path: str | Path) 
 
 __all__ = ["BEST", "CHECKSUM_SUFFIX", "FORMAT", "LAST", "PREVIOUS", "READ_FROM", "RESUME_LAST",
            "RESUME_MAY_CHANGE", "VERSION", "SnapshotError", "check_resumable", "checksum_path",
-           "copy_atomic", "file_sha256", "load_state", "not_a_file", "read_snapshot",
+           "copy_atomic", "file_sha256", "load_state", "not_a_file", "one_line", "read_snapshot",
            "remove_stale_temporaries", "save_atomic"]
