@@ -492,7 +492,8 @@ class _Interrupted(ToyTask):
 ])
 def test_a_second_sigint_saves_the_last_finished_step_and_resumes_exactly(tmp_path, task,
                                                                            step):
-    config = toy_config()
+    pytest.importorskip("tensorboard")
+    config = toy_config(logging={"tensorboard": True, "log_every": 1})
     run = tmp_path / "run"
     assert train(task, config, TrainOptions(run, device="cpu")) == EXIT_INTERRUPTED
     snapshot = read_snapshot(run / "last.pth")
@@ -501,6 +502,9 @@ def test_a_second_sigint_saves_the_last_finished_step_and_resumes_exactly(tmp_pa
                  ) == EXIT_FINISHED
     train(ToyTask(), config, TrainOptions(tmp_path / "whole", device="cpu"))
     _assert_same_weights(tmp_path / "whole" / "last.pth", run / "last.pth")
+    whole, again = tensorboard_scalars(tmp_path / "whole"), tensorboard_scalars(run)
+    for tag in ("train/loss", "val/loss"):  # one curve, no point twice
+        assert [s for s, _ in again[tag]] == [s for s, _ in whole[tag]], tag
 
 
 def test_a_second_sigint_through_the_command_is_130_without_a_traceback(tmp_path, capsys,

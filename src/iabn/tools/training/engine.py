@@ -67,6 +67,7 @@ from .rng import capture_rng_state, restore_rng_state, seed_everything
 from .schedules import build_scheduler
 from .snapshot import (
     BEST,
+    CHECKSUM_SUFFIX,
     FORMAT,
     LAST,
     PREVIOUS,
@@ -74,7 +75,6 @@ from .snapshot import (
     VERSION,
     SnapshotError,
     check_resumable,
-    checksum_path,
     copy_atomic,
     load_state,
     read_snapshot,
@@ -423,18 +423,18 @@ class _Run:
             for buffer in self.model.buffers():
                 dist.broadcast(buffer, 0)
 
-    def _validate(self, val_loader: _ShieldedLoader, log: RunLog,
-                  progress: ProgressLine) -> dict[str, float]:
+    def _validate(self, val_loader: _ShieldedLoader, progress: ProgressLine
+                  ) -> dict[str, float]:
         self._sync_buffers()
         network = self.config["network"]
-        metrics = evaluate(self.task, self.model, val_loader, self.ranks,
-                           network["precision"], network["channels_last"], progress,
-                           len(val_loader))
+        return evaluate(self.task, self.model, val_loader, self.ranks, network["precision"],
+                        network["channels_last"], progress, len(val_loader))
+
+    def _log_validation(self, metrics: dict[str, float], log: RunLog) -> None:
         log.scalars({f"val/{k}": v for k, v in metrics.items() if k != "count"},
                     self.global_step)
         log.info(f"epoch {self.epoch + 1} val: {_format_metrics(metrics)} "
                  f"({int(metrics['count'])} samples)")
-        return metrics
 
     def _report(self, meter: Meter, log: RunLog, progress: ProgressLine, images: int,
                 seconds: float) -> None:
@@ -574,16 +574,18 @@ class _Run:
             self.trained.train()
             started, images = time.perf_counter(), 0
             for batch in train_loader:
+                # the step and its log line: a snapshot after it must find its points logged
                 with interrupts.critical():
                     self._train_step(batch, meter)
                     self.batches_done += 1
                     self.global_step += 1
-                images += self.sampler.per_rank * ranks.world_size
-                boundary = (self.batches_done % log_every == 0
-                            or self.batches_done == self.sampler.batches_per_epoch)
-                if boundary:
-                    self._report(meter, log, progress, images, time.perf_counter() - started)
-                    started, images = time.perf_counter(), 0
+                    images += self.sampler.per_rank * ranks.world_size
+                    boundary = (self.batches_done % log_every == 0
+                                or self.batches_done == self.sampler.batches_per_epoch)
+                    if boundary:
+                        self._report(meter, log, progress, images,
+                                     time.perf_counter() - started)
+                        started, images = time.perf_counter(), 0
                 if self._should_stop(requested, boundary):
                     progress.end()
                     with interrupts.critical():
@@ -610,9 +612,12 @@ class _Run:
             # An interrupt in validation saves the position before it (the epoch's last
             # step), with the random state from before it.
             self.validation_rng = capture_rng_state()
-            val_metrics = self._validate(val_loader, log, progress)
-            self.validation_rng = None
+            val_metrics = self._validate(val_loader, progress)
         with interrupts.critical():
+            self.validation_rng = None
+            if val_metrics is not None:
+                # logged here, not in validation: an interrupted one is repeated on resume
+                self._log_validation(val_metrics, log)
             # after validation, which does not read the learning rate: an interrupt there
             # must find the scheduler as the epoch's last step left it
             if config["schedule"]["update"] == "epoch":
@@ -632,7 +637,7 @@ class _Run:
 
 #: Files of a log directory written by replacing them (a folder there is refused up front).
 _REPLACED = ("config.json", *(name + suffix for name in (LAST, BEST, PREVIOUS)
-                              for suffix in ("", checksum_path(name).suffix)))
+                              for suffix in ("", CHECKSUM_SUFFIX)))
 
 
 def _snapshots(log_dir: Path) -> list[str]:
@@ -666,16 +671,16 @@ def _warn_if_not_bitwise(snapshot: dict[str, Any], device: torch.device) -> None
     another device type, or on CPU another intra-op thread count (CPU kernels split their
     sums by thread). Snapshots of older versions do not record them."""
     threads, kind = snapshot.get("threads"), snapshot.get("device")
-    reasons = []
     if kind is not None and kind != device.type:
-        reasons.append(f"on {kind}, this run is on {device.type}")
+        how = f"on {kind}, this run is on {device.type}"
     elif device.type == "cpu" and threads is not None and threads != torch.get_num_threads():
-        reasons.append(f"with {threads} torch thread(s), this run has "
-                       f"{torch.get_num_threads()} (set OMP_NUM_THREADS={threads} to match)")
-    if reasons:
-        print(f"iabn: warning: snapshot {snapshot.get(READ_FROM)} was written "
-              f"{reasons[0]}: the resumed run will not reach bitwise the weights of an "
-              f"uninterrupted one", file=sys.stderr, flush=True)
+        how = (f"with {threads} torch thread(s), this run has {torch.get_num_threads()} (set "
+               f"OMP_NUM_THREADS={threads} to match)")
+    else:
+        return
+    print(f"iabn: warning: snapshot {snapshot.get(READ_FROM)} was written {how}: the resumed "
+          f"run will not reach bitwise the weights of an uninterrupted one", file=sys.stderr,
+          flush=True)
 
 
 def train(task: Task, config: Config, options: TrainOptions) -> int:
