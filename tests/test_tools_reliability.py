@@ -58,7 +58,8 @@ def test_a_log_dir_in_use_is_refused_naming_the_holder(tmp_path, resume):
     lock.acquire()  # another run holds the folder (flock conflicts across open files)
     try:
         files = {p: p.stat().st_mtime_ns for p in run.rglob("*")}
-        with pytest.raises(LogDirError, match=rf"in use by another run \(pid {os.getpid()} "):
+        with pytest.raises(LogDirError,
+                           match=rf"in use by another run, still running \(pid {os.getpid()} "):
             train(ToyTask(), config,
                   TrainOptions(run, resume=run / "last.pth" if resume else None))
         assert {p: p.stat().st_mtime_ns for p in run.rglob("*")} == files

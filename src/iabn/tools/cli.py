@@ -243,9 +243,12 @@ def _add_train_parser(subparsers: argparse._SubParsersAction, command: str) -> N
         f"DATA_ROOT: {text['embedded']}. Run under torchrun for several processes (the batch "
         f"is split over the ranks). Writes LOG_DIR/last.pth every epoch, best.pth, "
         f"logs/rank*.log and TensorBoard scalars.",
-        epilog="Exit status: 0 finished, 2 bad arguments, config, data or snapshot (nothing "
-        "written), 3 stopped by SIGINT/SIGTERM with LOG_DIR/last.pth written (--resume "
-        "continues it).",
+        epilog="Exit status: 0 finished, 1 failed while training (a non-finite loss or "
+        "weights, or a snapshot or log that could not be written; the snapshots on disk stay "
+        "as they were), 2 bad arguments, config, data, device or snapshot (nothing written), "
+        "3 stopped by SIGINT/SIGTERM with LOG_DIR/last.pth written (--resume continues it), "
+        "130 interrupted (a second SIGINT: last.pth holds the last finished step; or Ctrl-C "
+        "before training started). Errors are one line on stderr.",
     )
     train.add_argument("config", help=f"JSON config file (e.g. {text['example']})")
     train.add_argument("data_root", nargs="?", default=None,
@@ -286,7 +289,9 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
         "embedded digits). The network may differ from the trained one where the weights "
         "fit (norm_act bn/abn/iabn/iabn_sync, activation). Run under torchrun to split the "
         "images over processes; every image is counted once.",
-        epilog="Exit status: 0 done, 2 bad arguments, config, data or checkpoint.",
+        epilog="Exit status: 0 done, 1 out of memory, 2 bad arguments, config, data, device, "
+        "checkpoint or --json path (checked before the evaluation where possible), 130 "
+        "interrupted. Errors are one line on stderr.",
     )
     test.add_argument("config", help="JSON config file the model is built from")
     test.add_argument("checkpoint", help="snapshot or state_dict file (.pth)")
@@ -479,12 +484,20 @@ def _memory(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``iabn`` command; returns the process exit code."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not hasattr(args, "handler"):
-        parser.print_help()
-        return 0
-    return args.handler(args)
+    command = "iabn"
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if not hasattr(args, "handler"):
+            parser.print_help()
+            return 0
+        command = f"iabn {getattr(args, 'command', None) or args.handler.__name__.strip('_')}"
+        return args.handler(args)
+    except KeyboardInterrupt:
+        # Ctrl-C where a command has no handler of its own (start-up, loading): one line and
+        # the shell's status for SIGINT, not a traceback
+        print(f"{command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

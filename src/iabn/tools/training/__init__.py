@@ -2,9 +2,11 @@
 
 Generic (any task): :mod:`.config` (JSON schema of documented defaults, merge, checks),
 :mod:`.engine` (the loop, ``torchrun``/DDP, autocast, channels_last, gradient clipping,
-snapshots and exact resume, stop on SIGINT/SIGTERM), :mod:`.optim` (SGD/Adam/AdamW, no weight
-decay on norm layers), :mod:`.schedules` (closed-form learning-rate schedules with warm-up),
-:mod:`.snapshot` (atomic files, checked loading), :mod:`.ranks` (process group, collectives),
+snapshots and exact resume, stop on SIGINT/SIGTERM, divergence), :mod:`.optim` (SGD/Adam/AdamW,
+no weight decay on norm layers), :mod:`.schedules` (closed-form learning-rate schedules with
+warm-up), :mod:`.snapshot` (atomic files, checked loading), :mod:`.logdir` (the log folder's
+checks and lock), :mod:`.batch_check` (a batch every batch-norm layer can train on, checked on
+the meta device), :mod:`.ranks` (process group, device, collectives),
 :mod:`.rng`, :mod:`.logs` (per-rank log files, TensorBoard), :mod:`.progress`, :mod:`.loops`
 (autocast, the distributed evaluation loop).
 
@@ -48,7 +50,8 @@ _EXPORTS = {
     "ClassificationTask": "classification",
     "ENGINE_SCHEMA": "config", "Config": "config", "ConfigError": "config",
     "combine": "config", "load_config": "config",
-    "EXIT_FINISHED": "engine", "EXIT_STOPPED": "engine", "TrainOptions": "engine",
+    "EXIT_FAILED": "engine", "EXIT_FINISHED": "engine", "EXIT_INTERRUPTED": "engine",
+    "EXIT_STOPPED": "engine", "TrainOptions": "engine", "TrainingFailed": "engine",
     "train": "engine",
     "TestOptions": "evaluate", "load_weights": "evaluate", "run_test": "evaluate",
     "SnapshotError": "snapshot",
@@ -63,7 +66,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ENGINE_SCHEMA",
+    "EXIT_FAILED",
     "EXIT_FINISHED",
+    "EXIT_INTERRUPTED",
     "EXIT_STOPPED",
     "ClassificationTask",
     "Config",
@@ -74,6 +79,7 @@ __all__ = [
     "Task",
     "TestOptions",
     "TrainOptions",
+    "TrainingFailed",
     "combine",
     "load_config",
     "load_weights",

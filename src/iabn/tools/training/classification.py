@@ -18,7 +18,7 @@ from ...activation import ALL_ACTIVATIONS
 from ...models import MODELS, NORM_ACT_NAMES, create
 from ..data.transforms import TransformedDataset
 from .classification_data import eval_transform, image_sources, train_transform
-from .config import Config, ConfigError, Option, Schema
+from .config import MAX_SEED, MAX_SIDE, Config, ConfigError, Option, Schema
 from .networks import check_norm_act, norm_act_kwargs
 from .ranks import Ranks
 from .task import DataSplits
@@ -38,9 +38,11 @@ SCHEMA: Schema = {
         "activation_param": Option(0.01, "leaky_relu slope / elu alpha", float),
     },
     "input": {
-        "crop_train": Option(224, "training crop side (pixels)", int, minimum=1),
+        "crop_train": Option(224, "training crop side (pixels)", int, minimum=1,
+                             maximum=MAX_SIDE),
         "scale_train": Option(None, "null: random-resized crop; N: shorter side resized to N, "
-                              "then a random crop_train square", int, nullable=True, minimum=1),
+                              "then a random crop_train square", int, nullable=True, minimum=1,
+                              maximum=MAX_SIDE),
         "area_range_train": Option([0.08, 1.0], "random-resized crop: fraction of the image "
                                    "area", list, length=2),
         "ratio_range_train": Option([0.75, 4 / 3], "random-resized crop: aspect ratio (w/h)",
@@ -50,8 +52,10 @@ SCHEMA: Schema = {
                                      "0: off", float, minimum=0.0),
         "lighting_train": Option(0.1, "AlexNet PCA lighting noise std; 0: off", float,
                                  minimum=0.0),
-        "scale_val": Option(256, "validation: shorter side resized to this", int, minimum=1),
-        "crop_val": Option(224, "validation: centre crop side", int, minimum=1),
+        "scale_val": Option(256, "validation: shorter side resized to this", int, minimum=1,
+                            maximum=MAX_SIDE),
+        "crop_val": Option(224, "validation: centre crop side", int, minimum=1,
+                           maximum=MAX_SIDE),
         "mean": Option(IMAGENET_MEAN, "per-channel mean (RGB in [0, 1])", list, length=3),
         "std": Option(IMAGENET_STD, "per-channel std", list, length=3),
     },
@@ -59,11 +63,11 @@ SCHEMA: Schema = {
         "root": Option(None, "ImageFolder root with train/ and val/ (the DATA_ROOT argument "
                        "overrides it); null: the embedded digits", str, nullable=True),
         "digits_size": Option(32, "embedded digits: side after upscaling the 8x8 scans", int,
-                              minimum=8),
+                              minimum=8, maximum=MAX_SIDE),
         "digits_val_fraction": Option(0.2, "embedded digits: validation share per class",
                                       float),
         "digits_split_seed": Option(0, "embedded digits: seed of the train/val split", int,
-                                    minimum=0),
+                                    minimum=0, maximum=MAX_SEED),
     },
 }
 

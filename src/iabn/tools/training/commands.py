@@ -1,8 +1,11 @@
 """``iabn train``, ``iabn train-seg`` and ``iabn test``: arguments from :mod:`iabn.tools.cli` to the
 engine (one training command per task, the same engine and options).
 
-Exit status: 0 done, 2 bad arguments/config/data/snapshot (reported before anything is
-written), 3 training stopped early with a snapshot (``--resume`` continues it).
+Exit status: 0 done, 1 training failed (diverged, or a snapshot or log could not be written;
+the snapshots on disk stay as they were), 2 bad arguments/config/data/snapshot/device
+(reported before anything is written), 3 training stopped early with a snapshot (``--resume``
+continues it), 130 interrupted (a second SIGINT: the snapshot of the last finished step).
+Every error is one line on stderr.
 """
 
 from __future__ import annotations
@@ -19,17 +22,21 @@ from ..data.imagefolder import DataLayoutError
 from .classification import ClassificationTask
 from .config import (
     ENGINE_SCHEMA,
+    MAX_BATCH,
+    MAX_SIDE,
+    MAX_WORKERS,
     Config,
     ConfigError,
     check_engine_config,
     combine,
     load_config,
 )
-from .engine import TrainOptions, train
+from .engine import EXIT_FAILED, TrainingFailed, TrainOptions, out_of_memory, train
 from .evaluate import TestOptions, run_test, write_json
 from .logdir import LogDirError, check_writable
+from .ranks import DeviceError
 from .segmentation import SegmentationTask
-from .snapshot import LAST, RESUME_LAST, SnapshotError
+from .snapshot import LAST, RESUME_LAST, SnapshotError, one_line
 from .task import Task
 
 TASK = ClassificationTask()
@@ -38,14 +45,45 @@ SCHEMA = combine(ENGINE_SCHEMA, TASK.schema)
 #: The task each training command runs.
 COMMAND_TASKS = {"train": TASK, "train-seg": SEGMENTATION_TASK}
 #: What ``--resume`` without a value means.
-USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, LogDirError, ImportError)
+USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, LogDirError, DeviceError, ImportError)
+#: The command that trains each task's configs, for a config given to another command.
+TRAINED_BY = {"classification": "iabn train", "segmentation": "iabn train-seg"}
+#: How a segmentation model is evaluated, for a segmentation config given to ``iabn test``.
+SEGMENTATION_EVALUATION = (
+    "iabn test evaluates classifiers only: a train-seg run's validation mIoU is in its log "
+    "and in its snapshot's val_metrics, and iabn segment SNAPSHOT IN_DIR OUT_DIR predicts "
+    "images (--output labelids for the datasets' own scoring scripts)")
+
+
+def _other_task(path: str | Path, task: Task) -> Task | None:
+    """The task whose schema ``path`` fits, when it is not ``task``'s (None otherwise)."""
+    for other in (TASK, SEGMENTATION_TASK):
+        if other.name == task.name:
+            continue
+        try:
+            load_config(path, combine(ENGINE_SCHEMA, other.schema))
+        except ConfigError:
+            continue
+        return other
+    return None
 
 
 def load_run_config(path: str | Path, data_root: str | None, overrides: list[str],
-                    task: Task = TASK, dataset: str | None = None) -> Config:
+                    task: Task = TASK, dataset: str | None = None,
+                    command: str = "train") -> Config:
     """The checked configuration: defaults, the file, ``--set`` overrides, then DATA_ROOT
-    and (``iabn train-seg``) ``--dataset``."""
-    config = load_config(path, combine(ENGINE_SCHEMA, task.schema), overrides)
+    and (``iabn train-seg``) ``--dataset``. A file of another task's config is refused
+    naming that task and its command (``command``: the one that was run)."""
+    try:
+        config = load_config(path, combine(ENGINE_SCHEMA, task.schema), overrides)
+    except ConfigError as error:
+        other = _other_task(path, task) if "unknown" in str(error) else None
+        if other is None:
+            raise
+        hint = (f"; {SEGMENTATION_EVALUATION}" if command == "test"
+                and other.name == SEGMENTATION_TASK.name else "")
+        raise ConfigError(f"{path} is a {other.name} config: it is trained with "
+                          f"{TRAINED_BY[other.name]}{hint}") from None
     if data_root is not None:
         config["data"]["root"] = str(data_root)
     if dataset is not None:
@@ -94,16 +132,42 @@ def train_command(args: argparse.Namespace) -> int:
                                stop_after_steps=args.stop_after_steps)
         return train(task, config, options)
     except USER_ERRORS as error:
-        print(f"iabn {command}: error: {error}", file=sys.stderr)
-        return 2
+        return _fail(command, error, 2)
+    except TrainingFailed as error:
+        return _fail(command, error, EXIT_FAILED)
+
+
+def _fail(command: str, error: object, status: int) -> int:
+    """The error as one line on stderr (some messages quote multi-line ones); ``status``."""
+    print(f"iabn {command}: error: {one_line(str(error))}", file=sys.stderr)
+    return status
+
+
+def check_json_path(path: Path) -> None:
+    """``--json PATH`` before any work: not a folder, in a folder that exists and can be
+    written (:class:`LogDirError` otherwise)."""
+    if path.is_dir():
+        raise LogDirError(f"--json {path} is a folder; give a file name")
+    if path.exists() and not path.is_file():
+        # a device or a pipe: the atomic write would rename a regular file over it
+        raise LogDirError(f"--json {path} exists and is not a regular file")
+    if not path.parent.is_dir() and not path.parent.exists():
+        raise LogDirError(f"--json {path}: folder {path.parent} does not exist")
+    check_writable(path.parent, f"--json {path}: folder")
 
 
 def test_command(args: argparse.Namespace) -> int:
     """``iabn test CONFIG CHECKPOINT [DATA_ROOT]`` (see :func:`iabn.tools.cli.build_parser`)."""
     try:
         if args.json is not None:
-            check_writable(Path(args.json).parent, f"--json {args.json}: folder")
-        config = load_run_config(args.config, data_root_argument(args), args.set)
+            check_json_path(Path(args.json))
+        config = load_run_config(args.config, data_root_argument(args), args.set,
+                                 command="test")
+        for flag, value, most in (("--crop", args.crop, MAX_SIDE), ("--scale", args.scale,
+                                  MAX_SIDE), ("--batch-size", args.batch_size, MAX_BATCH),
+                                  ("--workers", args.workers, MAX_WORKERS)):
+            if value is not None and value > most:
+                raise ConfigError(f"{flag} must be at most {most}, got {value}")
         scale = args.scale or config["input"]["scale_val"]
         crop = args.crop or config["input"]["crop_val"]
         if crop > scale:
@@ -115,15 +179,24 @@ def test_command(args: argparse.Namespace) -> int:
             strict=not args.non_strict,
             device=args.device, batch_size=args.batch_size, workers=args.workers,
             progress=not args.quiet)
-        result = run_test(config, options)
+        try:
+            result = run_test(config, options)
+        except RuntimeError as error:  # torch.OutOfMemoryError is one
+            if not out_of_memory(error):
+                raise
+            return _fail("test", f"out of memory ({one_line(str(error))[:200]}); lower "
+                         f"--batch-size or --scale", EXIT_FAILED)
+        if args.json is not None and int(os.environ.get("RANK", "0")) == 0:
+            try:
+                write_json(result, Path(args.json))
+            except OSError as error:
+                raise LogDirError(f"cannot write --json {args.json}: "
+                                  f"{error.strerror or error}") from None
     except USER_ERRORS as error:
-        print(f"iabn test: error: {error}", file=sys.stderr)
-        return 2
-    if args.json is not None and int(os.environ.get("RANK", "0")) == 0:
-        write_json(result, args.json)
+        return _fail("test", error, 2)
     return 0
 
 
 __all__ = ["COMMAND_TASKS", "RESUME_LAST", "SCHEMA", "SEGMENTATION_TASK", "TASK",
-           "data_root_argument", "default_log_dir", "load_run_config", "test_command",
-           "train_command"]
+           "check_json_path", "data_root_argument", "default_log_dir", "load_run_config",
+           "test_command", "train_command"]

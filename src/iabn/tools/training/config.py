@@ -40,7 +40,21 @@ class Option:
     nullable: bool = False
     length: int | None = None
     minimum: float | None = None
+    maximum: float | None = None
 
+
+#: The largest seed: torch's generators take 64-bit seeds and the engine seeds rank ``r``
+#: with ``data.seed + r``; int64 leaves room for any number of ranks.
+MAX_SEED = 2**63 - 1
+#: The largest image side in pixels a config may ask for (crops, resizes, canvases): a
+#: 16384 x 16384 RGB image is already 3 GiB in float32.
+MAX_SIDE = 2**14
+#: Floats and numbers in lists are used as float32 by torch: larger magnitudes overflow.
+FLOAT32_MAX = 3.4028234663852886e38
+#: The largest batch (global, training or validation) and the most data-loading worker
+#: processes per rank a config may ask for.
+MAX_BATCH = 2**24
+MAX_WORKERS = 256
 
 Schema = dict[str, dict[str, Option]]
 
@@ -91,12 +105,13 @@ ENGINE_SCHEMA: Schema = {
     },
     "data": {
         "batch_size": Option(256, "global training batch, split evenly over the ranks", int,
-                             minimum=1),
+                             minimum=1, maximum=MAX_BATCH),
         "val_batch_size": Option(None, "global validation batch; null: data.batch_size", int,
-                                 nullable=True, minimum=1),
-        "workers": Option(4, "data-loading worker processes per rank", int, minimum=0),
+                                 nullable=True, minimum=1, maximum=MAX_BATCH),
+        "workers": Option(4, "data-loading worker processes per rank", int, minimum=0,
+                          maximum=MAX_WORKERS),
         "seed": Option(0, "seed of weight initialisation, data order and augmentation", int,
-                       minimum=0),
+                       minimum=0, maximum=MAX_SEED),
     },
     "logging": {
         "log_every": Option(10, "steps between log lines, progress and TensorBoard train "
@@ -159,12 +174,20 @@ def _checked(option: Option, value: Any, where: str) -> Any:
         # JSON files may hold NaN and Infinity (Python's json reads them); a NaN learning
         # rate trained to the end with loss nan and exit status 0
         raise ConfigError(f"{where}: must be a finite number, got {json.dumps(value)}")
+    if option.kind is not int and any(abs(number) > FLOAT32_MAX for number in numbers):
+        raise ConfigError(f"{where}: must be within +-3.4e38 (torch computes it in float32), "
+                          f"got {json.dumps(value)}")
     if option.choices and value not in option.choices:
         raise _unknown("value", value, option.choices, where)
     if option.length is not None and len(value) != option.length:
         raise ConfigError(f"{where}: expected {option.length} numbers, got {len(value)}")
-    if option.minimum is not None and option.kind in (int, float) and value < option.minimum:
-        raise ConfigError(f"{where}: must be at least {option.minimum}, got {value}")
+    each = "each number " if option.kind is list else ""
+    if option.minimum is not None and any(number < option.minimum for number in numbers):
+        raise ConfigError(f"{where}: {each}must be at least {option.minimum}, got "
+                          f"{json.dumps(value)}")
+    if option.maximum is not None and any(number > option.maximum for number in numbers):
+        raise ConfigError(f"{where}: {each}must be at most {option.maximum}, got "
+                          f"{json.dumps(value)}")
     return float(value) if option.kind is float else value
 
 
@@ -236,6 +259,10 @@ def check_engine_config(config: Config, source: str = "config") -> None:
     if schedule["warmup_epochs"] >= schedule["epochs"]:
         raise ConfigError(f"{source}: schedule.warmup_epochs={schedule['warmup_epochs']} must "
                           f"be less than schedule.epochs={schedule['epochs']}")
+    betas = config["optimizer"]["betas"]
+    if not all(0.0 <= beta < 1.0 for beta in betas):
+        raise ConfigError(f"{source}: optimizer.betas must both be in [0, 1) (Adam's decay "
+                          f"rates of its moment estimates), got {betas}")
     if schedule["warmup_factor"] > 1.0:
         raise ConfigError(f"{source}: schedule.warmup_factor must be at most 1 (a warm-up "
                           f"rises to the base rate), got {schedule['warmup_factor']}")
@@ -271,6 +298,7 @@ def differences(old: Config, new: Config, ignore: Sequence[str] = ()) -> list[st
     return lines
 
 
-__all__ = ["ENGINE_SCHEMA", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "Config", "ConfigError",
-           "Option", "Schema", "check_engine_config", "combine", "defaults", "differences",
-           "load_config", "merge", "parse_override", "with_defaults"]
+__all__ = ["ENGINE_SCHEMA", "FLOAT32_MAX", "MAX_BATCH", "MAX_SEED", "MAX_SIDE", "MAX_WORKERS",
+           "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "Config", "ConfigError", "Option", "Schema",
+           "check_engine_config", "combine", "defaults", "differences", "load_config", "merge",
+           "parse_override", "with_defaults"]

@@ -29,15 +29,16 @@ from ...models.checkpoints import (
     abs_into_signed_note,
     read_checkpoint,
 )
+from ..bench import write_text_atomic
 from ..data.samplers import ExactShardSampler
 from ..data.transforms import TransformedDataset
 from .classification import ClassificationTask, build_classifier
 from .classification_data import eval_transform, image_sources
-from .config import Config, differences
+from .config import Config, ConfigError, differences
 from .loops import evaluate, memory_format
 from .progress import ProgressLine
 from .ranks import Ranks, finish, start
-from .snapshot import FORMAT, SnapshotError
+from .snapshot import FORMAT, SnapshotError, not_a_file, one_line
 
 TEN_CROPS = 10
 
@@ -66,10 +67,13 @@ class TestOptions:
 
 
 def _read(path: Path) -> Any:
+    problem = not_a_file(path, "checkpoint")
+    if problem:
+        raise SnapshotError(problem)
     try:
         return read_checkpoint(path)
     except CheckpointError as error:
-        raise SnapshotError(str(error)) from error
+        raise SnapshotError(one_line(str(error))) from error
 
 
 def _origin_with_name(origin: str, path: Path) -> str:
@@ -145,6 +149,12 @@ def run_test(config: Config, options: TestOptions) -> dict[str, Any]:
 
 def _run_test(config: Config, options: TestOptions, ranks: Ranks) -> dict[str, Any]:
     sources = image_sources(config["data"], with_train=False)
+    wanted = config["network"]["num_classes"]
+    if wanted is not None and wanted != sources.num_classes:
+        # the labels are the data's: a classifier of another size could not be scored
+        raise ConfigError(f"network.num_classes={wanted} but the data has "
+                          f"{sources.num_classes} classes ({sources.description}): set it to "
+                          f"{sources.num_classes} or null")
     transform = eval_transform(config["input"], options.scale, options.crop, options.ten_crops)
     model = build_classifier(config, sources.num_classes, ranks.distributed)
     report, trained_config = load_weights(model, options.checkpoint, options.original,
@@ -154,8 +164,9 @@ def _run_test(config: Config, options: TestOptions, ranks: Ranks) -> dict[str, A
     say = print if ranks.is_main else (lambda *args, **kwargs: None)
     say(f"weights {options.checkpoint}: {report}")
     if trained_config is not None:
-        changed = differences({"network": trained_config["network"]},
-                              {"network": network})
+        # the class count is the data's either way (null means that), and the weights fit
+        changed = differences({"network": trained_config["network"]}, {"network": network},
+                              ignore=("network.num_classes",))
         if changed:
             say("evaluating with a different network than trained: " + "; ".join(changed))
     dataset = TransformedDataset(sources.val, transform)
@@ -179,8 +190,8 @@ def _run_test(config: Config, options: TestOptions, ranks: Ranks) -> dict[str, A
 
 
 def write_json(result: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    """The result as JSON, written atomically (the old file or the new one, never half)."""
+    write_text_atomic(path, json.dumps(result, indent=2) + "\n")
 
 
 __all__ = ["TestOptions", "load_weights", "run_test", "write_json"]

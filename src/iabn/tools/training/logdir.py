@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -44,13 +45,48 @@ def check_writable(log_dir: str | Path, what: str = "--log-dir") -> None:
         raise LogDirError(f"{what} {log_dir}: no permission to write in {probe}")
 
 
-def _holder(text: str) -> str:
+def _holder(text: str) -> tuple[str, int | None]:
+    """The holder's description and pid, from the lock file's text."""
     try:
         info = json.loads(text)
         return (f"pid {info['pid']} on {info['host']}, started {info['started']}: "
-                f"{info['command']}")
+                f"{info['command']}"), int(info["pid"])
     except (ValueError, KeyError, TypeError):
-        return "another process (it has not said which yet)"
+        return "another process (it has not said which yet)", None
+
+
+def _in_use(log_dir: Path, text: str) -> LogDirError:
+    holder, pid = _holder(text)
+    stop = f"stop it with kill -INT {pid}" if pid is not None else "stop it"
+    return LogDirError(f"{log_dir} is in use by another run, still running ({holder}): "
+                       f"wait for it to finish, {stop} (it then writes its snapshot, which "
+                       f"--resume continues), or choose another --log-dir")
+
+
+def check_outputs(log_dir: str | Path, replaced: Sequence[str] = (),
+                  appended: Sequence[str] = (), folders: Sequence[str] = ()) -> None:
+    """Raise :class:`LogDirError` for an output of a run that exists as the wrong kind of
+    thing, before anything is written: ``replaced`` files (written to a temporary file, then
+    renamed over; a folder there would fail only at that point, after the work),
+    ``appended`` files (also need write permission) and ``folders`` (need write permission),
+    all relative to ``log_dir``. Missing ones are fine: they are created."""
+    log_dir = Path(log_dir)
+    for name in (*replaced, *appended):
+        path = log_dir / name
+        if path.is_dir():
+            raise LogDirError(f"{path} is a folder, not a file: the run writes a file there; "
+                              f"move the folder away or choose another --log-dir")
+        if path.exists() and not path.is_file():
+            raise LogDirError(f"{path} is not a regular file: the run writes a file there")
+        if name in appended and path.exists() and not os.access(path, os.W_OK):
+            raise LogDirError(f"--log-dir {log_dir}: no permission to write {path}")
+    for name in folders:
+        path = log_dir / name
+        if path.exists() and not path.is_dir():
+            raise LogDirError(f"{path} is a file, not a folder: the run writes a folder "
+                              f"there; move the file away or choose another --log-dir")
+        if path.exists() and not os.access(path, os.W_OK | os.X_OK):
+            raise LogDirError(f"--log-dir {log_dir}: no permission to write in {path}")
 
 
 class LogDirLock:
@@ -73,10 +109,9 @@ class LogDirLock:
             fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             file.seek(0)
-            holder = _holder(file.read())
+            text = file.read()
             file.close()
-            raise LogDirError(f"{self.path.parent} is in use by another run ({holder}); "
-                              f"wait for it, stop it, or choose another --log-dir") from None
+            raise _in_use(self.path.parent, text) from None
         info = {"pid": os.getpid(), "host": socket.gethostname(),
                 "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "command": " ".join(sys.argv)}
@@ -86,6 +121,22 @@ class LogDirLock:
         file.flush()
         self.file = file
 
+    def check_free(self) -> None:
+        """Raise :class:`LogDirError` naming the holder when a running run holds the lock;
+        writes nothing (the lock file is only opened for reading)."""
+        try:
+            file = open(self.path)  # noqa: SIM115 - closed below
+        except OSError:
+            return  # no lock file (or none that can be read): acquire() will say
+        try:
+            try:
+                fcntl.flock(file, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError:
+                raise _in_use(self.path.parent, file.read()) from None
+            fcntl.flock(file, fcntl.LOCK_UN)
+        finally:
+            file.close()
+
     def release(self) -> None:
         if self.file is not None:
             self.file.truncate(0)
@@ -94,4 +145,4 @@ class LogDirLock:
             self.file = None
 
 
-__all__ = ["LOCK", "LogDirError", "LogDirLock", "check_writable"]
+__all__ = ["LOCK", "LogDirError", "LogDirLock", "check_outputs", "check_writable"]

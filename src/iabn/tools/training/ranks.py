@@ -36,15 +36,32 @@ class Ranks:
         return self.world_size > 1
 
 
+class DeviceError(ValueError):
+    """A ``--device`` that this machine cannot run (the message says why)."""
+
+
 def _device(requested: str | None, local_rank: int) -> torch.device:
     if requested is None:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(requested)
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (
+            device.type == "cpu" and device.index not in (None, 0)):
+        raise DeviceError(f"--device {requested!r}: expected cpu, cuda or cuda:N")
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("--device cuda was requested but CUDA is not available")
+            raise DeviceError(f"--device {requested}: CUDA is not available on this machine "
+                              f"(torch {torch.__version__}, built with CUDA "
+                              f"{torch.version.cuda or 'none'}); use --device cpu")
         if device.index is None:
             device = torch.device("cuda", local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise DeviceError(f"--device {requested}: this machine has "
+                              f"{torch.cuda.device_count()} CUDA device(s), numbered from 0"
+                              + (f" (cuda:LOCAL_RANK = cuda:{local_rank})"
+                                 if requested == "cuda" else ""))
         torch.cuda.set_device(device)
     return device
 
@@ -96,4 +113,5 @@ def gather_objects(obj: Any, ranks: Ranks) -> list[Any]:
     return gathered
 
 
-__all__ = ["Ranks", "all_reduce_sum", "any_rank", "finish", "gather_objects", "start"]
+__all__ = ["DeviceError", "Ranks", "all_reduce_sum", "any_rank", "finish", "gather_objects",
+           "start"]

@@ -11,6 +11,7 @@ exact resume, logs); the paper's segmentation optimiser — SGD, momentum 0.9, w
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from ...activation import ALL_ACTIVATIONS
 from ...models import NORM_ACT_NAMES, DeepLabV3Head, SegmentationNet, deeplabv3_wider_resnet38
 from ...models.preact import ResNeXt
+from ..data.digits import IMAGE_SIZE as DIGIT_SIDE
 from ..data.label_sets import LAYOUTS, PUBLISHED, LabelSet, identity_labels
 from ..data.seg_datasets import detect_layout, layout_labels, open_dataset
 from ..data.segmentation import (
@@ -33,10 +35,13 @@ from ..data.segmentation import (
 )
 from ..losses import bootstrapped_cross_entropy
 from ..metrics import ConfusionMatrix
-from .config import Config, ConfigError, Option, Schema
+from .config import MAX_SEED, MAX_SIDE, Config, ConfigError, Option, Schema
 from .networks import check_norm_act, norm_act_kwargs
 from .ranks import Ranks
 from .task import DataSplits
+
+#: The most canvases of the embedded data per split (each epoch draws a permutation of them).
+MAX_CANVASES = 10**7
 
 #: Trunks with an output-stride-8 (dilated) form: name -> (family, depth).
 BODIES = {
@@ -51,10 +56,11 @@ SCHEMA: Schema = {
                        tuple(BODIES)),
         "width": Option(1.0, "WideResNet trunks: channel multiplier (1.0: the paper's)", float,
                         minimum=0.0),
-        "head_channels": Option(256, "DeepLabV3 head: channels per branch", int, minimum=1),
+        "head_channels": Option(256, "DeepLabV3 head: channels per branch", int, minimum=1,
+                                maximum=8192),
         "pooling_size": Option([84, 84], "eval-time image pooling window on the features "
                                "(the released model's 84x84); null: global", list,
-                               nullable=True, length=2),
+                               nullable=True, length=2, minimum=1, maximum=MAX_SIDE),
         "num_classes": Option(None, "classes; null: the data's (digits canvases 11, "
                               "Cityscapes 19, Vistas v1.2 65, VOC 21; required for folder "
                               "data)", int, nullable=True, minimum=1),
@@ -64,7 +70,8 @@ SCHEMA: Schema = {
         "activation_param": Option(0.01, "leaky_relu slope / elu alpha", float),
     },
     "input": {
-        "crop_train": Option(512, "training crop side (pixels)", int, minimum=8),
+        "crop_train": Option(512, "training crop side (pixels)", int, minimum=8,
+                             maximum=MAX_SIDE),
         "scale_range_train": Option([0.7, 2.0], "random scaling range of training images",
                                     list, length=2),
         "flip_train": Option(True, "random horizontal flips", bool),
@@ -72,7 +79,7 @@ SCHEMA: Schema = {
                                       "drawn uniformly among those present", float,
                                       minimum=0.0),
         "long_side_val": Option(None, "validation: resize so the long side is this; null: "
-                                "as stored", int, nullable=True, minimum=8),
+                                "as stored", int, nullable=True, minimum=8, maximum=MAX_SIDE),
         "mean": Option(None, "per-channel mean (RGB in [0, 1]); null: the digits canvases' "
                        "for the embedded data, else ImageNet's", list, nullable=True, length=3),
         "std": Option(None, "per-channel std; null as mean", list, nullable=True, length=3),
@@ -85,16 +92,21 @@ SCHEMA: Schema = {
         "root": Option(None, "the dataset's folder as unpacked (DATA_ROOT / --data-root "
                        "override it); null: the embedded digits canvases", str,
                        nullable=True),
-        "ignore_index": Option(IGNORE_INDEX, "label value of void pixels", int, minimum=0),
-        "canvas_size": Option(64, "embedded data: canvas side", int, minimum=40),
-        "canvas_train": Option(2000, "embedded data: training canvases", int, minimum=1),
-        "canvas_val": Option(300, "embedded data: validation canvases", int, minimum=1),
+        "ignore_index": Option(IGNORE_INDEX, "label value of void pixels (label PNGs hold 8 "
+                               "or 16 bits)", int, minimum=0, maximum=2**16 - 1),
+        "canvas_size": Option(64, "embedded data: canvas side", int, minimum=40,
+                              maximum=MAX_SIDE),
+        "canvas_train": Option(2000, "embedded data: training canvases", int, minimum=1,
+                               maximum=MAX_CANVASES),
+        "canvas_val": Option(300, "embedded data: validation canvases", int, minimum=1,
+                             maximum=MAX_CANVASES),
         "canvas_seed": Option(0, "embedded data: seed of the canvases and digit split", int,
-                              minimum=0),
+                              minimum=0, maximum=MAX_SEED),
         "canvas_digit_scale": Option([3.0, 5.0], "embedded data: digits are upscaled from "
-                                     "8x8 by a random factor in this range", list, length=2),
+                                     "8x8 by a random factor in this range", list, length=2,
+                                     minimum=1.0),
         "canvas_max_digits": Option(4, "embedded data: at most this many digits per canvas",
-                                    int, minimum=1),
+                                    int, minimum=1, maximum=100),
     },
     "loss": {
         "top_fraction": Option(0.25, "bootstrapped cross-entropy: share of each crop's valid "
@@ -166,6 +178,15 @@ class SegmentationTask:
             raise ConfigError(f"{source}: loss.top_fraction must be in (0, 1], got "
                               f"{config['loss']['top_fraction']}")
         data = config["data"]
+        low, high = data["canvas_digit_scale"]
+        if low > high:
+            raise ConfigError(f"{source}: data.canvas_digit_scale must be [a, b] with "
+                              f"1 <= a <= b, got {data['canvas_digit_scale']}")
+        if data["canvas_size"] < math.ceil(DIGIT_SIDE * high):
+            raise ConfigError(f"{source}: data.canvas_size={data['canvas_size']} is smaller "
+                              f"than the largest digit ({math.ceil(DIGIT_SIDE * high)} px at "
+                              f"data.canvas_digit_scale {high}): raise the one or lower the "
+                              f"other")
         if data["dataset"] == "digits" and data["root"] is not None:
             raise ConfigError(f"{source}: data.dataset 'digits' is the embedded data and "
                               f"takes no DATA_ROOT (data.root={data['root']!r}): drop one")

@@ -43,6 +43,9 @@ LAST, BEST, PREVIOUS = "last.pth", "best.pth", "previous.pth"
 CHECKSUM_SUFFIX = ".sha256"
 #: What ``--resume`` without a path resumes from (shown in the CLI's help).
 RESUME_LAST = f"LOG_DIR/{LAST}"
+#: Not in the file: the key :func:`read_snapshot` adds, naming the file it read (last.pth or,
+#: when that is corrupt, previous.pth).
+READ_FROM = "read_from"
 # Keys that may change between a run and its resumption: they do not alter the training.
 RESUME_MAY_CHANGE = ("logging", "data.workers", "data.val_batch_size")
 
@@ -90,16 +93,28 @@ def _write_checksum(path: Path, digest: str) -> None:
         temporary.unlink(missing_ok=True)
 
 
+def _recorded_digest(path: Path) -> str | None:
+    """The SHA-256 that ``path``'s checksum file records (None: no readable one)."""
+    try:
+        words = checksum_path(path).read_text().split()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return words[0] if words else None
+
+
 def _keep_previous(path: Path) -> None:
-    """Before ``last.pth`` is replaced: the current one (and its checksum) becomes
-    ``previous.pth``, the fallback of a corrupt ``last.pth``."""
+    """Before ``last.pth`` is replaced: the current one becomes ``previous.pth``, the
+    fallback of a corrupt ``last.pth``, with a checksum file that names ``previous.pth`` (the
+    digest ``last.pth``'s file recorded, not recomputed: a corrupt file stays detectable)."""
     if path.name != LAST or not path.is_file():
         return
     previous = path.with_name(PREVIOUS)
+    digest = _recorded_digest(path)
     checksum_path(previous).unlink(missing_ok=True)
     os.replace(path, previous)
-    if checksum_path(path).is_file():
-        os.replace(checksum_path(path), checksum_path(previous))
+    checksum_path(path).unlink(missing_ok=True)
+    if digest is not None:
+        _write_checksum(previous, digest)
 
 
 def _install(temporary: Path, path: Path) -> None:
@@ -153,11 +168,13 @@ def read_snapshot(path: str | Path) -> dict[str, Any]:
     ``previous.pth`` next to it, with a warning on stderr (see module doc)."""
     path = Path(path)
     try:
-        return _read_verified(path)
+        payload = _read_verified(path)
+        payload[READ_FROM] = str(path)
+        return payload
     except SnapshotError as error:
-        previous = path.with_name(PREVIOUS)
-        if path.name != LAST or not previous.is_file():
+        if path.name != LAST or not path.with_name(PREVIOUS).is_file():
             raise
+        previous = path.with_name(PREVIOUS)
         try:
             payload = _read_verified(previous)
         except SnapshotError:
@@ -165,12 +182,30 @@ def read_snapshot(path: str | Path) -> dict[str, Any]:
         print(f"iabn: warning: {error}; resuming from the snapshot before it, {previous} "
               f"(epoch {payload.get('epoch')}, step {payload.get('global_step')})",
               file=sys.stderr, flush=True)
+        payload[READ_FROM] = str(previous)
         return payload
 
 
+def one_line(text: str) -> str:
+    """``text``'s non-empty lines joined by "; " (torch's load errors span several lines)."""
+    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def not_a_file(path: Path, what: str) -> str | None:
+    """Why ``path`` cannot be read as a ``what`` file, or None when it is a regular file."""
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return f"{what} {path} is a folder, not a file"
+    if path.exists():
+        return f"{what} {path} is not a regular file"
+    return f"{what} {path} does not exist"
+
+
 def _read_verified(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise SnapshotError(f"snapshot {path} does not exist")
+    problem = not_a_file(path, "snapshot")
+    if problem:
+        raise SnapshotError(problem)
     checksum = checksum_path(path)
     if checksum.is_file():
         expected = checksum.read_text().split(maxsplit=1)[0] if checksum.stat().st_size else ""
@@ -180,7 +215,7 @@ def _read_verified(path: Path) -> dict[str, Any]:
     try:
         payload = read_checkpoint(path, "snapshot")
     except CheckpointError as error:
-        raise SnapshotError(str(error)) from error
+        raise SnapshotError(one_line(str(error))) from error
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise SnapshotError(
             f"{path} is not an iabn training snapshot (no format={FORMAT!r} marker); plain "
@@ -219,7 +254,7 @@ def load_state(target: Any, state: dict[str, Any], what: str, path: str | Path) 
         raise SnapshotError(f"snapshot {path}: the {what} state does not fit: {error}"
                             ) from error
 
-__all__ = ["BEST", "CHECKSUM_SUFFIX", "FORMAT", "LAST", "PREVIOUS", "RESUME_LAST",
+__all__ = ["BEST", "CHECKSUM_SUFFIX", "FORMAT", "LAST", "PREVIOUS", "READ_FROM", "RESUME_LAST",
            "RESUME_MAY_CHANGE", "VERSION", "SnapshotError", "check_resumable", "checksum_path",
-           "copy_atomic", "file_sha256", "load_state", "read_snapshot",
+           "copy_atomic", "file_sha256", "load_state", "not_a_file", "one_line", "read_snapshot",
            "remove_stale_temporaries", "save_atomic"]
