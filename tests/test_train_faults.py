@@ -545,25 +545,16 @@ def trained(tmp_path_factory):
 
 
 def test_test_json_on_a_full_disk_leaves_no_file(tmp_path, capsys, monkeypatch, trained):
-    from pathlib import Path
+    import full_disk
 
     config, checkpoint = trained
     target = tmp_path / "result.json"
-    write_text = Path.write_text
-
-    def full(self, text, *args, **kwargs):
-        if self.parent == tmp_path:
-            with open(self, "w") as file:
-                file.write(text[:0])  # opened, then the disk is full
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self))
-        return write_text(self, text, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", full)
+    full_disk.install(monkeypatch)  # every file opened for writing from here on
     with one_torch_thread():
         assert main(["test", str(config), str(checkpoint), "--json", str(target),
                      "--quiet"]) == 2
     assert "cannot write --json" in _one_line_error(capsys, "test")
-    assert not target.exists()
+    assert not target.exists() and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("case", ["folder", "no parent", "parent is a file"])
@@ -581,6 +572,22 @@ def test_test_json_paths_are_checked_before_the_evaluation(tmp_path, capsys, tra
     captured = capsys.readouterr()
     assert message in captured.err and captured.err.count("\n") == 1, captured.err
     assert captured.out == ""  # no evaluation ran
+
+
+def test_test_json_replaces_an_existing_file_only_when_asked(tmp_path, capsys, trained):
+    """As iabn bench and iabn memory: an existing --json file is the user's until
+    --overwrite says otherwise (it was replaced silently)."""
+    config, checkpoint = trained
+    target = tmp_path / "out.json"
+    target.write_text("mine")
+    assert main(["test", str(config), str(checkpoint), "--json", str(target), "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert "add --overwrite" in captured.err and captured.out == ""
+    assert target.read_text() == "mine"
+    with one_torch_thread():
+        assert main(["test", str(config), str(checkpoint), "--json", str(target), "--quiet",
+                     "--overwrite"]) == 0
+    assert "top1" in json.loads(target.read_text())["metrics"]
 
 
 @pytest.mark.parametrize(("args", "message"), [

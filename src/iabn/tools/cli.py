@@ -326,6 +326,8 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when available)")
     test.add_argument("--json", type=Path, default=None, metavar="PATH",
                       help="also write the metrics and settings as JSON to PATH")
+    test.add_argument("--overwrite", action="store_true",
+                      help="replace an existing --json file (default: refuse it)")
     test.add_argument("--quiet", action="store_true", help="no progress line on stderr")
     test.set_defaults(handler=_test)
 

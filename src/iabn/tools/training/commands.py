@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..bench.outputs import OutputPathError, check_output_file
 from ..data.imagefolder import DataLayoutError
 from .classification import ClassificationTask
 from .config import (
@@ -33,7 +34,7 @@ from .config import (
 )
 from .engine import EXIT_FAILED, TrainingFailed, TrainOptions, out_of_memory, train
 from .evaluate import TestOptions, run_test, write_json
-from .logdir import LogDirError, check_writable
+from .logdir import LogDirError
 from .ranks import DeviceError
 from .segmentation import SegmentationTask
 from .snapshot import LAST, RESUME_LAST, SnapshotError, one_line
@@ -45,7 +46,8 @@ SCHEMA = combine(ENGINE_SCHEMA, TASK.schema)
 #: The task each training command runs.
 COMMAND_TASKS = {"train": TASK, "train-seg": SEGMENTATION_TASK}
 #: What ``--resume`` without a value means.
-USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, LogDirError, DeviceError, ImportError)
+USER_ERRORS = (ConfigError, SnapshotError, DataLayoutError, LogDirError, DeviceError, ImportError,
+               OutputPathError)
 #: The command that trains each task's configs, for a config given to another command.
 TRAINED_BY = {"classification": "iabn train", "segmentation": "iabn train-seg"}
 #: How a segmentation model is evaluated, for a segmentation config given to ``iabn test``.
@@ -143,24 +145,11 @@ def _fail(command: str, error: object, status: int) -> int:
     return status
 
 
-def check_json_path(path: Path) -> None:
-    """``--json PATH`` before any work: not a folder, in a folder that exists and can be
-    written (:class:`LogDirError` otherwise)."""
-    if path.is_dir():
-        raise LogDirError(f"--json {path} is a folder; give a file name")
-    if path.exists() and not path.is_file():
-        # a device or a pipe: the atomic write would rename a regular file over it
-        raise LogDirError(f"--json {path} exists and is not a regular file")
-    if not path.parent.is_dir() and not path.parent.exists():
-        raise LogDirError(f"--json {path}: folder {path.parent} does not exist")
-    check_writable(path.parent, f"--json {path}: folder")
-
-
 def test_command(args: argparse.Namespace) -> int:
     """``iabn test CONFIG CHECKPOINT [DATA_ROOT]`` (see :func:`iabn.tools.cli.build_parser`)."""
     try:
         if args.json is not None:
-            check_json_path(Path(args.json))
+            check_output_file(args.json, "--json", overwrite=args.overwrite)
         config = load_run_config(args.config, data_root_argument(args), args.set,
                                  command="test")
         for flag, value, most in (("--crop", args.crop, MAX_SIDE), ("--scale", args.scale,
@@ -198,5 +187,5 @@ def test_command(args: argparse.Namespace) -> int:
 
 
 __all__ = ["COMMAND_TASKS", "RESUME_LAST", "SCHEMA", "SEGMENTATION_TASK", "TASK",
-           "check_json_path", "data_root_argument", "default_log_dir", "load_run_config",
+           "data_root_argument", "default_log_dir", "load_run_config",
            "test_command", "train_command"]
