@@ -33,6 +33,15 @@ def load_script(path: Path) -> ModuleType:
     return module
 
 
+def one_line_error(capsys, command: str) -> str:
+    """What a tool printed on stderr for a user error: one line ``iabn COMMAND: error: ...``
+    and no traceback (asserted); returned for the caller's own checks."""
+    err = capsys.readouterr().err
+    assert err.startswith(f"iabn {command}: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    return err
+
+
 def runs_triton(test):
     """Mark a test of the Triton kernels (on ``TRITON_DEVICE``): where they are compiled for
     CUDA it is a ``gpu`` test."""

@@ -14,6 +14,8 @@ from iabn.tools.bench import model_memory as mm
 from iabn.tools.bench import write_text_atomic
 from iabn.tools.cli import main
 
+from helpers import one_line_error
+
 pytestmark = pytest.mark.without_gpu
 
 TINY_BENCH = ["bench", "--blocks", "1", "--channels", "2", "--size", "4", "--batch", "2",
@@ -34,13 +36,6 @@ def no_work(monkeypatch):
 
     monkeypatch.setattr(cli, "run_bench", worked)
     monkeypatch.setattr(mm, "build_model", worked)
-
-
-def _one_line_error(capsys, command):
-    err = capsys.readouterr().err
-    assert err.startswith(f"iabn {command}: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    return err
 
 
 def _bad_paths(tmp_path):
@@ -66,7 +61,7 @@ def test_bad_json_paths_exit_2_before_any_work(tmp_path, capsys, no_work, comman
     for path, message in cases:
         argv = (TINY_BENCH if command == "bench" else FACTORY) + ["--json", path]
         assert main(argv) == 2, path  # Worked would escape if the work started
-        assert message in _one_line_error(capsys, command), path
+        assert message in one_line_error(capsys, command), path
     assert sorted(os.listdir(tmp_path)) == before  # nothing created (no missing/ folder)
 
 
@@ -76,7 +71,7 @@ def test_an_existing_json_file_is_kept_unless_overwrite(tmp_path, capsys, no_wor
     mine.write_text("my notes")
     argv = (TINY_BENCH if command == "bench" else FACTORY) + ["--json", str(mine)]
     assert main(argv) == 2
-    assert "exists; add --overwrite to replace it" in _one_line_error(capsys, command)
+    assert "exists; add --overwrite to replace it" in one_line_error(capsys, command)
     assert mine.read_text() == "my notes"
     with pytest.raises(Worked):  # asked for: the work starts
         main([*argv, "--overwrite"])
@@ -156,13 +151,13 @@ def test_unwritable_json_folder_exits_2(tmp_path, capsys, no_work, monkeypatch):
     # as if read-only (the tests may run as root, who may write anywhere)
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     assert main([*FACTORY, "--json", str(tmp_path / "x.json")]) == 2
-    assert "no permission to write in" in _one_line_error(capsys, "memory")
+    assert "no permission to write in" in one_line_error(capsys, "memory")
 
 
 def test_a_bench_input_too_large_for_the_machine_is_one_line(capsys):
     # 8 x 64 x 10^6 x 10^6 float32: 2 PB, beyond any address space (refused at once even
     # where the kernel overcommits memory)
     assert main(["bench", "--size", "1000000", "--quiet", "--warmup", "0"]) == 2
-    assert _one_line_error(capsys, "bench") == (
+    assert one_line_error(capsys, "bench") == (
         "iabn bench: error: out of memory for input 8x64x1000000x1000000: use a smaller "
         "--batch, --channels or --size\n")

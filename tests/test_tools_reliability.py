@@ -12,14 +12,9 @@ from iabn.tools.training.logdir import LogDirError, LogDirLock
 from test_train_engine import ToyTask, toy_config
 from train_tiny import write_config
 
+from helpers import one_line_error
+
 pytestmark = pytest.mark.without_gpu
-
-
-def _one_line_error(capsys, command):
-    err = capsys.readouterr().err
-    assert err.startswith(f"iabn {command}: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    return err
 
 
 # --- item 8: an unwritable log directory is a user error (exit 2, one line) ---
@@ -34,7 +29,7 @@ def test_log_dir_under_a_file_exits_2_with_one_line(tmp_path, capsys, command):
     if command == "train-seg":
         config.write_text(json.dumps({"data": {"workers": 0}}))
     assert main([command, str(config), "--log-dir", str(blocker / "run")]) == 2
-    assert "is a file, not a folder" in _one_line_error(capsys, command)
+    assert "is a file, not a folder" in one_line_error(capsys, command)
 
 
 def test_unwritable_log_dir_is_refused_before_writing(tmp_path, monkeypatch):
@@ -85,7 +80,7 @@ def test_non_finite_or_negative_optimizer_values_in_a_file_exit_2(tmp_path, caps
     data = json.loads(config.read_text())
     config.write_text(json.dumps(data)[:-1] + ', "optimizer": {' + text + '}}')
     assert main(["train", str(config), "--log-dir", str(tmp_path / "run")]) == 2
-    err = _one_line_error(capsys, "train")
+    err = one_line_error(capsys, "train")
     assert "must be a finite number" in err or "must be at least 0.0" in err
     assert not (tmp_path / "run").exists()
 
@@ -282,4 +277,4 @@ def test_unwritable_outputs_of_bench_test_and_segment_exit_2_with_one_line(tmp_p
     }
     for command, argv in cases.items():
         assert main(argv) == 2, command
-        assert "afile is a file, not a folder" in _one_line_error(capsys, command)
+        assert "afile is a file, not a folder" in one_line_error(capsys, command)

@@ -29,15 +29,10 @@ from test_train_engine import ToyTask, toy_config
 from test_train_seg import TINY_SEG
 from train_tiny import environment, one_torch_thread, tensorboard_scalars, write_config
 
+from helpers import one_line_error
+
 # the tools pick CUDA when they see one; these check their CPU runs.
 pytestmark = pytest.mark.without_gpu
-
-
-def _one_line_error(capsys, command):
-    err = capsys.readouterr().err
-    assert err.startswith(f"iabn {command}: error: ") and err.count("\n") == 1, err
-    assert "Traceback" not in err
-    return err
 
 
 def _files(folder):
@@ -64,7 +59,7 @@ def test_diverging_classifier_stops_at_the_first_non_finite_loss(tmp_path, capsy
     with one_torch_thread():
         code = main(["train", str(config), "--log-dir", str(run)])
     assert code == EXIT_FAILED
-    err = _one_line_error(capsys, "train")
+    err = one_line_error(capsys, "train")
     assert "training diverged: the training loss is nan at step 2" in err, err
     assert "learning rate 3.732e+29" in err  # 1e30 at the warm-up's first steps
     assert "the last good snapshot is none" in err
@@ -79,7 +74,7 @@ def test_diverging_segmenter_stops_too(tmp_path, capsys):
     with one_torch_thread():
         code = main(["train-seg", str(config), "--log-dir", str(tmp_path / "run")])
     assert code == EXIT_FAILED
-    assert "training diverged: the training loss is" in _one_line_error(capsys, "train-seg")
+    assert "training diverged: the training loss is" in one_line_error(capsys, "train-seg")
     assert not list((tmp_path / "run").glob("*.pth"))
 
 
@@ -130,7 +125,7 @@ def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(ClassificationTask, "forward", exhausted)
     config = write_config(tmp_path / "c.json")
     assert main(["train", str(config), "--log-dir", str(tmp_path / "run")]) == EXIT_FAILED
-    err = _one_line_error(capsys, "train")
+    err = one_line_error(capsys, "train")
     assert "out of memory on cpu (CUDA out of memory. Tried to allocate 20.00 GiB)" in err
     assert "lower data.batch_size" in err and not list((tmp_path / "run").glob("*.pth"))
 
@@ -276,7 +271,7 @@ def test_out_of_range_values_name_the_key(tmp_path, capsys, command, setting, me
         config.write_text(json.dumps(TINY_SEG))
     run = tmp_path / "run"
     assert main([command, str(config), "--log-dir", str(run), "--set", setting]) == 2
-    assert message in _one_line_error(capsys, command)
+    assert message in one_line_error(capsys, command)
     assert not run.exists()
 
 
@@ -296,7 +291,7 @@ def test_devices_this_machine_cannot_run(tmp_path, capsys, monkeypatch, device, 
     argv = (["train", str(config), "--log-dir", str(run)] if command == "train" else
             ["test", str(config), str(tmp_path / "none.pth")])
     assert main([*argv, "--device", device]) == 2
-    assert message in _one_line_error(capsys, command)
+    assert message in one_line_error(capsys, command)
     assert not run.exists()
 
 
@@ -336,7 +331,7 @@ def test_batches_batch_norm_cannot_train_on_are_refused_before_writing(tmp_path,
                      "logging.tensorboard=false"])
     if fails:
         assert code == 2
-        err = _one_line_error(capsys, "train")
+        err = one_line_error(capsys, "train")
         assert "data.batch_size=1 gives layer" in err and "use data.batch_size >= 2" in err
         assert not run.exists()
     else:
@@ -354,7 +349,7 @@ def test_a_crop_the_network_cannot_run_on_is_refused_before_writing(tmp_path, ca
                           data={"batch_size": 2})
     run = tmp_path / "run"
     assert main(["train", str(config), "--log-dir", str(run)]) == 2
-    err = _one_line_error(capsys, "train")
+    err = one_line_error(capsys, "train")
     assert "the network cannot train on 3x16x16 inputs: layer tra4.pool (AvgPool2d)" in err
     assert not run.exists()
 
@@ -380,7 +375,7 @@ def test_a_full_disk_while_writing_a_snapshot_keeps_the_older_ones(tmp_path, cap
     with one_torch_thread():
         code = main(["train", str(config), "--log-dir", str(run), "--resume"])
     assert code == EXIT_FAILED
-    err = _one_line_error(capsys, "train")
+    err = one_line_error(capsys, "train")
     assert "cannot write snapshot" in err and "No space left on device" in err
     assert f"the last: {run / 'last.pth'} (step 4)" in err
     after = _files(run)
@@ -400,7 +395,7 @@ def test_an_unwritable_tensorboard_folder_is_refused_before_writing(tmp_path, ca
     run = tmp_path / "run"
     (run / "tensorboard").mkdir(parents=True)
     assert main(["train", str(config), "--log-dir", str(run)]) == 2
-    assert "no permission to write in" in _one_line_error(capsys, "train")
+    assert "no permission to write in" in one_line_error(capsys, "train")
     assert [p.name for p in run.iterdir()] == ["tensorboard"]
 
 
@@ -431,7 +426,7 @@ def test_an_empty_resume_path_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)  # "" is the current folder
     config = write_config(tmp_path / "c.json")
     assert main(["train", str(config), "--log-dir", "run", "--resume", ""]) == 2
-    assert "snapshot . is a folder, not a file" in _one_line_error(capsys, "train")
+    assert "snapshot . is a folder, not a file" in one_line_error(capsys, "train")
 
 
 @pytest.mark.parametrize("resume", [False, True])
@@ -447,7 +442,7 @@ def test_a_folder_where_a_snapshot_goes_is_refused_before_training(tmp_path, cap
     capsys.readouterr()
     argv = ["train", str(config), "--log-dir", str(run)] + (["--resume"] if resume else [])
     assert main(argv) == 2
-    assert "last.pth is a folder, not a file" in _one_line_error(capsys, "train")
+    assert "last.pth is a folder, not a file" in one_line_error(capsys, "train")
     assert _files(run) == before
 
 
@@ -553,7 +548,7 @@ def test_test_json_on_a_full_disk_leaves_no_file(tmp_path, capsys, monkeypatch, 
     with one_torch_thread():
         assert main(["test", str(config), str(checkpoint), "--json", str(target),
                      "--quiet"]) == 2
-    assert "cannot write --json" in _one_line_error(capsys, "test")
+    assert "cannot write --json" in one_line_error(capsys, "test")
     assert not target.exists() and list(tmp_path.iterdir()) == []
 
 
@@ -598,7 +593,7 @@ def test_test_json_replaces_an_existing_file_only_when_asked(tmp_path, capsys, t
 def test_test_arguments_out_of_range(capsys, trained, args, message):
     config, checkpoint = trained
     assert main(["test", str(config), str(checkpoint), *args]) == 2
-    assert message in _one_line_error(capsys, "test")
+    assert message in one_line_error(capsys, "test")
 
 
 def test_test_json_to_a_device_or_pipe_is_refused(tmp_path, capsys, trained):
@@ -606,7 +601,7 @@ def test_test_json_to_a_device_or_pipe_is_refused(tmp_path, capsys, trained):
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)  # the atomic write would rename a regular file over it
     assert main(["test", str(config), str(checkpoint), "--json", str(pipe)]) == 2
-    assert "exists and is not a regular file" in _one_line_error(capsys, "test")
+    assert "exists and is not a regular file" in one_line_error(capsys, "test")
     assert pipe.is_fifo()
 
 
@@ -617,19 +612,19 @@ def test_test_messages_name_the_real_problem(tmp_path, capsys, trained):
     folder = tmp_path / "model.pth"
     folder.mkdir()
     assert main(["test", str(config), str(folder)]) == 2
-    assert f"checkpoint {folder} is a folder, not a file" in _one_line_error(capsys, "test")
+    assert f"checkpoint {folder} is a folder, not a file" in one_line_error(capsys, "test")
     assert main(["test", str(config), str(config)]) == 2  # torch's message spans lines
-    assert f"cannot read checkpoint {config}" in _one_line_error(capsys, "test")
+    assert f"cannot read checkpoint {config}" in one_line_error(capsys, "test")
     assert main(["test", str(config), str(checkpoint), "--set", "network.num_classes=5"]) == 2
-    err = _one_line_error(capsys, "test")
+    err = one_line_error(capsys, "test")
     assert "network.num_classes=5 but the data has 10 classes" in err
     seg = Path(__file__).resolve().parents[1] / "configs" / "digits_seg.json"
     assert main(["test", str(seg), str(checkpoint)]) == 2
-    err = _one_line_error(capsys, "test")
+    err = one_line_error(capsys, "test")
     assert "is a segmentation config: it is trained with iabn train-seg" in err
     assert "iabn segment" in err and "unknown key" not in err
     assert main(["train-seg", str(config), "--log-dir", str(tmp_path / "r")]) == 2
-    assert "is a classification config: it is trained with iabn train" in _one_line_error(
+    assert "is a classification config: it is trained with iabn train" in one_line_error(
         capsys, "train-seg")
 
 
@@ -643,7 +638,7 @@ def test_a_running_log_dir_is_named_as_running_not_resumable(tmp_path, capsys, t
     try:
         for extra in ([], ["--resume"]):
             assert main(["train", str(config), "--log-dir", str(run), *extra]) == 2
-            err = _one_line_error(capsys, "train")
+            err = one_line_error(capsys, "train")
             assert f"is in use by another run, still running (pid {os.getpid()} " in err
             assert f"kill -INT {os.getpid()}" in err
             assert "continue it with --resume" not in err
