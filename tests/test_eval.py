@@ -114,8 +114,8 @@ def snapshot(tmp_path_factory):
     return config, path, torch.load(path, weights_only=True)["val_metrics"]
 
 
-def _test(*args, tmp_path):
-    out = tmp_path / "result.json"
+def _test(*args, tmp_path, name="result.json"):
+    out = tmp_path / name
     with one_torch_thread():
         code = main(["test", *map(str, args), "--json", str(out), "--quiet"])
     return code, (json.loads(out.read_text()) if out.exists() else None)
@@ -130,7 +130,8 @@ def test_centre_crop_test_reproduces_the_training_validation(snapshot, tmp_path,
     assert metrics["top1"] == pytest.approx(trained["top1"], abs=ONE_IMAGE)
     assert metrics["loss"] == pytest.approx(trained["loss"], rel=1e-4)
     # The same weights as standard BatchNorm: an InPlace-ABN network evaluates the same.
-    code, as_bn = _test(config, path, "--set", "network.norm_act=bn", tmp_path=tmp_path)
+    code, as_bn = _test(config, path, "--set", "network.norm_act=bn", tmp_path=tmp_path,
+                        name="as_bn.json")
     assert code == 0 and as_bn["metrics"]["top1"] == pytest.approx(metrics["top1"],
                                                                    abs=ONE_IMAGE)
     assert "evaluating with a different network than trained: network.norm_act: " \
