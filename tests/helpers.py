@@ -86,6 +86,10 @@ def memory_format_for(ndim: int, channels_last: bool) -> torch.memory_format:
     return {4: torch.channels_last, 5: torch.channels_last_3d}[ndim]
 
 
+#: Key and shape lists of the original package's released checkpoints (see its README).
+ORIGINAL_KEYS = Path(__file__).resolve().parent / "data" / "original_keys"
+
+
 def reference_layout(path, section=None):
     """``{key without 'module.': shape}`` from a key file of the original package (only the
     ``## state_dict["<section>"]`` part when ``section`` is given)."""

@@ -6,7 +6,7 @@ import torch
 
 from iabn.models import MODELS, NORM_ACT_NAMES, create
 
-from helpers import reference_layout
+from helpers import ORIGINAL_KEYS, reference_layout
 
 SIZE = 32  # input height = width: every model handles it (output stride 32 -> 1x1)
 
@@ -70,12 +70,7 @@ REFERENCE_LAYOUTS = [
 @pytest.mark.parametrize("name,kwargs,file,section", REFERENCE_LAYOUTS,
                          ids=[r[0] for r in REFERENCE_LAYOUTS])
 def test_keys_and_shapes_match_the_original_checkpoints(name, kwargs, file, section):
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "shared" / "reference" / file
-    if not path.exists():
-        pytest.skip(f"{path} not present")
-    expected = reference_layout(path, section)
+    expected = reference_layout(ORIGINAL_KEYS / file, section)
     with torch.device("meta"):  # shapes only: no memory, no initialisation cost
         model = create(name, norm_act="iabn", **kwargs)
     ours = {k: tuple(v.shape) for k, v in model.state_dict().items()}

@@ -1,23 +1,18 @@
 """DeepLabV3 on a dilated WideResNet-A2 trunk, laid out like the original Vistas snapshot."""
 
-from pathlib import Path
 
-import pytest
 import torch
 import torch.nn.functional as F
 
 from iabn.models import DeepLabV3Head, deeplabv3_wider_resnet38, load_original
 from iabn.modules import ABN
 
-from helpers import reference_layout
+from helpers import ORIGINAL_KEYS, reference_layout
 
-REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / \
-    "vistas_wrn38_deeplabv3_keys.txt"
+REFERENCE = ORIGINAL_KEYS / "vistas_wrn38_deeplabv3_keys.txt"
 
 
 def test_head_and_classifier_keys_match_the_vistas_snapshot():
-    if not REFERENCE.exists():
-        pytest.skip(f"{REFERENCE} not present")
     with torch.device("meta"):
         model = deeplabv3_wider_resnet38(num_classes=65)
     for section in ("body", "head", "cls"):
