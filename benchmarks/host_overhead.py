@@ -2,7 +2,7 @@
 
 At tiny shapes a layer's time is what the host spends on it (Python, dispatch, checks, kernel
 launches), not what the kernels compute. With ~50 such layers per network that cost decides
-whether the GPU waits for the host (issue 14). Providers, on the same input and weights:
+whether the GPU waits for the host. Providers, on the same input and weights:
 
 ``bn``            ``nn.BatchNorm2d`` + ``nn.LeakyReLU(inplace=True)`` (what users replace)
 ``iabn``          ``iabn.InPlaceABN`` on the default backend (the reference kernels)

@@ -1,4 +1,4 @@
-"""Whole-network training step: BatchNorm + activation against InPlace-ABN (issue 14's table).
+"""Whole-network training step: BatchNorm + activation against InPlace-ABN (the whole-network table).
 
 For each model (ResNet-50, ResNeXt-101, WideResNet-38-A2 by default, at the issue's batches 64,
 32 and 16 of 224 x 224 images), dtype (float32; bfloat16 = autocast), layout (channels-last,
@@ -41,7 +41,7 @@ Largest batch in a fixed memory budget (``--budget-gib``, eager cells only):
   activations, workspaces) stays within the budget. ``--no-peak-search`` skips it.
 
 Printed as it goes (one line per provider of each cell, with its ratio to ``bn`` from the same
-run), then issue 14's targets as PASS/FAIL lines (reported, never asserted): step time
+run), then the targets as PASS/FAIL lines (reported, never asserted): step time
 ``iabn <= 0.95 x bn`` eager and ``<= 1.0 x`` compiled ``bn`` in the compiled modes; peak memory
 ``<= 0.55 x bn`` and the largest batch at equal memory ``>= 1.8 x bn`` for ResNeXt-101 and
 WideResNet-38-A2 (1.8 is about 1 / 0.55: the batch form of the memory target). On CPU the
@@ -97,7 +97,7 @@ from iabn.tools.bench import (
 )
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
-#: Models and their batch in issue 14's table (224 x 224 images).
+#: Models and their batch in the whole-network table (224 x 224 images).
 MODELS = {"resnet50": 64, "resnext101": 32, "wider_resnet38_a2": 16}
 PROVIDERS = ("bn", "iabn", "iabn_triton", "original")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -106,7 +106,7 @@ MODES = ("eager", "compile", "reduce_overhead")
 #: ``torch.compile`` keyword arguments of the compiled modes.
 COMPILE_OPTIONS = {"compile": {}, "reduce_overhead": {"mode": "reduce-overhead"}}
 NUM_CLASSES = 1000
-#: Issue 14's targets for the iabn providers against ``bn`` in the same cell.
+#: The targets for the iabn providers against ``bn`` in the same cell.
 EAGER_TIME_TARGET = 0.95
 COMPILED_TIME_TARGET = 1.0
 PEAK_TARGET = 0.55
@@ -447,7 +447,7 @@ def format_provider(name: str, out: dict[str, Any], ratios: dict[str, Any]) -> s
 
 
 def targets(cells: list[dict[str, Any]], device: torch.device) -> list[dict[str, Any]]:
-    """Issue 14's targets for every iabn provider in every cell: PASS/FAIL, never asserted."""
+    """The targets for every iabn provider in every cell: PASS/FAIL, never asserted."""
     cuda = device.type == "cuda"
     peak_key, batch_key = (("peak_step", "largest_batch_peak") if cuda
                            else ("saved_bytes", "largest_batch_saved"))
@@ -630,7 +630,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default=None,
                         help=f"comma-separated, from: {', '.join(MODELS)} (default: all three)")
     parser.add_argument("--batch", type=int, default=None,
-                        help="batch for every model (default: 64, 32, 16 as in issue 14)")
+                        help="batch for every model (default: 64, 32, 16 as in the whole-network table)")
     parser.add_argument("--image-size", type=int, default=None, help="default 224")
     parser.add_argument("--dtypes", default=None, help="float32,bfloat16 (bf16 = autocast)")
     parser.add_argument("--layouts", default=None, help="channels_last,nchw")
@@ -797,7 +797,7 @@ def run(args: argparse.Namespace) -> int:
     report["targets"] = targets(report["cells"], device)
     report["complete"] = True
     if report["targets"]:
-        print("issue 14 targets (reported, not asserted"
+        print("targets (reported, not asserted"
               + ("; CPU: times say nothing about a GPU, memory is saved bytes" if
                  device.type == "cpu" else "") + "):")
         for t in report["targets"]:

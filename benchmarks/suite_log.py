@@ -1,6 +1,6 @@
 """Run the test suite and keep its log with what it ran on: the record a GPU run leaves behind.
 
-Issue 13 asks for the log of every whole-suite run on a GPU machine to be committed under
+The log of every whole-suite run on a GPU machine is committed under
 ``benchmarks/results/``, with the device, driver, torch and Triton versions and the date, so
 that switching ``IABN_BACKEND=auto`` to the Triton kernels rests on a green run anyone can read.
 This script runs ``python -m pytest -q`` with the given arguments (default ``-n 8`` when

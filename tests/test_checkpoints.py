@@ -113,7 +113,7 @@ def _bn_reference(source):
 
 @pytest.mark.parametrize("how", ["origin", "file name", "bn_mode"])
 def test_original_abn_checkpoint_keeps_signed_weights(tmp_path, how):
-    """Issue 16 item 2: a checkpoint of the original's ABN (standard BN) must not be read with
+    """A checkpoint of the original's ABN (standard BN) must not be read with
     |w| + eps; before, load_original forced gamma_mode='abs' on every layer."""
     source = _randomised("resnet34")
     checkpoint = _original_checkpoint(source)

@@ -75,7 +75,7 @@ def test_bench_exits_0_and_prints_the_table(bench_run):
         assert any(line.startswith(name) for line in lines), name
     assert any(line.startswith("check: OK") for line in lines)
     assert "repeat 1/1" in process.stderr  # progress goes to stderr, not into the table
-    # issue 18 item 14: the run states how long it took
+    # the run states how long it took
     assert any(line.startswith("wall time ") and line.endswith("threads)") for line in lines)
 
 

@@ -1,4 +1,4 @@
-"""iabn.compat: the original inplace_abn package's API (issue 16), checked against PyTorch's own
+"""iabn.compat: the original inplace_abn package's API, checked against PyTorch's own
 batch norm in float64: the original computes act((|w| + eps) * xhat + b) in its in-place layers
 (with d/dw = -dg where w < 0, else +dg) and plain BatchNorm + activation in its ABN."""
 

@@ -93,7 +93,7 @@ def _import_graph():
 
 def test_no_import_cycles():
     """No module of iabn imports one that imports it back, directly or through others, even
-    lazily inside a function (issue 19: layering one can read from the imports)."""
+    lazily inside a function (a layering one can read from the imports)."""
     graph = _import_graph()
     assert "iabn.functional" in graph and "iabn.sync" in graph["iabn.functional"]
     cycles = []
@@ -114,7 +114,7 @@ def test_no_import_cycles():
 
 
 def test_core_imports_no_tool():
-    """The tools (iabn.tools) depend on the core, never the reverse (issue 19): no module outside
+    """The tools (iabn.tools) depend on the core, never the reverse: no module outside
     iabn.tools imports one inside it, even lazily. Exceptions: iabn.__main__, which is the
     command's entry point (``python -m iabn``), and iabn._moved, the finder behind the tools' old
     import paths (it names them only as strings)."""

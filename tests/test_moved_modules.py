@@ -1,4 +1,4 @@
-"""The tools moved to iabn.tools (issue 19); their old paths (iabn.training, iabn.cli, ...) still
+"""The tools moved to iabn.tools; their old paths (iabn.training, iabn.cli, ...) still
 import for one release, as the very same module objects, with a DeprecationWarning naming the
 new path (src/iabn/_moved.py)."""
 

@@ -3,7 +3,7 @@ synthetic copies written in the real layouts (tests/seg_layouts.py): loading, th
 mapping against the official tables, errors, one ``iabn train-seg`` step on each, and
 ``iabn segment``'s palettes and label-id export.
 
-The evaluation checks (issue 15, item 4) compare what ``iabn train-seg`` reports with
+The evaluation checks compare what ``iabn train-seg`` reports with
 ``cityscapesscripts``' own pixel-level evaluation (``evalPixelLevelSemanticLabeling``, run
 in-process on the labelIds PNGs of the same predictions)."""
 

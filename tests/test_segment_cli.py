@@ -139,7 +139,7 @@ def test_default_long_side_follows_the_snapshot():
                                         {"dataset": "auto", "root": "/d"}))[0] == 0
 
 
-# --- issue 18 item 11: argument errors, --std 0, 16-bit PNGs ---
+# --- argument errors, --std 0, 16-bit PNGs ---
 
 
 @pytest.mark.parametrize("args, message", [
@@ -170,7 +170,7 @@ def test_16_bit_png_is_scaled_not_clipped(snapshot, tmp_path):
         assert overlay.getpixel((0, 0)) == (117, 117, 117)  # 30000 / 257, not white
 
 
-# --- issue 18 item 7: inputs whose outputs would share a name ---
+# --- inputs whose outputs would share a name ---
 
 
 def test_same_name_with_two_extensions_keeps_both_outputs(snapshot, tmp_path, capsys):

@@ -1,7 +1,7 @@
 """Input gradients at the activation's kink, counted against float64 (iabn.tools.bench.slopes).
 
 The Triton backward once took the other LeakyReLU slope at single elements of channels with
-100k+ values (issue 13): its batch mean was off by up to 6e-7 standard deviations, enough to
+100k+ values (seen on an H100): its batch mean was off by up to 6e-7 standard deviations, enough to
 move values near 0 across the kink. These tests count, at such sizes, the elements whose
 input gradient disagrees with a float64 ``nn.BatchNorm2d`` + ``leaky_relu`` beyond the dtype's
 resolution, for the Triton kernels, iabn's reference backend and PyTorch's own layers on the
@@ -10,7 +10,7 @@ same input, and require Triton's count to be no larger than PyTorch's.
 Under the CPU interpreter a case of 6.4M elements takes about 30 s, so CI runs one: the case
 that failed before the fix (32x64x56x56, float32, channels-last, seed 0: one element on the
 other side of the kink). The other interpreted cases are ``slow``; on a CUDA machine every
-case runs on the compiled kernels (``gpu``), with the sizes of the GPU sweep in issue 13.
+case runs on the compiled kernels (``gpu``), with the sizes of the GPU sweep.
 """
 
 import pytest
@@ -31,7 +31,7 @@ INTERPRETED = [
     ((32, 64, 56, 56), BF16, False, 0),
     ((32, 64, 56, 56), F16, True, 0),
 ]
-#: The shapes of issue 13's GPU sweep (100k to 524k values per channel), several seeds.
+#: The shapes of the GPU sweep (100k to 524k values per channel), several seeds.
 ON_GPU = [
     *((shape, F32, layout, seed)
       for shape in ((32, 64, 56, 56), (8, 64, 128, 128), (8, 256, 128, 128), (16, 64, 128, 128),

@@ -125,7 +125,7 @@ def test_not_converted_by_sync_batchnorm():
 
 @pytest.mark.parametrize("training", [True, False])
 def test_abn_signed_does_not_clamp_tiny_weights(training):
-    """Issue 16 item 7: the non-in-place ABN inverts nothing, so in signed mode it must compute
+    """The non-in-place ABN inverts nothing, so in signed mode it must compute
     exactly nn.BatchNorm2d + activation even for |weight| < eps (zero-initialised last BN of a
     residual branch)."""
     torch.manual_seed(0)
@@ -164,7 +164,7 @@ def _abs_trained_net():
 
 
 def test_abs_state_into_signed_layer_warns_once(fresh_gamma_warning, tmp_path):
-    """Issue 16 item 5: abs-trained weights loaded into default (signed) layers changed the
+    """Abs-trained weights loaded into default (signed) layers changed the
     outputs silently."""
     net = _abs_trained_net()
     path = tmp_path / "abs.pt"

@@ -1,4 +1,4 @@
-"""Issue 18: the tools under bad input and faults (user errors exit 2 with one line, nothing
+"""The tools under bad input and faults (user errors exit 2 with one line, nothing
 written; concurrent runs; signals; corrupt files)."""
 
 import json

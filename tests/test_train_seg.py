@@ -161,8 +161,8 @@ def test_segment_runs_a_train_seg_snapshot(seg_run, tmp_path):
     for index in range(2):
         canvas, _ = DigitsCanvas("val", 2, size=48, digit_scale=(3, 5)).canvas(index)
         Image.fromarray(canvas.permute(1, 2, 0).numpy()).save(images / f"c{index}.png")
-    # no --long-side: the default follows the snapshot's training resolution (issue 18 item
-    # 1: the fixed 2048 upscaled 96-px canvases 21x and the model predicted only background)
+    # no --long-side: the default follows the snapshot's training resolution (the
+    # fixed 2048 upscaled 96-px canvases 21x and the model predicted only background)
     done = run_iabn("segment", str(root / "whole" / "best.pth"), str(images),
                     str(tmp_path / "out"), "--output", "raw")
     assert done.returncode == 0, done.stderr

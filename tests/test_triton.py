@@ -238,7 +238,7 @@ def test_far_offsets_negative_control_fails():
 
 def test_auto_uses_the_reference_for_cuda_tensors_too(monkeypatch):
     """Until a GPU run of the whole suite is green with Triton, ``auto`` picks the reference
-    kernels on CUDA as well (issue 13); Triton is opt-in. A stand-in for a CUDA tensor: the
+    kernels on CUDA as well; Triton is opt-in. A stand-in for a CUDA tensor: the
     choice reads only ``is_cuda``."""
     from types import SimpleNamespace
 

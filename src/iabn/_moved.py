@@ -1,4 +1,4 @@
-"""Old import paths of the tools, kept for one release (issue 19: the tools moved to iabn.tools).
+"""Old import paths of the tools, kept for one release (the tools moved to iabn.tools).
 
 ``iabn.training``, ``iabn.data``, ``iabn.segment``, ``iabn.metrics``, ``iabn.losses``,
 ``iabn.bench`` and ``iabn.cli`` (and their submodules, e.g. ``iabn.training.config``) now live

@@ -24,7 +24,7 @@ from ..scale import effective_scale, gamma_grad
 from . import scratch
 
 # Host cost matters here: at small feature maps a layer's time is mostly Python and dispatch
-# (issue 14; benchmarks/host_overhead.py). Hence the resolved operator overloads and the
+# (benchmarks/host_overhead.py). Hence the resolved operator overloads and the
 # public ``torch.native_batch_norm(..., out=...)`` binding, the cheapest routes to the same
 # ATen kernels (measured on CPU: 9.6 vs 11.4 µs for the forward, 3.5 vs 4.1 for backward).
 _BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default

@@ -107,7 +107,7 @@ def _elementwise_config(layout: Layout) -> tuple[int, int]:
 
 
 # The launch configurations depend only on the layout (and device): computed once per shape
-# and cached, so that a layer call does not redo them (issue 14). Bounded: a model sees a
+# and cached, so that a layer call does not redo them. Bounded: a model sees a
 # handful of shapes per layer, and a sweep of input sizes must not grow the caches forever.
 @functools.lru_cache(maxsize=1024)
 def _elementwise_grid(layout: Layout) -> tuple[int, int, int, int]:
