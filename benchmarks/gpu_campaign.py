@@ -113,7 +113,7 @@ SUMMARY = "gpu_campaign_summary.md"
 LOGS = "gpu_campaign_logs"
 COMMITTED = ROOT / "benchmarks" / "results"
 GROUPS = ("suite", "slopes", "host", "gpu_speed", "network", "offload")
-#: The whole-network table (ResNet-50 b64, ResNeXt-101 b32, WRN-38-A2 b16): model -> (short name, batch, layouts).
+#: The whole-network table: model -> (short name, batch, layouts).
 NETWORK = {"resnet50": ("r50", 64, ("channels_last", "nchw")),
            "resnext101": ("rx101", 32, ("channels_last",)),
            "wider_resnet38_a2": ("wrn38", 16, ("channels_last",))}

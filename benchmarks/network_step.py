@@ -1,4 +1,4 @@
-"""Whole-network training step: BatchNorm + activation against InPlace-ABN (the whole-network table).
+"""Whole-network training step: BatchNorm + activation against InPlace-ABN, whole networks.
 
 For each model (ResNet-50, ResNeXt-101, WideResNet-38-A2 by default, at the issue's batches 64,
 32 and 16 of 224 x 224 images), dtype (float32; bfloat16 = autocast), layout (channels-last,
@@ -630,7 +630,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", default=None,
                         help=f"comma-separated, from: {', '.join(MODELS)} (default: all three)")
     parser.add_argument("--batch", type=int, default=None,
-                        help="batch for every model (default: 64, 32, 16 as in the whole-network table)")
+                        help="batch for every model (default: 64, 32, 16 by model)")
     parser.add_argument("--image-size", type=int, default=None, help="default 224")
     parser.add_argument("--dtypes", default=None, help="float32,bfloat16 (bf16 = autocast)")
     parser.add_argument("--layouts", default=None, help="channels_last,nchw")
