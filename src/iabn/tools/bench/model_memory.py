@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ...memory import compiled_saved_bytes, saved_tensor_bytes
+from ..module_trace import trace_modules
 from . import machine_info
 from .pixels import largest_fitting
 
@@ -218,45 +219,31 @@ def _try_forward(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
     """Run one training forward of ``model`` (a copy the caller may spoil) at ``shape``
     without autograd; None if it runs, else the error and where it happened (the innermost
     module running and what the first layer takes)."""
-    running: list[str] = []
-    first: list[str] = []  # the first layer that says what it takes
+    with trace_modules(model) as trace:
+        try:
+            x = torch.empty(*shape, dtype=dtype, device=device) if device.type == "meta" else \
+                torch.randn(*shape, dtype=dtype, device=device)
+            with torch.no_grad():
+                model.train()(x)
+            return None
+        except (Exception, SystemExit) as error:  # the model's own code: any error is possible
+            failed = error
+    running = [name or "the model" for name, _ in trace.running]
+    first = next((name or "the model" for name, m in trace.entered if _expects(m)), None)
+    modules = dict(model.named_modules())
+    modules["the model"] = model
 
-    def enter(name: str, module: nn.Module) -> None:
-        running.append(name)
-        if not first and _expects(module):
-            first.append(name)
+    def layer(name: str) -> str:
+        return f"{name} ({type(modules[name]).__name__})"
 
-    def leave(*_: object) -> None:  # a forward hook returning a value would replace outputs
-        running.pop()
-
-    handles = []
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(
-            lambda m, _args, n=name or "the model": enter(n, m)))
-        handles.append(module.register_forward_hook(leave))
-    try:
-        x = torch.empty(*shape, dtype=dtype, device=device) if device.type == "meta" else \
-            torch.randn(*shape, dtype=dtype, device=device)
-        with torch.no_grad():
-            model.train()(x)
-    except (Exception, SystemExit) as error:  # the model's own code: any error is possible
-        modules = dict(model.named_modules())
-
-        def layer(name: str) -> str:
-            return f"{name} ({type(modules.get(name, model)).__name__})"
-
-        parts = []
-        if running and (not first or running[-1] != first[0]):
-            parts.append(f"in {layer(running[-1])}")
-        if first:
-            inside = bool(running) and running[-1] == first[0]
-            parts.append(f"{'in ' if inside else ''}its first layer, {layer(first[0])}, "
-                         f"{'which ' if inside else ''}takes {_expects(modules[first[0]])}")
-        return error, "; ".join(parts)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return None
+    parts = []
+    if running and running[-1] != first:
+        parts.append(f"in {layer(running[-1])}")
+    if first is not None:
+        inside = bool(running) and running[-1] == first
+        parts.append(f"{'in ' if inside else ''}its first layer, {layer(first)}, "
+                     f"{'which ' if inside else ''}takes {_expects(modules[first])}")
+    return failed, "; ".join(parts)
 
 
 def check_input(model: nn.Module, name: str, shape: Sequence[int], dtype_name: str,

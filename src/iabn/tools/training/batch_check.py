@@ -25,6 +25,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ...distributed import ABNSync, InPlaceABNSync
+from ..module_trace import trace_modules
 from .config import Config, ConfigError
 from .ranks import Ranks
 from .task import DataSplits, Task
@@ -66,28 +67,20 @@ def probe(task: Task, config: Config, splits: DataSplits) -> Probe:
     if not isinstance(sample, torch.Tensor):
         return Probe()
     found = Probe(tuple(sample.shape))
+
+    def record(name: str, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if name in norms and args and isinstance(args[0], torch.Tensor):
+            found.norms.setdefault(name, (type(module).__name__, tuple(args[0].shape)))
+
+    norms: dict[str, nn.Module] = {}
     running: list[tuple[str, nn.Module]] = []  # the modules whose forward is under way
-
-    def enter(name: str) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:  # None: input unchanged
-            running.append((name, module))
-            if name in norms and args and isinstance(args[0], torch.Tensor):
-                found.norms.setdefault(name, (type(module).__name__, tuple(args[0].shape)))
-
-        return hook
-
-    def leave(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        running.pop()
-
     try:
         with torch.device("meta"):
             model = task.build_model(config, splits, Ranks(0, 1, 0, torch.device("meta")))
         norms = _batch_norms(model)
-        for name, module in model.named_modules():
-            module.register_forward_pre_hook(enter(name))
-            module.register_forward_hook(leave)
         model.train()
-        with torch.no_grad():
+        with trace_modules(model, record) as trace, torch.no_grad():
+            running = trace.running
             # the model itself, not task.forward: what the layers see is the same, and a task
             # may count or log its forwards
             model(torch.empty((2, *sample.shape), dtype=sample.dtype, device="meta"))
