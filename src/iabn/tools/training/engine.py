@@ -397,15 +397,16 @@ class _Run:
         with autocast(self.ranks.device, network["precision"]):
             outputs = self.task.forward(self.trained, inputs)
             loss = self.task.loss(outputs, targets)
-        # One host sync per step; before backward, so the step is not applied. Under
-        # torchrun a rank stopping here leaves its peers waiting in backward's all-reduce,
-        # and torchrun ends them when it sees this rank's exit.
+        optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        # One host sync per step, after backward is queued (so its launches overlap the
+        # device's forward) and before the optimizer step, so a non-finite step is never
+        # applied. Under torchrun every rank reaches it after backward's all-reduce; the
+        # loss is each rank's own, and torchrun ends the peers of a rank that exits here.
         value = loss.detach().float().item()
         if not math.isfinite(value):
             raise self._diverged(f"the training loss is {value} at step "
                                  f"{self.global_step + 1}")
-        optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
         clip = self.config["optimizer"]["clip_grad_norm"]
         if clip is not None:
             self.scaler.unscale_(optimizer)
