@@ -112,7 +112,8 @@ class ABN(_NormBase):
             else:
                 check_options(
                     options["activation"], options["activation_param"], options["gamma_mode"],
-                    in_place=self._needs_inverse, variant=options["variant"] or 2,
+                    in_place=self._needs_inverse,
+                    variant=2 if options["variant"] is None else options["variant"],
                     eps=options["eps"], momentum=options["momentum"],
                 )
             if name == "activation_param":
