@@ -59,7 +59,8 @@ def _check_options(
         )
 
 
-_check_options_cached = functools.lru_cache(maxsize=256)(_check_options)
+# typed: True == 1 and hash alike, and must not share 1's verdict (eps=True, variant=True)
+_check_options_cached = functools.lru_cache(maxsize=256, typed=True)(_check_options)
 
 
 def _is_real(value: object) -> bool:

@@ -31,8 +31,8 @@ import torch
 from torch import nn
 
 from ...memory import compiled_saved_bytes, saved_tensor_bytes
-from ..module_trace import trace_modules
 from . import machine_info
+from .module_trace import trace_modules
 from .pixels import largest_fitting
 
 #: ``--dtype`` choices.

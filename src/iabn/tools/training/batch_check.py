@@ -25,7 +25,7 @@ from torch.nn.modules.batchnorm import _NormBase
 from torch.nn.modules.instancenorm import _InstanceNorm
 
 from ...distributed import ABNSync, InPlaceABNSync
-from ..module_trace import trace_modules
+from ..bench.module_trace import trace_modules
 from .config import Config, ConfigError
 from .ranks import Ranks
 from .task import DataSplits, Task
