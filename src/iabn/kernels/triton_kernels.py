@@ -31,11 +31,33 @@ correctly. Elementwise math runs in the accumulation dtype (float32 for half inp
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import triton
 import triton.language as tl
 
 #: Activation codes (``constexpr`` arguments).
 IDENTITY, LEAKY_RELU, ELU = 0, 1, 2
+
+
+class Traffic(NamedTuple):
+    """The pointer arguments a kernel loads from (``reads``) and stores to (``writes``), by
+    name. :mod:`iabn.traffic` counts each launch's bytes from them; every kernel declares its
+    own right after its definition, to be kept true to its ``tl.load`` and ``tl.store``."""
+
+    reads: tuple[str, ...]
+    writes: tuple[str, ...]
+
+
+#: Kernel name -> its :class:`Traffic`.
+TRAFFIC: dict[str, Traffic] = {}
+
+
+def _declare(kernel, reads: tuple[str, ...], writes: tuple[str, ...]) -> None:
+    unknown = (set(reads) | set(writes)) - set(kernel.arg_names)
+    if unknown:
+        raise NameError(f"{kernel.fn.__name__} has no arguments {sorted(unknown)}")
+    TRAFFIC[kernel.fn.__name__] = Traffic(reads, writes)
 
 
 @triton.jit
@@ -149,6 +171,9 @@ def moments_ncs_kernel(
     tl.store(out + 2 * plane, m2)
 
 
+_declare(moments_ncs_kernel, reads=("x_ptr",), writes=("parts_ptr",))
+
+
 @triton.jit
 def moments_mc_kernel(
     x_ptr, parts_ptr, R, C, rows_per_program,
@@ -176,6 +201,9 @@ def moments_mc_kernel(
     tl.store(out, count, mask=c_mask)
     tl.store(out + plane, mean, mask=c_mask)
     tl.store(out + 2 * plane, m2, mask=c_mask)
+
+
+_declare(moments_mc_kernel, reads=("x_ptr",), writes=("parts_ptr",))
 
 
 @triton.jit
@@ -243,6 +271,13 @@ def finalize_forward_kernel(
     tl.store(coeffs_ptr + C + c, (beta - mean * a.to(tl.float64)).to(ACC), mask=c_mask)
 
 
+_declare(
+    finalize_forward_kernel,
+    reads=("parts_ptr", "weight_ptr", "bias_ptr", "running_mean_ptr", "running_var_ptr"),
+    writes=("running_mean_ptr", "running_var_ptr", "invstd_ptr", "scale_ptr", "coeffs_ptr"),
+)
+
+
 @triton.jit
 def _elementwise_tile(pid, k_blocks, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Rows ``r``, columns ``k``, mask and offsets of tile ``pid`` of a 1-D grid over tiles."""
@@ -277,6 +312,9 @@ def normalize_act_kernel(
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(ACC)
     z = _activate(x * a + b, ACT, param)
     tl.store(x_ptr + offsets, z.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+_declare(normalize_act_kernel, reads=("x_ptr", "coeffs_ptr"), writes=("x_ptr",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +364,10 @@ def grad_sums_ncs_kernel(
     tl.store(out + plane, tl.sum(tl.sum(sum_dy_y, axis=1), axis=0))
 
 
+_declare(grad_sums_ncs_kernel, reads=("z_ptr", "dz_ptr", "bias_ptr"),
+         writes=("parts_ptr",))
+
+
 @triton.jit
 def grad_sums_mc_kernel(
     z_ptr, dz_ptr, bias_ptr, parts_ptr, R, C, rows_per_program, param, tiny,
@@ -356,6 +398,10 @@ def grad_sums_mc_kernel(
     out = parts_ptr + p * C + c
     tl.store(out, tl.sum(sum_dy, axis=0), mask=c_mask)
     tl.store(out + plane, tl.sum(sum_dy_y, axis=0), mask=c_mask)
+
+
+_declare(grad_sums_mc_kernel, reads=("z_ptr", "dz_ptr", "bias_ptr"),
+         writes=("parts_ptr",))
 
 
 @triton.jit
@@ -406,6 +452,13 @@ def finalize_backward_kernel(
     tl.store(coeffs_ptr + 2 * C + c, k3, mask=c_mask)
 
 
+_declare(
+    finalize_backward_kernel,
+    reads=("parts_ptr", "weight_ptr", "bias_ptr", "invstd_ptr", "scale_ptr"),
+    writes=("dgamma_ptr", "dbeta_ptr", "coeffs_ptr"),
+)
+
+
 @triton.jit
 def input_grad_kernel(
     z_ptr, dz_ptr, dx_ptr, coeffs_ptr, R, K, C, k_blocks, param, tiny,
@@ -423,3 +476,7 @@ def input_grad_kernel(
     y, dy = _recover(z, dz, ACT, param, tiny)
     dx = k1 * dy + k2 * y + k3
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+_declare(input_grad_kernel, reads=("z_ptr", "dz_ptr", "coeffs_ptr"),
+         writes=("dx_ptr",))
