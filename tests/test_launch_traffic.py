@@ -133,7 +133,7 @@ def test_batch_norm_leaky_relu_step():
         assert step.backward.peak_bytes == 2 * leaf.numel() * 4
 
 
-@pytest.mark.parametrize("dtype", [torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 def test_in_place_reference_step(dtype, channels_last):
     """Forward: native_batch_norm into x (x read twice, written), leaky_relu_ (read, write):
@@ -175,6 +175,23 @@ def test_in_place_triton_step(channels_last):
 
 def _moved(step):
     return step.forward.moved + step.backward.moved
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_half_inputs_make_no_float32_copies(dtype, training, channels_last):
+    """No full-size float32 tensor in the reference layer's step, and its backward holds at
+    most one activation (in the input's dtype) more than BatchNorm + LeakyReLU's backward."""
+    layers = _layers()
+    base, _ = _count("bn", layers["bn"], dtype, channels_last, training)
+    step, leaf = _count("reference", layers["reference"], dtype, channels_last, training)
+    allocated = step.forward.allocations + step.backward.allocations
+    assert allocated and all(a.dtype == dtype for a in allocated), allocated
+    assert (step.backward.peak_bytes
+            <= base.backward.peak_bytes + leaf.numel() * leaf.element_size())
+    # the same tensor-sizes as float32 (15 A training: see test_in_place_reference_step)
+    assert _moved(step) / (leaf.numel() * leaf.element_size()) == (15 if training else 13)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -263,3 +280,83 @@ def test_undeclared_full_size_argument_is_refused():
     counter = traffic.TrafficCounter(10)
     with pytest.raises(ValueError, match="declare it"):
         counter.record_triton("k", [], [], [torch.zeros(10)])
+
+
+# ---- numerics of the backward paths these counts changed ------------------------------------
+
+
+def _grads(layer, x, grad, frozen):
+    for p in layer.parameters():
+        p.requires_grad_(not frozen)
+    leaf = x.clone().requires_grad_()
+    layer(leaf.clone() if isinstance(layer, iabn.InPlaceABN) else leaf).backward(grad)
+    params = [] if frozen else [p.grad.double() for p in layer.parameters()]
+    return [leaf.grad.double(), *params]
+
+
+@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("variant", [1, 2])
+@pytest.mark.parametrize("frozen", [False, True], ids=["with_param_grads", "frozen"])
+def test_eval_mode_gradients_match_torch_float64(activation, variant, frozen, backend,
+                                                 device):
+    """Eval mode: dx = dy * g * invstd from the eval-mode batch-norm backward, with or without
+    parameter gradients (frozen: neither y nor the sums are computed)."""
+    from helpers import ACTIVATION_PARAMS, torch_activation
+
+    param = ACTIVATION_PARAMS[activation] or 0.01
+    bn = randomise_(nn.BatchNorm2d(6)).double().to(device).eval()
+    layer = iabn.InPlaceABN(6, activation=activation, activation_param=param,
+                            variant=variant).double().to(device).eval()
+    layer.load_state_dict(bn.state_dict())
+    reference = nn.Sequential(bn, torch_activation(activation, param))
+    for channels_last in (False, True):
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        x = (torch.randn(4, 6, 5, 3, dtype=torch.float64) * 2).to(device).contiguous(
+            memory_format=fmt)
+        grad = torch.randn_like(x)
+        for ours, want in zip(_grads(layer, x, grad, frozen), _grads(reference, x, grad, frozen),
+                              strict=True):
+            torch.testing.assert_close(ours, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("frozen", [False, True], ids=["with_param_grads", "frozen"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+def test_half_eval_mode_within_twice_torch_error(dtype, frozen, channels_last):
+    """As tests/test_dtypes.py, in eval mode: the input and bias gradients within twice the
+    error of PyTorch's own BatchNorm2d + LeakyReLU in ``dtype`` (float32 parameters), both
+    against float64 (the weight gradient has test_dtypes' documented exception)."""
+    bn = randomise_(nn.BatchNorm2d(6)).eval()
+    layer = iabn.InPlaceABN(6, activation_param=SLOPE).eval()
+    layer.load_state_dict(bn.state_dict())
+    bn64 = randomise_(nn.BatchNorm2d(6)).double().eval()
+    bn64.load_state_dict(bn.state_dict())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = (torch.randn(4, 6, 7, 5) * 3 + 1).to(dtype).contiguous(memory_format=fmt)
+    grad = torch.randn(4, 6, 7, 5).to(dtype).contiguous(memory_format=fmt)
+    want = _grads(nn.Sequential(bn64, nn.LeakyReLU(SLOPE)), x.double(), grad.double(), frozen)
+    theirs = _grads(nn.Sequential(bn, nn.LeakyReLU(SLOPE)), x, grad, frozen)
+    ours = _grads(layer, x, grad, frozen)
+    for index in (0, 2) if not frozen else (0,):  # dx, dbias
+        allowed = (theirs[index] - want[index]).abs().max().item()
+        error = (ours[index] - want[index]).abs().max().item()
+        assert error <= 2 * allowed + 1e-6, (index, error, allowed)
+
+
+def test_script_writes_its_rows(tmp_path):
+    """benchmarks/launch_traffic.py at a tiny shape, float32 only: the rows and their ratios."""
+    import json
+    from pathlib import Path
+
+    from helpers import load_script
+
+    script = load_script(Path(__file__).parents[1] / "benchmarks" / "launch_traffic.py")
+    path = tmp_path / "traffic.json"
+    assert script.main(["--shape", "2", "4", "3", "3", "--quick", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["shape"] == [2, 4, 3, 3] and report["machine"]["torch_version"]
+    rows = {(r["provider"], r["layout"], r["mode"]): r for r in report["rows"]}
+    assert rows["bn", "nchw", "train"]["activations_moved"] == 13
+    assert rows["iabn_reference", "channels_last", "train"]["bytes_vs_bn"] == 15 / 13
+    assert rows["iabn_reference", "nchw", "eval"]["launches_vs_bn"] == 9
+    assert script.main(["--shape", "2", "0", "3", "3"]) == 2

@@ -42,9 +42,28 @@ def stat_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) ->
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Backward works in float32 for half inputs: inverting ``z`` in half precision would add
-    a rounding error of ``z``'s size to every recovered ``y``."""
+    """Dtype of the backward's per-channel factors: float32 for half inputs."""
     return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def full_dtype(dtype: torch.dtype, activation: str, variant: int) -> torch.dtype:
+    """Dtype of the backward's full-size temporaries: the input's for the default layer, the
+    compute dtype for ``elu`` and for variant I.
+
+    ATen's batch-norm backward reads half tensors and computes in float32 with float32
+    per-channel tensors, so a half input needs no float32 copy (which would hold twice its
+    bytes). Recovering ``y = z / a`` of leaky_relu in half precision rounds it once more
+    where ``z < 0`` (relative ``2^-9`` in bfloat16), and ``dy`` is rounded as PyTorch's own
+    LeakyReLU backward rounds it: within the bounds of tests/test_dtypes.py (twice PyTorch's
+    error). Two cases are not, measured there in bfloat16: ``elu``, whose
+    ``dy = dz * (z + alpha)`` and ``y = log1p(z / alpha)`` cancel near ``z = -alpha`` (bias
+    gradient 2.3x PyTorch's error), and variant I, whose ``xhat`` rounded to bfloat16 puts
+    a rounding error on every element of the weight gradient's sum (2.1x the bound's
+    yardstick).
+    """
+    if activation == act.ELU or variant == 1:
+        return compute_dtype(dtype)
+    return dtype
 
 
 def channel_view(v: Tensor, ndim: int) -> Tensor:
@@ -148,33 +167,55 @@ def backward(
     says whether forward used batch statistics (their gradient flows into ``dx``) or running
     statistics (``dx = dy * g * invstd``). ``output_mask`` selects which of the three are
     computed; the others are ``None``. ``z`` and ``dz`` are only read.
+
+    Full-size tensors stay in the input's dtype (half inputs included: ATen's batch-norm
+    kernels compute in float32 from half tensors and float32 per-channel ones); per-channel
+    ones are in the compute dtype.
     """
     if z.numel() == 0:
         return empty_grads(z, weight, bias, output_mask)
     training, _, eps, activation, activation_param, gamma_mode, variant = config
     want_dx, want_dgamma, want_dbeta = output_mask
-    y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
-    invstd = _cast(invstd, y.dtype)
-    inv_g = g.reciprocal()
-    if variant == 1:
-        # Variant I: recover xhat = (y - beta) / g explicitly, then standard BN backward.
-        ndim = z.dim()
-        bn_input = torch.addcmul(channel_view(-beta * inv_g, ndim), y, channel_view(inv_g, ndim))
-        center, inv_scale = torch.zeros_like(g), torch.ones_like(g)
-        dx_weight = g * invstd
+    # The batch-norm reductions (over y and dy) give the parameter gradients and, in training,
+    # dx. Eval-mode dx scales dy alone: a frozen layer (eval mode, parameters without
+    # gradients) needs neither y nor the reductions.
+    train_dx = want_dx and training
+    sums = train_dx or want_dgamma or want_dbeta
+    dtype = z.dtype  # (the call below only for half inputs: a layer's host cost counts)
+    if dtype in LOW_PRECISION:
+        dtype = full_dtype(dtype, activation, variant)
+    y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param, dtype, sums)
+    invstd = _cast(invstd, g.dtype)
+    if sums:
+        inv_g = g.reciprocal()
+        if variant == 1:
+            # Variant I: recover xhat = (y - beta) / g explicitly, then standard BN backward.
+            # The eval-mode batch-norm kernel forms it as (y - beta) / sqrt(1 + 0) * (1/g).
+            center, inv_scale = torch.zeros_like(g), torch.ones_like(g)
+            y = torch.native_batch_norm(y, inv_g, None, beta, inv_scale, False, 0.0, 0.0)[0]
+            dx_weight = g * invstd if train_dx else None
+        else:
+            # Variant II: feed y itself; center and scale of the identity in the module
+            # docstring.
+            center, inv_scale = beta, inv_g
+            dx_weight = torch.mul(g, g).mul_(invstd) if train_dx else None
+        dx, dg, dbeta = _BATCH_NORM_BACKWARD(
+            dy, y, dx_weight, None, None, center, inv_scale, True, eps,
+            [train_dx, want_dgamma, want_dbeta],
+        )
     else:
-        # Variant II: feed y itself; center and scale of the identity in the module docstring.
-        bn_input, center, inv_scale = y, beta, inv_g
-        dx_weight = torch.mul(g, g).mul_(invstd)
-
-    # In eval mode the running statistics are constants: dx is a per-channel scaling of dy,
-    # and only the parameter gradients (the same two reductions) come from the kernel.
-    dx, dg, dbeta = _BATCH_NORM_BACKWARD(
-        dy, bn_input, dx_weight, None, None, center, inv_scale, True, eps,
-        [want_dx and training, want_dgamma, want_dbeta],
-    )
+        dx = dg = dbeta = None
     if want_dx and not training:
-        dx = dy * channel_view(g * invstd, z.dim())
+        # dx = dy * g * invstd by the eval-mode kernel, which computes in the per-channel dtype
+        # and rounds once into dy's (a product with a float32 factor would promote a half dy
+        # to a full-size float32 tensor). It takes invstd from save_invstd on CUDA and as
+        # 1 / sqrt(running_var + eps) on CPU: running_var = invstd^-2 and eps = 0 give both.
+        # Its input is not read for dx (its CPU kernel reads it for a dot product it then
+        # discards, with running_mean as the centre): dy stands in for y when y was not made.
+        dx = _BATCH_NORM_BACKWARD(
+            dy, dy if y is None else y, g, beta, invstd.pow(-2), beta, invstd, False, 0.0,
+            [True, False, False],
+        )[0]
 
     return finish_grads(dx, dg, dbeta, z, weight, bias, gamma_mode, output_mask)
 
@@ -196,24 +237,28 @@ def empty_grads(
 
 def recover(
     z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
-    activation_param: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(y, dy, g, beta)`` in the backward's compute dtype from the stored output ``z``, its
-    gradient and the per-channel ``scale`` (``g``) and ``bias`` (``beta``; 0 without one).
+    activation_param: float, dtype: torch.dtype | None = None, with_y: bool = True,
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
+    """``(y, dy, g, beta)`` from the stored output ``z``, its gradient and the per-channel
+    ``scale`` (``g``) and ``bias`` (``beta``; 0 without one). ``y`` and ``dy`` are in ``dtype``
+    (default: the compute dtype, float32 for half inputs, which the synchronised layer's
+    elementwise ``dx`` needs), ``g`` and ``beta`` in the compute dtype. ``y`` is ``None``
+    unless ``with_y``.
 
     ``y`` and ``dy`` never leave the backward, so large CPU ones live in reused scratch memory
     where the activation's kernels can write into it (leaky_relu, the layer's default; see
     :mod:`.scratch`). Valid until the next backward on this thread.
     """
     cdtype = compute_dtype(z.dtype)
-    zc, dzc = _cast(z, cdtype), _cast(dz, cdtype)
+    full = cdtype if dtype is None else dtype
+    zc, dzc = _cast(z, full), _cast(dz, full)
     g = _cast(scale, cdtype)
     beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
     y_out = dy_out = None
     if activation == act.LEAKY_RELU and scratch.worth_reusing(zc):
-        y_out = scratch.empty_like(zc, scratch.INVERSE)
+        y_out = scratch.empty_like(zc, scratch.INVERSE) if with_y else None
         dy_out = scratch.empty_like(zc, scratch.GRADIENT)
-    y = act.invert(zc, activation, activation_param, y_out)
+    y = act.invert(zc, activation, activation_param, y_out) if with_y else None
     dy = act.grad_from_output(dzc, zc, activation, activation_param, dy_out)
     return y, dy, g, beta
 

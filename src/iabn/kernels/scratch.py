@@ -8,11 +8,12 @@ ResNeXt-101 block shapes, batch 8): the fresh allocations made a training step o
 1.02–1.19x that of ``nn.BatchNorm2d`` + ``LeakyReLU``; with reused buffers 0.91–1.01x.
 
 Each thread keeps one buffer per slot and dtype, grown to the largest size it has needed, and
-reuses it; at most two buffers the size of the largest layer input (in the backward's compute
-dtype, float32 for half inputs). :func:`release` frees them. CUDA tensors never use this (the
-CUDA caching allocator already reuses memory), nor do layouts other than contiguous and
-channels-last, nor tensors under :data:`MIN_BYTES`: glibc serves those from its heap without
-page faults, and a fresh ``torch.empty_like`` (~0.7 µs) is cheaper than the buffer lookup.
+reuses it; at most two buffers the size of the largest layer input (in the input's dtype, or
+float32 where the backward computes half inputs in it: ``reference.full_dtype``).
+:func:`release` frees them. CUDA tensors never use this (the CUDA caching allocator already
+reuses memory), nor do layouts other than contiguous and channels-last, nor tensors under
+:data:`MIN_BYTES`: glibc serves those from its heap without page faults, and a fresh
+``torch.empty_like`` (~0.7 µs) is cheaper than the buffer lookup.
 """
 
 from __future__ import annotations
