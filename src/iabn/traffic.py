@@ -17,15 +17,18 @@ Triton's CPU interpreter runs inside a launch to emulate it are not counted.
 
 **Bytes.** Only *full-size* tensors count: those with as many elements as the activation
 (``numel``). Per-channel tensors (``(C,)`` statistics, partial sums of ``(P, C)``) are
-ignored: at the benchmark's shapes they are below 0.1 % of the traffic. A read or a write of
-a full-size tensor moves its bytes (``numel * element_size``); a tensor passed twice to one
-operator is counted once. Caches are not modelled: a second pass over a tensor counts again.
+ignored: at the benchmark's shape (64 channels) they are under 0.2 % of the traffic. A read
+or a write of a full-size tensor moves its bytes (``numel * element_size``); a tensor passed
+twice to one operator is counted once. Caches are not modelled: a second pass over a tensor
+counts again. (At shapes where a per-channel tensor has ``numel`` elements too, ``N * H * W
+== 1``, it would count as full-size: the counts are meant for layer-sized activations.)
 
 * An ATen operator reads each full-size tensor argument once and writes each full-size result
   once. An argument it writes (schema ``Tensor(a!)``) is written once; it is also read when
   the operator works in place (``leaky_relu_``), not when it is an ``out=`` argument or the
   destination of ``copy_``, ``fill_`` or ``zero_``.
-* ATen's batch-norm operators make more than one pass (their CPU and CUDA kernels alike):
+* ATen's batch-norm operators make more than one pass, counted as their CUDA kernels make
+  them (aten/src/ATen/native/cuda/Normalization.cu; the CPU kernels make as many or more):
   ``native_batch_norm`` in training reads its input twice (statistics, then normalise);
   ``native_batch_norm_backward`` reads ``grad_out`` and ``input`` once for its reduction
   (in training, or when a weight or bias gradient is wanted) and again for the input gradient,
@@ -43,7 +46,9 @@ most that was alive at once among those allocated inside the counter. Allocation
 kernels (a CPU kernel's private buffers) are not seen.
 
 :func:`count_step` counts ``layer(leaf.clone()).backward(grad)`` with one counter for the
-forward and one for the backward (the clone is made outside both).
+forward and one for the backward (the clone is made outside both). It first frees the
+reference backward's CPU scratch buffers (``kernels/scratch.py``), so that its temporaries are
+allocated inside the counted backward as on a GPU, which does not keep them.
 """
 
 from __future__ import annotations
@@ -89,11 +94,12 @@ class Allocation:
     nbytes: int
 
 
-@dataclass
+@dataclass(eq=False)
 class TrafficCounter(TorchDispatchMode):
     """Counts launches, full-size bytes and full-size allocations while active (``with``).
 
     ``numel`` is the activation's number of elements: the size that makes a tensor full-size.
+    (Compared by identity: two counters with the same figures are still two counters.)
     """
 
     numel: int
