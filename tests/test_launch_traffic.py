@@ -276,6 +276,16 @@ def test_triton_kernels_write_only_what_they_declare():
     assert set(changed) == set(triton_kernels.TRAFFIC)
 
 
+def test_nested_counters_stay_distinct():
+    """Leaving an inner counter leaves the outer one active, even with equal figures (Triton
+    launches are recorded to the innermost active counter)."""
+    with traffic.TrafficCounter(10) as outer:
+        with traffic.TrafficCounter(10):
+            pass
+        assert len(traffic._ACTIVE) == 1 and traffic._ACTIVE[0] is outer
+    assert traffic._ACTIVE == []
+
+
 def test_undeclared_full_size_argument_is_refused():
     counter = traffic.TrafficCounter(10)
     with pytest.raises(ValueError, match="declare it"):
