@@ -195,7 +195,7 @@ class InPlaceABNFunction(torch.autograd.Function):
         config: LayerConfig,
     ) -> Tensor:
         kernels = kernels_for(x)
-        invstd, scale = forward_(x, weight, bias, running_mean, running_var, config, kernels)
+        invstd, scale = kernels.forward_(x, weight, bias, running_mean, running_var, config)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, weight, bias, invstd, scale)
         ctx.config = config
