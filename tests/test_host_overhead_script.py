@@ -51,11 +51,23 @@ def test_bad_counts_are_usage_errors(tmp_path, args):
     assert not (tmp_path / "x.json").exists()
 
 
-def test_threads_sets_torchs_thread_count(tmp_path):
+@pytest.mark.parametrize("args", [("--threads", "1"), ("--clock", "thread")])
+def test_one_thread_runs(tmp_path, args):
+    """``--threads 1``, and ``--clock thread``, which implies it (the thread clock counts only
+    the timing thread's work)."""
     out = tmp_path / "host.json"
-    done = _run("--device", "cpu", "--quick", "--threads", "1", "--json", str(out))
+    done = _run("--device", "cpu", "--quick", *args, "--json", str(out))
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(out.read_text())["machine"]["torch_threads"] == 1
+    report = json.loads(out.read_text())
+    assert report["machine"]["torch_threads"] == 1
+    assert report["clock"] == ("thread" if "--clock" in args else "wall")
+
+
+def test_thread_clock_with_more_threads_is_a_usage_error(tmp_path):
+    done = _run("--device", "cpu", "--clock", "thread", "--threads", "2",
+                "--json", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--clock thread" in done.stderr and not (tmp_path / "x.json").exists()
 
 
 def test_bare_function_does_the_layers_work():
