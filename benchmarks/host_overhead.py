@@ -6,6 +6,7 @@ whether the GPU waits for the host. Providers, on the same input and weights:
 
 ``bn``            ``nn.BatchNorm2d`` + ``nn.LeakyReLU(inplace=True)`` (what users replace)
 ``iabn``          ``iabn.InPlaceABN`` on the default backend (the reference kernels)
+``abn``           ``iabn.ABN``: the same ATen calls as ``bn`` behind iabn's module logic
 ``iabn_triton``   ``iabn.InPlaceABN`` with ``IABN_BACKEND=triton`` (CUDA only)
 ``noop_function`` a Python ``torch.autograd.Function`` that overwrites nothing and computes
                   nothing (marks its input dirty, saves it, passes the gradient through): the
@@ -14,6 +15,12 @@ whether the GPU waits for the host. Providers, on the same input and weights:
                   ``iabn``) in a bare Python ``Function`` with fixed settings: no checks, no
                   backend choice, no module logic. ``iabn`` minus this is what work on the
                   layer's own Python could still save; this minus ``bn`` is what it cannot
+
+Each layer is also compared with its floor, the provider doing the same work without iabn's
+layer logic: ``iabn`` (and ``iabn_triton``) with ``bare_function``, ``abn`` with ``bn``. As the
+providers run interleaved, each repeat gives one ratio ``layer / floor`` from timings taken
+moments apart; ``ratio_to_floor`` is the median of these ratios (with their quartiles), which
+load on a shared machine moves less than the ratio of two medians.
 
 One call is ``layer(leaf.clone()).backward(grad)`` with the gradients reset as
 ``optimizer.zero_grad()`` does; the clone is in every provider's call. Calls are timed in loops
@@ -24,16 +31,29 @@ everything goes to a JSON file with the machine, versions and date.
 
 Usage::
 
-    python benchmarks/host_overhead.py [--device cpu|cuda] [--repeats 15] [--iters 200]
-        [--quick] [--json benchmarks/results/host_overhead_<device>.json]
+    python benchmarks/host_overhead.py [--device cpu|cuda] [--repeats 41] [--iters 100]
+        [--threads N] [--clock wall|thread] [--quick]
+        [--json benchmarks/results/host_overhead_<device>.json]
+
+``--threads`` sets torch's intra-op threads (default: torch's own). On CPU, ATen's batch-norm
+kernels split even a tiny tensor's channels across threads; on a machine whose cores are busy
+with other work each such split waits for a thread to be scheduled, which multiplied BN's
+time by up to 50 on the shared 2-core VM; ``--threads 1`` measures the host path without that.
+
+``--clock thread`` (CPU only; implies ``--threads 1``, so that all of a step's work is on the
+timing thread) times by the thread's CPU time instead of the wall clock: the time the process
+waits for a core while other jobs run is not counted. On the loaded 2-core VM the quartiles of
+the per-repeat ratio ``iabn / bare_function`` spanned 0.6-1.4 by the wall clock and about
++-2 % by the thread clock. On a quiet machine the two agree; the wall clock is the default.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
-from statistics import median
+from statistics import median, quantiles
 
 import torch
 from torch import nn
@@ -45,12 +65,14 @@ from iabn.layer_config import LayerConfig
 from iabn.tools.bench import (
     machine_info,
     results_folder,
+    set_threads,
     time_interleaved,
     training_step,
     write_json,
 )
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 SHAPES = [(2, 8, 4, 4), (8, 64, 8, 8)]
 
 
@@ -132,6 +154,7 @@ def providers(device: torch.device, channels: int) -> dict[str, tuple[nn.Module,
     layers = {
         "bn": (nn.Sequential(nn.BatchNorm2d(channels), nn.LeakyReLU(0.01, inplace=True)), None),
         "iabn": (iabn.InPlaceABN(channels), None),
+        "abn": (iabn.ABN(channels), None),
         "noop_function": (NoOpFunctionLayer(channels), None),
         "bare_function": (BareFunctionLayer(channels), None),
     }
@@ -140,23 +163,41 @@ def providers(device: torch.device, channels: int) -> dict[str, tuple[nn.Module,
     return {name: (layer.to(device), backend) for name, (layer, backend) in layers.items()}
 
 
-def measure(shape, device: torch.device, repeats: int, iters: int) -> dict:
+def measure(shape, device: torch.device, repeats: int, iters: int,
+            clock=time.perf_counter) -> dict:
     leaf = torch.randn(shape, device=device, requires_grad=True)
     grad = torch.randn(shape, device=device)
     steps = {name: _on_backend(training_step(layer, leaf, grad), backend)
              for name, (layer, backend) in providers(device, shape[1]).items()}
-    samples = time_interleaved(steps, repeats, iters, warmup=5, device=device)
+    samples = time_interleaved(steps, repeats, iters, warmup=5, device=device, clock=clock)
     us = {name: median(values) * 1e3 for name, values in samples.items()}
     return {"shape": list(shape), "us_per_call": us,
             "ratio_to_bn": {name: value / us["bn"] for name, value in us.items()},
+            "ratio_to_floor": {name: paired_ratio(samples[name], samples[floor]) | {"floor": floor}
+                               for name, floor in FLOORS.items() if name in samples},
             "samples_ms": samples}
+
+
+#: Each layer's floor: the provider that does its work without iabn's layer logic.
+FLOORS = {"iabn": "bare_function", "iabn_triton": "bare_function", "abn": "bn"}
+
+
+def paired_ratio(times: list[float], floor: list[float]) -> dict[str, float]:
+    """Median and quartiles of ``times[i] / floor[i]``, the ratios within each repeat."""
+    ratios = sorted(t / f for t, f in zip(times, floor, strict=True))
+    q1, q2, q3 = quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else ratios * 3
+    return {"median": q2, "q1": q1, "q3": q3}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--iters", type=int, default=100)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's own)")
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="wall clock, or the thread's CPU time (CPU only, --threads 1)")
     parser.add_argument("--quick", action="store_true", help="3 repeats of 20 calls (CI smoke)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -176,19 +217,34 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeats < 1 or args.iters < 1:
         print("error: --repeats and --iters must be >= 1", file=sys.stderr)
         return 2
+    if args.threads is not None and args.threads < 1:
+        print("error: --threads must be >= 1", file=sys.stderr)
+        return 2
+    if args.clock == "thread":
+        if device.type != "cpu" or args.threads not in (None, 1):
+            print("error: --clock thread times CPU work on one thread: use it with --device "
+                  "cpu and without --threads (or --threads 1)", file=sys.stderr)
+            return 2
+        args.threads = 1
+    set_threads(args.threads)
     rows = []
     for shape in SHAPES:
-        row = measure(shape, device, args.repeats, args.iters)
+        row = measure(shape, device, args.repeats, args.iters, CLOCKS[args.clock])
         rows.append(row)
         figures = "  ".join(f"{name} {us:7.1f} µs ({row['ratio_to_bn'][name]:.2f}x)"
                             for name, us in row["us_per_call"].items())
         print(f"{'x'.join(map(str, shape)):>10}  {figures}", flush=True)
+        floors = "  ".join(
+            f"{name}/{r['floor']} {r['median']:.3f} (quartiles {r['q1']:.3f}-{r['q3']:.3f})"
+            for name, r in row["ratio_to_floor"].items()
+        )
+        print(f"{'':>10}  {floors}", flush=True)
     info = machine_info()
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
     path = args.json or RESULTS / f"host_overhead_{device.type}.json"
     write_json(path, {"machine": info, "device": str(device), "repeats": args.repeats,
-                      "iters": args.iters, "rows": rows})
+                      "iters": args.iters, "clock": args.clock, "rows": rows})
     return 0
 
 

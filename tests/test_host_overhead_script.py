@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -27,18 +28,46 @@ def test_quick_cpu_run_writes_times_and_ratios(tmp_path):
     assert report["machine"]["torch_version"] and report["device"] == "cpu"
     assert [row["shape"] for row in report["rows"]] == [[2, 8, 4, 4], [8, 64, 8, 8]]
     for row in report["rows"]:
-        assert set(row["us_per_call"]) == {"bn", "iabn", "noop_function", "bare_function"}
+        assert set(row["us_per_call"]) == {"bn", "iabn", "abn", "noop_function", "bare_function"}
         assert all(len(v) == 3 for v in row["samples_ms"].values())  # --quick: 3 repeats
         for name, us in row["us_per_call"].items():
             assert us > 0
             assert row["ratio_to_bn"][name] == us / row["us_per_call"]["bn"]
-        assert "x" in done.stdout
+        # each layer against its floor, repeat by repeat: the median of the 3 paired ratios
+        samples = row["samples_ms"]
+        for name, floor in (("iabn", "bare_function"), ("abn", "bn")):
+            ratios = sorted(t / f for t, f in zip(samples[name], samples[floor], strict=True))
+            got = row["ratio_to_floor"][name]
+            assert got["floor"] == floor and got["median"] == pytest.approx(ratios[1])
+            assert ratios[0] <= got["q1"] <= got["median"] <= got["q3"] <= ratios[2]
+        assert "x" in done.stdout and "iabn/bare_function" in done.stdout
 
 
-def test_bad_repeats_is_a_usage_error(tmp_path):
-    done = _run("--device", "cpu", "--repeats", "0", "--json", str(tmp_path / "x.json"))
+@pytest.mark.parametrize("args", [("--repeats", "0"), ("--threads", "0")])
+def test_bad_counts_are_usage_errors(tmp_path, args):
+    done = _run("--device", "cpu", *args, "--json", str(tmp_path / "x.json"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert args[0] in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("args", [("--threads", "1"), ("--clock", "thread")])
+def test_one_thread_runs(tmp_path, args):
+    """``--threads 1``, and ``--clock thread``, which implies it (the thread clock counts only
+    the timing thread's work)."""
+    out = tmp_path / "host.json"
+    done = _run("--device", "cpu", "--quick", *args, "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["machine"]["torch_threads"] == 1
+    assert report["clock"] == ("thread" if "--clock" in args else "wall")
+
+
+def test_thread_clock_with_more_threads_is_a_usage_error(tmp_path):
+    done = _run("--device", "cpu", "--clock", "thread", "--threads", "2",
+                "--json", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "--clock thread" in done.stderr and not (tmp_path / "x.json").exists()
 
 
 def test_bare_function_does_the_layers_work():

@@ -44,10 +44,10 @@ def test_in_place_layer_makes_the_minimal_calls(monkeypatch):
     monkeypatch.setenv("IABN_BACKEND", "reference")
     forward, backward = _calls_per_step(iabn.InPlaceABN(8))
     assert forward == [
-        "aten.add_",                 # num_batches_tracked += 1 (as nn.BatchNorm2d)
         "aten.abs", "aten.clamp_", "aten.copysign_",  # g = sign(w) max(|w|, eps): invertible
         "aten.native_batch_norm",    # statistics, running stats, normalise into x
         "aten.leaky_relu_",          # activation in place
+        "aten.add_",                 # num_batches_tracked += 1, once the call has succeeded
     ]
     assert backward == [
         "aten.leaky_relu",           # y = phi^-1(z)

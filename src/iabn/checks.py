@@ -19,6 +19,7 @@ from .scale import check_gamma_mode
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPES = "(N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W)"
+_STRIDED = torch.strided
 
 
 def check_options(
@@ -169,7 +170,8 @@ def check_inputs(
 
 
 def input_signature(
-    input: Tensor, training: bool, *channel_tensors: Tensor | None
+    input: Tensor, training: bool, weight: Tensor | None, bias: Tensor | None,
+    running_mean: Tensor | None, running_var: Tensor | None,
 ) -> tuple:
     """Everything :func:`check_inputs`' verdict depends on except what :func:`check_per_call`
     checks: the input's shape, dtype and device, ``training``, and each per-channel tensor's
@@ -178,10 +180,16 @@ def input_signature(
     A module keeps the signature of its last validated call and revalidates only when it
     changes, so a steady training loop pays for building this tuple (about 1 µs), not for the
     whole validation (about 3 µs on CPU). ``input`` must be a tensor (check that first).
+    Spelled out, without a loop or helper: it runs on every layer call.
     """
     return (
         input.shape, input.dtype, input.device, training,
-        *[None if t is None else (t.shape, t.dtype, t.device) for t in channel_tensors],
+        None if weight is None else (weight.shape, weight.dtype, weight.device),
+        None if bias is None else (bias.shape, bias.dtype, bias.device),
+        None if running_mean is None
+        else (running_mean.shape, running_mean.dtype, running_mean.device),
+        None if running_var is None
+        else (running_var.shape, running_var.dtype, running_var.device),
     )
 
 
@@ -190,7 +198,9 @@ def check_per_call(input: Tensor, *, in_place: bool) -> None:
     layout is not in the signature, and a nested tensor has no shape to build one) and
     whether this particular tensor may be overwritten (autograd leaf, memory overlap,
     inference tensor)."""
-    _check_tensor_kind(input)
+    # The common case in one test; any failure goes through the full check, which names it.
+    if not isinstance(input, Tensor) or input.is_nested or input.layout is not _STRIDED:
+        _check_tensor_kind(input)
     if in_place:
         _check_writable(input)
 
@@ -260,7 +270,8 @@ def _check_writable(input: Tensor) -> None:
             "torch.inference_mode() too, pass input.clone(), or use the non-in-place iabn.ABN"
         )
     if torch.is_grad_enabled():
-        leaf = input if input._base is None else input._base
+        base = input._base
+        leaf = input if base is None else base
         if leaf.is_leaf and leaf.requires_grad:
             what = "a leaf tensor" if leaf is input else "a view of a leaf tensor"
             raise RuntimeError(
@@ -271,7 +282,10 @@ def _check_writable(input: Tensor) -> None:
             )
     # torch.func's wrapped tensors (vmap's batched ones) have no overlap query: there the
     # layer is computed by composition and ATen's copy_ into the input does its own check.
-    if eager and not functorch_active() and has_internal_overlap(input):
+    # A contiguous tensor cannot overlap: asking that first spares the common case the
+    # overlap query (0.09 against 0.5 µs, CPU). (functorch_active, spelled out: a call less.)
+    if (eager and _peek_interpreter_stack() is None and not input.is_contiguous()
+            and has_internal_overlap(input)):
         raise ValueError(
             "input has elements that share memory (e.g. a tensor made by expand() or "
             "as_strided()), so it cannot be overwritten in place: pass input.contiguous(), or "
@@ -281,7 +295,10 @@ def _check_writable(input: Tensor) -> None:
 
 def functorch_active() -> bool:
     """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``...) is running."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return _peek_interpreter_stack() is not None
+
+
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
 
 
 # torch._debug_has_internal_overlap's verdicts (ATen's MemOverlap)

@@ -119,6 +119,11 @@ class ABN(_NormBase):
             if name == "activation_param":
                 value = float(value)
         super().__setattr__(name, value)
+        if name in _OPTIONS:
+            # Both per-layer caches of forward hold facts of the old options: the call
+            # settings, and the signature of a call validated against the old num_features.
+            self.__dict__.pop("_call_config", None)
+            self.__dict__.pop("_valid_signature", None)
 
     def _normalisation(self) -> tuple[bool, Tensor | None, Tensor | None]:
         """(use batch statistics?, running_mean, running_var) exactly as ``nn.BatchNorm``."""
@@ -130,7 +135,8 @@ class ABN(_NormBase):
     def _count_batch(self) -> float:
         """Count this batch in ``num_batches_tracked`` (as ``nn.BatchNorm``'s forward does) and
         return the running-statistics factor. A write: call it only once the checks passed,
-        so a rejected call leaves the count unchanged."""
+        so a rejected call leaves the count unchanged. (The layers' own forward counts after
+        the computation instead, see :meth:`_prepare`.)"""
         if not (self.training and self.track_running_stats):
             return 0.0
         self.num_batches_tracked.add_(1)
@@ -138,17 +144,58 @@ class ABN(_NormBase):
             return 1.0 / float(self.num_batches_tracked)
         return self.momentum
 
+    def _prepare(self, input: Tensor) -> tuple[
+        Tensor | None, Tensor | None, Tensor | None, Tensor | None, LayerConfig, Tensor | None
+    ]:
+        """Validate a call: ``(weight, bias, running_mean, running_var, config, counter)``,
+        the statistics as :meth:`_normalisation` gives them and the momentum as
+        :meth:`_count_batch` would. ``counter`` is the ``num_batches_tracked`` the caller
+        counts the batch in (``add_(1)``) once the computation has succeeded, as
+        ``nn.BatchNorm`` counts it, or ``None``: a call that raises, here or in the kernels
+        (``IABN_BACKEND`` is read there), is not counted."""
+        try:
+            # What self.weight and the others return, read from the tables nn.Module's
+            # __getattr__ reads (the attribute costs ~0.5 µs each, as __getattr__ runs only
+            # after the normal lookup has failed). nn.Module keeps a registered name out of
+            # __dict__ and refuses to register one the class defines, so the tables answer as
+            # the attributes do; a name taken out of them (del, parametrize, weight_norm,
+            # DataParallel's replicas) is read as an attribute below.
+            parameters, buffers = self._parameters, self._buffers
+            weight, bias = parameters["weight"], parameters["bias"]
+            running_mean, running_var = buffers["running_mean"], buffers["running_var"]
+            counter = buffers["num_batches_tracked"]
+        except KeyError:
+            weight, bias = self.weight, self.bias
+            running_mean, running_var = self.running_mean, self.running_var
+            tracking = self.training and self.track_running_stats
+            counter = self.num_batches_tracked if tracking else None
+        training = self.training
+        use_batch_stats = training or running_mean is None
+        if training and not self.track_running_stats:
+            running_mean = running_var = None
+        self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
+        if training and self.track_running_stats:
+            momentum = self.momentum
+            if momentum is None:  # cumulative average over the batches seen, counting this one
+                momentum = 1.0 / (float(counter) + 1)
+        else:
+            momentum, counter = 0.0, None
+        config = self.__dict__.get("_call_config")
+        if config is None or config[0] is not use_batch_stats or config[1] != momentum:
+            config = self._layer_config(use_batch_stats, momentum)
+        return weight, bias, running_mean, running_var, config, counter
+
     def _check(
         self, input: Tensor, use_batch_stats: bool, running_mean: Tensor | None,
         running_var: Tensor | None, weight: Tensor | None, bias: Tensor | None,
     ) -> None:
         """Validate a call before anything is written. The full :func:`check_inputs` runs
         when the call's :func:`input_signature` differs from the last valid one (first call,
-        new shape, ``.to()``, eval/train switch); otherwise only the per-tensor checks."""
+        new shape, ``.to()``, eval/train switch, an option assigned); otherwise only the
+        per-tensor checks."""
         check_per_call(input, in_place=self._in_place)
-        signature = input_signature(
-            input, use_batch_stats, weight, bias, running_mean, running_var
-        )
+        signature = input_signature(input, use_batch_stats, weight, bias, running_mean,
+                                    running_var)
         if signature != self.__dict__.get("_valid_signature"):
             check_inputs(
                 input, running_mean, running_var, weight, bias, use_batch_stats,
@@ -157,14 +204,22 @@ class ABN(_NormBase):
             # Set through __dict__: nn.Module.__setattr__ costs a microsecond per call.
             self.__dict__["_valid_signature"] = signature
 
-    def forward(self, input: Tensor) -> Tensor:
-        use_batch_stats, running_mean, running_var = self._normalisation()
-        weight, bias = self.weight, self.bias
-        self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
-        momentum = self._count_batch()
+    def _layer_config(self, use_batch_stats: bool, momentum: float) -> LayerConfig:
+        """This call's settings, built from the options and kept (``_call_config`` in
+        ``__dict__``) for the next calls with the same ``use_batch_stats`` and ``momentum``
+        (:meth:`_prepare` compares them; assigning an option drops it in ``__setattr__``)."""
         config = LayerConfig(use_batch_stats, momentum, self.eps, self.activation,
-                             self.activation_param, self.gamma_mode)
-        return abn_unchecked(input, running_mean, running_var, weight, bias, config)
+                             self.activation_param, self.gamma_mode,
+                             self.__dict__.get("variant", 2))
+        self.__dict__["_call_config"] = config
+        return config
+
+    def forward(self, input: Tensor) -> Tensor:
+        weight, bias, running_mean, running_var, config, counter = self._prepare(input)
+        output = abn_unchecked(input, running_mean, running_var, weight, bias, config)
+        if counter is not None:
+            counter.add_(1)
+        return output
 
     def __prepare_scriptable__(self) -> ABN:
         # torch.jit.script calls this on every submodule before compiling: fail here, with the
@@ -240,13 +295,11 @@ class InPlaceABN(ABN):
         self.variant = variant
 
     def forward(self, input: Tensor) -> Tensor:
-        use_batch_stats, running_mean, running_var = self._normalisation()
-        weight, bias = self.weight, self.bias
-        self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
-        momentum = self._count_batch()
-        config = LayerConfig(use_batch_stats, momentum, self.eps, self.activation,
-                             self.activation_param, self.gamma_mode, self.variant)
-        return inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
+        weight, bias, running_mean, running_var, config, counter = self._prepare(input)
+        output = inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
+        if counter is not None:
+            counter.add_(1)
+        return output
 
     def extra_repr(self) -> str:
         text = super().extra_repr()

@@ -195,7 +195,7 @@ class InPlaceABNFunction(torch.autograd.Function):
         config: LayerConfig,
     ) -> Tensor:
         kernels = kernels_for(x)
-        invstd, scale = forward_(x, weight, bias, running_mean, running_var, config, kernels)
+        invstd, scale = kernels.forward_(x, weight, bias, running_mean, running_var, config)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, weight, bias, invstd, scale)
         ctx.config = config
@@ -204,10 +204,11 @@ class InPlaceABNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
-        refuse_double_backward("InPlaceABN")
+        if torch.is_grad_enabled():  # the common case without a call
+            refuse_double_backward("InPlaceABN")
         z, weight, bias, invstd, scale = ctx.saved_tensors
         c = ctx.config
-        want_dx, want_dweight, want_dbias = ctx.needs_input_grad[:3]
+        want_dx, want_dweight, want_dbias, _, _, _ = ctx.needs_input_grad
         mask = [want_dx, want_dweight and weight is not None, want_dbias and bias is not None]
         dx, dgamma, dbeta = ctx.kernels.backward(z, dz, weight, bias, invstd, scale, c, mask)
         return (

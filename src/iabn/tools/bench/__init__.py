@@ -1,6 +1,7 @@
 """Benchmark helpers shared by ``iabn bench`` and the scripts in ``benchmarks/``.
 
-Timings are wall-clock milliseconds per call. Providers are timed *interleaved*: each repeat
+Timings are wall-clock milliseconds per call (a script may pass another clock, e.g. the
+calling thread's CPU time). Providers are timed *interleaved*: each repeat
 runs every provider once, so slow drifts of a shared machine (other jobs, frequency changes)
 hit all providers alike instead of whichever happened to run last; the reported figure is the
 median over repeats, which ignores the odd repeat disturbed by a burst of load.
@@ -102,18 +103,19 @@ def _synchronize(device: torch.device | None) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_call(step: Step, iters: int, device: torch.device | None = None) -> float:
+def _time_call(step: Step, iters: int, device: torch.device | None = None,
+               clock: Callable[[], float] = time.perf_counter) -> float:
     """Mean milliseconds of ``iters`` calls of ``step`` (on a CUDA ``device``, until its
-    queued work has finished)."""
+    queued work has finished) by ``clock`` (seconds)."""
     # Collect garbage before, not during, the timed loop: a collection triggered inside it
     # would be charged to whichever provider happened to be running.
     gc.collect()
     _synchronize(device)
-    start = time.perf_counter()
+    start = clock()
     for _ in range(iters):
         step()
     _synchronize(device)
-    return (time.perf_counter() - start) * 1e3 / iters
+    return (clock() - start) * 1e3 / iters
 
 
 def time_interleaved(
@@ -123,6 +125,7 @@ def time_interleaved(
     warmup: int = 1,
     on_repeat: RepeatCallback | None = None,
     device: torch.device | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, list[float]]:
     """Time each step round-robin; return ``{name: [ms per call, one value per repeat]}``.
 
@@ -131,6 +134,8 @@ def time_interleaved(
     from one repeat to the next so that no provider always runs first (or right after the
     same neighbour). ``on_repeat(index, {name: ms})`` is called after each repeat (progress).
     With a CUDA ``device`` each timing waits for the device to finish the steps' work.
+    ``clock`` reads seconds (wall-clock by default; ``time.thread_time`` counts only this
+    thread's CPU time, which time the process spends descheduled does not inflate).
     """
     names = list(steps)
     for name in names:
@@ -141,7 +146,7 @@ def time_interleaved(
         shift = index % len(names)
         this_repeat = {}
         for name in names[shift:] + names[:shift]:
-            this_repeat[name] = _time_call(steps[name], iters, device)
+            this_repeat[name] = _time_call(steps[name], iters, device, clock)
             samples[name].append(this_repeat[name])
         if on_repeat is not None:
             on_repeat(index, {name: this_repeat[name] for name in names})
