@@ -1,5 +1,6 @@
 """``iabn plan``: its figures against independent counts, JSON output, and the exit status and
-one-line message of user errors."""
+one-line message of user errors; ``iabn train``'s ``network.memory_budget``: training with a
+plan equals training without one."""
 
 import contextlib
 import io
@@ -8,11 +9,17 @@ import re
 
 import pytest
 import torch
+from torch import nn
+from torch.utils.data import Dataset
 
 import iabn
 from iabn.memory import saved_tensor_bytes
 from iabn.tools.bench.model_plan import parse_allow, parse_budget
 from iabn.tools.cli import main
+from iabn.tools.training.config import ENGINE_SCHEMA, ConfigError, check_engine_config
+from iabn.tools.training.config import defaults as config_defaults
+from iabn.tools.training.engine import EXIT_FINISHED, TrainOptions, train
+from iabn.tools.training.task import DataSplits
 
 # the tools pick CUDA when they see one; these check their CPU runs.
 pytestmark = pytest.mark.without_gpu
@@ -144,3 +151,107 @@ def test_parse_allow():
     for bad in ("", ",", "swap", "inplace,all"):
         with pytest.raises(ValueError):
             parse_allow(bad)
+
+
+# ---------------------------------------------------------------- iabn train: network.memory_budget
+
+
+class Images(Dataset):
+    """Random 3x8x8 images and 4 classes; keys may be ``(index, seed)`` pairs."""
+
+    def __init__(self, count, offset):
+        generator = torch.Generator().manual_seed(10 + offset)
+        self.x = torch.randn(count, 3, 8, 8, generator=generator)
+        self.y = torch.randint(0, 4, (count,), generator=generator)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, key):
+        index = key[0] if isinstance(key, tuple) else key
+        return self.x[index], self.y[index]
+
+
+class Accuracy:
+    def __init__(self, device):
+        self.sums = torch.zeros(2, dtype=torch.float64, device=device)
+
+    def update(self, outputs, targets, loss):
+        self.sums += torch.tensor([loss.item() * len(targets), float(len(targets))],
+                                  dtype=torch.float64)
+
+    def summarize(self, sums):
+        return {"loss": (sums[0] / sums[1]).item(), "count": sums[1].item()}
+
+
+class ConvTask:
+    """A small conv net with batch norm and ReLU (nothing goes in place losslessly: a plan
+    recomputes, which is bit-identical)."""
+
+    name, schema, best_metric = "convtoy", {}, "count"
+
+    def check_config(self, config, source):
+        pass
+
+    def datasets(self, config):
+        return DataSplits(Images(32, 0), Images(8, 1), 4, "random images")
+
+    def build_model(self, config, splits, ranks):
+        return nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    def forward(self, model, inputs):
+        return model(inputs)
+
+    def loss(self, outputs, targets):
+        return nn.functional.cross_entropy(outputs.float(), targets)
+
+    def new_meter(self, device):
+        return Accuracy(device)
+
+
+def conv_config(**network):
+    config = config_defaults(ENGINE_SCHEMA)
+    config["optimizer"].update(lr=0.05)
+    config["schedule"].update(epochs=2, type="constant")
+    config["data"].update(batch_size=8, workers=0, seed=1)
+    config["logging"].update(tensorboard=False, progress=False)
+    config["network"].update(network)
+    return config
+
+
+def test_training_with_a_memory_budget_is_exact(tmp_path):
+    assert train(ConvTask(), conv_config(), TrainOptions(tmp_path / "as_built",
+                                                         device="cpu")) == EXIT_FINISHED
+    planned_run = tmp_path / "planned"
+    assert train(ConvTask(), conv_config(memory_budget=0.4),
+                 TrainOptions(planned_run, device="cpu")) == EXIT_FINISHED
+    log = (planned_run / "logs" / "rank0.log").read_text()
+    line = next(t for t in log.splitlines() if "memory plan:" in t)
+    assert "recompute" in line
+    kept = float(re.search(r"\(([\d.]+) of the model's", line).group(1))
+    assert kept <= 0.4
+    expected = torch.load(tmp_path / "as_built" / "last.pth", weights_only=True)["model"]
+    got = torch.load(planned_run / "last.pth", weights_only=True)["model"]
+    assert got.keys() == expected.keys()  # the snapshot loads into the model as built
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+def test_a_memory_budget_out_of_reach_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"network.memory_budget=0.001: budget=0.001 .* out "
+                                          r"of reach.*give budget >= \d+"):
+        train(ConvTask(), conv_config(memory_budget=0.001),
+              TrainOptions(tmp_path / "run", device="cpu"))
+    assert not (tmp_path / "run" / "last.pth").exists()
+
+
+@pytest.mark.parametrize("value", [0, -0.5, 1.5, 2.5])
+def test_memory_budget_values_are_checked(value):
+    with pytest.raises(ConfigError, match=r"network\.memory_budget must be a fraction in"):
+        check_engine_config(conv_config(memory_budget=value))
+    for good in (None, 0.5, 1, 1.0, 4096):
+        check_engine_config(conv_config(memory_budget=good))

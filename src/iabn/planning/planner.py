@@ -524,6 +524,18 @@ def plan(
             gives that figure), or an argument is invalid.
     """
     args, allowed = _check_arguments(model, example_input, budget, policy, allow, time_limit)
+    # the caller's random streams stay as they were (the calibration draws numbers)
+    devices = sorted({a.device.index or 0 for a in args
+                      if isinstance(a, Tensor) and a.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        return _plan(model, args, budget, policy, allowed, time_limit, verify, timing_device,
+                     progress)
+
+
+def _plan(model: nn.Module, args: tuple, budget: int | float, policy: str,
+          allowed: tuple[str, ...], time_limit: float, verify: bool,
+          timing_device: torch.device | str | None,
+          progress: Callable[[str], None] | None) -> tuple[nn.Module, PlanReport]:
     started = time.perf_counter()
     say = progress or (lambda _text: None)
     planner = Planner(model, args, policy, allowed, timing_device, say, verify)
