@@ -19,7 +19,7 @@ from torch import nn
 import iabn
 from iabn.conversion import TrainEvalGraphModule
 from iabn.memory import saved_tensor_bytes
-from iabn.planning import PlannedModule, PlannedSequential, PlanReport
+from iabn.planning import PlannedSequential, PlanReport, module_plan
 from iabn.planning.planner import Planner
 from iabn.planning.solver import solve
 from iabn.planning.wrappers import INPLACE, INPLACE_RECOMPUTE, KEEP, RECOMPUTE
@@ -276,6 +276,15 @@ def test_out_of_reach_budget_names_the_smallest_reachable():
         iabn.plan(model, x, smallest - 1, policy="leaky_relu")
 
 
+def test_a_model_without_units_is_returned_as_given():
+    model, x = nn.Linear(3, 3), torch.randn(2, 3)
+    _, report = iabn.plan(model, x, 1.0)
+    assert report.rows == [] and report.measured == measured(model, x) == report.as_given
+    assert any(n.startswith("no units") for n in report.notes)
+    with pytest.raises(ValueError, match=f"give budget >= {report.as_given}"):
+        iabn.plan(model, x, 0.5)
+
+
 def test_offload_alone_on_cpu_reaches_nothing():
     model, x = build("vgg")
     with pytest.raises(ValueError, match=r"allow=\('offload',\).*or allow more choices"):
@@ -435,30 +444,47 @@ def test_the_model_given_is_not_modified():
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
-def test_planned_model_keeps_keys_names_and_mode():
+def test_planned_model_keeps_keys_names_classes_and_mode():
+    """Recomputed single modules keep their class (isinstance checks, such as an optimizer's
+    no-decay group for norm layers, see them), keys, names and mode."""
     model, x = build("dense")
     model.eval()
     planned, report = iabn.plan(model, x, report_smallest(model, x), policy="leaky_relu")
-    assert not planned.training
+    assert not planned.training and all(not m.training for m in planned.modules())
     assert list(planned.state_dict()) == list(model.state_dict())
     assert [n for n, _ in planned.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert [(n, type(m)) for n, m in planned.named_modules()] == [
+        (n, type(m)) for n, m in model.named_modules()]
     # the state dict of the model as given loads into it and back
     planned.load_state_dict(model.state_dict())
     model.load_state_dict(planned.state_dict())
-    wrappers = [m for m in planned.modules() if isinstance(m, PlannedModule)]
-    assert wrappers, report.table()
-    # attribute access reaches the wrapped module
-    wrapper = wrappers[0]
-    assert wrapper.inner.training is False
-    planned.train()
-    assert wrapper.inner.training
-    # copies and pickles run
+    recomputed = {n: module_plan(m).choice for n, m in planned.named_modules()
+                  if module_plan(m) is not None}
+    assert "recompute" in recomputed.values(), report.table()
+    assert all(module_plan(m) is None for m in model.modules())
+    norm = planned.norm  # a norm layer recomputed on its own stays a norm layer
+    assert isinstance(norm, nn.BatchNorm2d) and module_plan(norm).choice == "recompute"
+    # copies and pickles keep the plan and run
     for clone in (copy.deepcopy(planned), pickle.loads(pickle.dumps(planned))):
+        assert module_plan(clone.norm).choice == "recompute"
+        assert module_plan(clone.norm) is not module_plan(norm)
         assert clone(x).shape == (2, 10)
     buffer = io.BytesIO()
     torch.save(planned, buffer)
     buffer.seek(0)
     assert torch.load(buffer, weights_only=False)(x).shape == (2, 10)
+
+
+def test_hooks_of_a_recomputed_module_run_once():
+    model, x = build("dense")
+    planned, _ = iabn.plan(model, x, report_smallest(model, x), allow=("recompute",))
+    layer = planned.layers[0]
+    assert module_plan(layer).choice == "recompute"
+    calls = []
+    layer.register_forward_hook(lambda *_: calls.append("forward"))
+    layer.register_forward_pre_hook(lambda *_: calls.append("pre"))
+    planned(x).sum().backward()
+    assert calls == ["pre", "forward"]
 
 
 def test_planned_sequential_keeps_indexing():

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ..memory import _storage_key
 from .cost import REST, OpCount, OpCounter
 from .segments import preserved, tensor_leaves
-from .wrappers import Observer, PlannedModule, PlannedSequential, _chain, recomputed
+from .wrappers import Observer, PlannedSequential, _chain, module_plan, recomputed
 
 Identity = tuple[str, int, int]
 
@@ -126,8 +126,9 @@ class _Recorder(Observer):
 
 def observe(model: nn.Module, observer: Observer | None) -> None:
     for module in model.modules():
-        if isinstance(module, (PlannedSequential, PlannedModule)):
-            module.observer = observer
+        target = module if isinstance(module, PlannedSequential) else module_plan(module)
+        if target is not None:
+            target.observer = observer
 
 
 @contextlib.contextmanager
@@ -196,12 +197,13 @@ def _transferred(model: nn.Module) -> dict[int, int]:
     """Bytes each offloaded unit sent to the host in the forward just run."""
     result: dict[int, int] = {}
     for module in model.modules():
+        plan = module_plan(module)
         if isinstance(module, PlannedSequential) and module.units is not None:
-            for index, offloader in module._offloaders.items():
+            for index, offloader in module.offloaders.by_key.items():
                 result[module.units[index]] = offloader.stats.transferred_bytes
-        elif isinstance(module, PlannedModule) and module.unit is not None:
-            for offloader in module._offloaders.values():
-                result[module.unit] = offloader.stats.transferred_bytes
+        elif plan is not None and plan.unit is not None:
+            for offloader in plan.offloaders.by_key.values():
+                result[plan.unit] = offloader.stats.transferred_bytes
     return result
 
 

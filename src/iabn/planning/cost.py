@@ -101,12 +101,12 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     out = torch.empty(n, n, device=device, dtype=dtype)
-    mm = _best_seconds(lambda: torch.mm(a, b, out=out), device, 5)
+    mm = _best_seconds(lambda: torch.mm(a, b, out=out), device, 15)
     flops = 2 * n**3 / mm
     elements = (256 if device.type == "cuda" else 32) * 2**20 // 4
     src = torch.empty(elements, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    copy = _best_seconds(lambda: dst.copy_(src), device, 5)
+    copy = _best_seconds(lambda: dst.copy_(src), device, 10)
     bandwidth = 2 * src.numel() * src.element_size() / copy
     tiny_a = torch.ones(1, device=device, dtype=dtype)
     tiny_out = torch.empty_like(tiny_a)
@@ -116,7 +116,7 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
         for _ in range(count):
             torch.add(tiny_a, tiny_a, out=tiny_out)
 
-    overhead = _best_seconds(tiny, device, 5) / count
+    overhead = _best_seconds(tiny, device, 15) / count
     pcie = None
     if device.type == "cuda":
         host = torch.empty(src.numel(), dtype=torch.float32, pin_memory=True)

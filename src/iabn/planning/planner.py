@@ -38,8 +38,8 @@ from .wrappers import (
     RECOMPUTE,
     RECOMPUTED,
     Observer,
-    PlannedModule,
     PlannedSequential,
+    plan_module,
 )
 
 #: What ``allow`` may name.
@@ -231,15 +231,13 @@ class Planner:
             choice = choice_of.get(unit.index, KEEP)
             if not observe and choice not in (*RECOMPUTED, OFFLOAD):
                 continue
-            wrapper = PlannedModule(model.get_submodule(unit.path), choice)
+            planned = plan_module(model.get_submodule(unit.path), choice)
             if observe:
-                wrapper.unit = unit.index
-            model = _put(model, unit.path, wrapper)
+                planned.unit = unit.index
         return model
 
     def _modules(self, model: nn.Module, unit: Unit) -> list[nn.Module]:
-        return [m.inner if isinstance(m, PlannedModule) else m
-                for m in unit_modules(model, unit)]
+        return unit_modules(model, unit)
 
     # ------------------------------------------------------------ in place
 
@@ -352,6 +350,12 @@ class Planner:
         return runs
 
     def _recompute_candidates(self) -> list[Candidate]:
+        """Every run, recomputed (and, where a unit converts, recomputed in place). What a
+        run keeps is measured by running it under checkpoint on its first unit's recorded
+        input. Checkpoint saves the run's inputs before it runs the run, so the runs from one
+        unit keep the same storages whatever their length: the shortest and the longest are
+        measured, and where they agree (always, so far) the others take that figure; where
+        they do not, each run is measured."""
         found = []
         runs = [r for r in self._runs() if r[0] not in self.keep.writes_input
                 and self.keep.inputs.get(r[0])]
@@ -360,19 +364,35 @@ class Planner:
             self.notes.append(f"{self.units[u].name}: not recomputed: "
                               + ("its forward writes into its input" if u in
                                  self.keep.writes_input else "it has no tensor input"))
-        self.say(f"measuring {len(runs)} recomputed runs")
+        by_start: dict[int, list[tuple[int, ...]]] = {}
         for units in runs:
+            by_start.setdefault(units[0], []).append(units)
+        self.say(f"measuring {len(runs)} recomputed runs from {len(by_start)} units")
+        for group in by_start.values():
             variants = [(RECOMPUTE, self.keep_model)]
-            if any(u in self.converted for u in units) and self.inplace_model is not None:
+            if any(u in self.converted for units in group for u in units) and (
+                    self.inplace_model is not None):
                 variants.append((INPLACE_RECOMPUTE, self.inplace_model))
             for choice, model in variants:
-                modules = [m for u in units for m in self._modules(model, self.units[u])]
-                saved = recomputed_saves(modules, self.keep.inputs[units[0]],
-                                         self.input_identities[units[0]])
+                ends = {units: self._measure_run(model, units) for units in (group[0],
+                                                                             group[-1])}
+                same = ends[group[0]].same_as(ends[group[-1]]) and (
+                    ends[group[0]].private == ends[group[-1]].private)
                 variant = INPLACE if choice == INPLACE_RECOMPUTE else KEEP
-                seconds = sum(self._forward_seconds(u, variant) for u in units)
-                found.append(Candidate(units, choice, saved, seconds))
+                for units in group:
+                    if choice == INPLACE_RECOMPUTE and not any(u in self.converted
+                                                               for u in units):
+                        continue  # the same as recomputing it as given
+                    saved = ends.get(units) or (ends[group[0]] if same
+                                                else self._measure_run(model, units))
+                    seconds = sum(self._forward_seconds(u, variant) for u in units)
+                    found.append(Candidate(units, choice, saved, seconds))
         return found
+
+    def _measure_run(self, model: nn.Module, units: tuple[int, ...]) -> Saved:
+        modules = [m for u in units for m in self._modules(model, self.units[u])]
+        return recomputed_saves(modules, self.keep.inputs[units[0]],
+                                self.input_identities[units[0]])
 
     # ------------------------------------------------------------ the integer program
 
@@ -585,6 +605,9 @@ def _plan(model: nn.Module, args: tuple, budget: int | float, policy: str,
     if measured != predicted:
         notes.append(f"the measured bytes ({measured}) differ from the prediction "
                      f"({predicted}): please report this model")
+    if not planner.units:
+        notes.append("no units: forward calls no module once with tensors only (see "
+                     "docs/design.md, \"Planning memory\"); the model is returned as given")
     for path, why in planner.segmentation.skipped:
         notes.append(f"{path}: not a unit: {why}")
     step = (sum(c.seconds(planner.speed) for c in planner.keep.forward_ops.values())

@@ -84,7 +84,7 @@ class PlanReport:
         out = ["  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)).rstrip()
                for row in (header, *lines)]
         shapes = ", ".join("x".join(map(str, s)) for s in self.example_shape)
-        counts = ", ".join(f"{n} {c}" for c, n in self.counts.items())
+        counts = ", ".join(f"{n} {c}" for c, n in self.counts.items()) or "none"
         out.append("")
         out.append(f"policy {self.policy}; allowed {', '.join(self.allow) or 'nothing'}; "
                    f"{len(self.rows)} segments: {counts}")

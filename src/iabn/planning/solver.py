@@ -174,6 +174,8 @@ class SolverTimeout(RuntimeError):
 
 def smallest(problem: Problem, time_limit: float) -> tuple[int, list[int], bool, float]:
     """The fewest bytes any plan reaches: ``(bytes, selection, proven, lower bound)``."""
+    if not problem.options:  # nothing to choose: the model as given
+        return problem.saved_bytes([]), [], True, problem.saved_bytes([])
     model = _Model(problem)
     result = model.solve(model.bytes, [], time_limit)
     if result.x is None:
@@ -189,6 +191,8 @@ def smallest(problem: Problem, time_limit: float) -> tuple[int, list[int], bool,
 def solve(problem: Problem, budget: int, time_limit: float) -> Solution:
     """The plan of least predicted time within ``budget`` bytes (then the fewest changes)."""
     start = time.perf_counter()
+    if not problem.options:
+        return Solution([], "optimal", 0.0)
     model = _Model(problem)
     limit = [(model.bytes, -np.inf, float(budget - problem.constant))]
     result = model.solve(model.cost, limit, time_limit)

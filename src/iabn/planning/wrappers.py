@@ -1,13 +1,12 @@
 """How a plan runs a segment: recomputed in backward, or with its saved tensors offloaded.
 
-Two wrappers keep the model's ``state_dict`` keys, parameter names and module paths:
+The model keeps its ``state_dict`` keys, parameter names, module paths and classes:
 
-- :class:`PlannedSequential` replaces an ``nn.Sequential`` whose children form the chain; it
-  holds the same children under the same names and runs groups of them (blocks) with their
-  choice;
-- :class:`PlannedModule` wraps one module called elsewhere (a ResNet's stem layers). It adopts
-  the wrapped module's parameter, buffer and child dictionaries (the same dict objects), so its
-  keys are the wrapped module's own and nothing is duplicated.
+- a chain becomes :class:`PlannedSequential`, an ``nn.Sequential`` subclass holding the same
+  children under the same names, which runs groups of them (blocks) with their choice;
+- a single module keeps its class: :func:`plan_module` gives it an instance ``forward`` that
+  runs the class's ``forward`` recomputed or offloaded (its hooks still run once, around it),
+  so ``isinstance`` checks (an optimizer's norm-layer groups, weight initialisation) see it.
 
 Recomputation is ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout
 draws the same mask again). Running statistics must be updated once per forward, as without
@@ -20,6 +19,7 @@ outputs do not depend on the running statistics.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -82,12 +82,28 @@ def recomputed(fn: Callable[..., Any], modules: Sequence[nn.Module], *args: Any)
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
 
-def _offloader() -> Any:
-    from ..offloading import Offloader
+class Offloaders:
+    """The offloaders of a planned chain's blocks or module, made on first use. A cache: a
+    copy or a pickle of the model starts without them (their host buffers and CUDA stream
+    belong to this process)."""
 
-    # min_bytes=0: every saved activation goes, so what stays on the device is exactly what
-    # the segment's neighbours save themselves (the planner's accounting relies on it)
-    return Offloader(min_bytes=0)
+    def __init__(self) -> None:
+        self.by_key: dict[int, Any] = {}
+
+    def get(self, key: int) -> Any:
+        if key not in self.by_key:
+            from ..offloading import Offloader
+
+            # min_bytes=0: every saved activation goes, so what stays on the device is exactly
+            # what the segment's neighbours save themselves (the planner's accounting)
+            self.by_key[key] = Offloader(min_bytes=0)
+        return self.by_key[key]
+
+    def __deepcopy__(self, memo: dict) -> Offloaders:
+        return Offloaders()
+
+    def __getstate__(self) -> dict:
+        return {"by_key": {}}
 
 
 def offloaded(fn: Callable[..., Any], offloader: Any, modules: Sequence[nn.Module],
@@ -113,7 +129,7 @@ class PlannedSequential(nn.Sequential):
         # which planner unit each block is (the planner's accounting), by block index
         self.units: list[int] | None = None
         self.observer: Observer | None = None
-        self._offloaders: dict[int, Any] = {}
+        self.offloaders = Offloaders()
 
     def forward(self, x: Any) -> Any:
         children = list(self._modules.values())
@@ -121,7 +137,8 @@ class PlannedSequential(nn.Sequential):
             modules = children[start:stop]
             if self.observer is not None and self.units is not None:
                 self.observer.enter(self.units[index], (x,))
-            x = _run(choice, modules, self._offloaders, index, x)
+            fn = modules[0] if len(modules) == 1 else _chain(modules)
+            x = _run(choice, fn, modules, self.offloaders, index, x)
             if self.observer is not None and self.units is not None:
                 self.observer.exit(self.units[index], x)
         return x
@@ -138,81 +155,53 @@ def _chain(modules: Sequence[nn.Module]) -> Callable[[Any], Any]:
     return run
 
 
-def _run(choice: str, modules: Sequence[nn.Module], offloaders: dict[int, Any], key: int,
-         *args: Any) -> Any:
-    fn = modules[0] if len(modules) == 1 else _chain(modules)
+def _run(choice: str, fn: Callable[..., Any], modules: Sequence[nn.Module],
+         offloaders: Offloaders, key: int, *args: Any) -> Any:
     if choice in RECOMPUTED:
         return recomputed(fn, modules, *args)
     if choice == OFFLOAD:
-        if key not in offloaders:
-            offloaders[key] = _offloader()
-        return offloaded(fn, offloaders[key], modules, *args)
+        return offloaded(fn, offloaders.get(key), modules, *args)
     return fn(*args)
 
 
-class PlannedModule(nn.Module):
-    """Runs ``inner`` recomputed or offloaded. Its parameters, buffers and children are
-    ``inner``'s own (the same dictionaries), so the ``state_dict`` keys, parameter names and
-    attribute access (``wrapper.conv1``, ``wrapper.eps``) are ``inner``'s."""
+class ModulePlan:
+    """How one planned single module runs: its ``choice``, and for the planner's accounting
+    its ``unit`` and ``observer``."""
 
-    def __init__(self, inner: nn.Module, choice: str) -> None:
-        super().__init__()
-        state = self.__dict__
-        state["_planned_inner"] = inner
-        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
-            state[name] = getattr(inner, name)
-        state["_version"] = getattr(inner, "_version", 1)
+    def __init__(self, choice: str) -> None:
         self.choice = choice
         self.unit: int | None = None
         self.observer: Observer | None = None
-        self._offloaders: dict[int, Any] = {}
+        self.offloaders = Offloaders()
 
-    @property
-    def inner(self) -> nn.Module:
-        return self.__dict__["_planned_inner"]
 
-    def forward(self, *args: Any) -> Any:
-        if self.observer is not None and self.unit is not None:
-            self.observer.enter(self.unit, args)
-        out = _run(self.choice, [self.inner], self._offloaders, 0, *args)
-        if self.observer is not None and self.unit is not None:
-            self.observer.exit(self.unit, out)
-        return out
+def _planned_forward(module: nn.Module, plan: ModulePlan, *args: Any) -> Any:
+    # the class's forward, not the module's __call__: the module's hooks run once, around this
+    forward = type(module).forward.__get__(module)
+    if plan.observer is not None and plan.unit is not None:
+        plan.observer.enter(plan.unit, args)
+    out = _run(plan.choice, forward, [module], plan.offloaders, 0, *args)
+    if plan.observer is not None and plan.unit is not None:
+        plan.observer.exit(plan.unit, out)
+    return out
 
-    # the wrapped module's own flag: set through the wrapper (train(), eval(), or directly, as
-    # code that saves and restores modes does) it reaches the module that runs
-    @property
-    def training(self) -> bool:  # type: ignore[override]
-        inner = self.__dict__.get("_planned_inner")
-        return inner.training if inner is not None else self.__dict__.get("_training", True)
 
-    @training.setter
-    def training(self, mode: bool) -> None:
-        inner = self.__dict__.get("_planned_inner")
-        if inner is None:
-            self.__dict__["_training"] = mode
-        else:
-            inner.training = mode
+def plan_module(module: nn.Module, choice: str) -> ModulePlan:
+    """Make ``module`` run with ``choice`` (its instance ``forward``; class, keys and hooks
+    unchanged). Returns its :class:`ModulePlan`."""
+    plan = ModulePlan(choice)
+    module.forward = functools.partial(_planned_forward, module, plan)
+    return plan
 
-    # the wrapped module's own state_dict logic (e.g. batch norm's version handling)
-    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
-        self.inner._save_to_state_dict(destination, prefix, keep_vars)
 
-    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
-        self.inner._load_from_state_dict(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            inner = self.__dict__.get("_planned_inner")
-            if inner is None:
-                raise
-            return getattr(inner, name)
-
-    def extra_repr(self) -> str:
-        return f"{self.choice}: {type(self.inner).__name__}"
+def module_plan(module: nn.Module) -> ModulePlan | None:
+    """The plan :func:`plan_module` gave ``module``, if any."""
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, functools.partial) and forward.func is _planned_forward:
+        return forward.args[1]
+    return None
 
 
 __all__ = ["CHOICES", "INPLACE", "INPLACE_RECOMPUTE", "KEEP", "OFFLOAD", "RECOMPUTE",
-           "RECOMPUTED", "PlannedModule", "PlannedSequential", "offloaded", "recomputed"]
+           "RECOMPUTED", "ModulePlan", "Offloaders", "PlannedSequential", "module_plan",
+           "offloaded", "plan_module", "recomputed"]

@@ -40,8 +40,9 @@ def plan_model(model: nn.Module, budget: float, sample: torch.Tensor, per_rank: 
             x = x.contiguous(memory_format=torch.channels_last)
         with autocast(device, precision):
             try:
-                planned, report = iabn.plan(model, x, value, policy="lossless",
-                                            verify=False)
+                # verify: each converted unit is compared with the original, and one
+                # backward pass runs through the planned model before training starts
+                planned, report = iabn.plan(model, x, value, policy="lossless", verify=True)
             except ValueError as error:
                 raise ConfigError(f"network.memory_budget={budget:g}: {error}") from None
     return planned, report
