@@ -21,8 +21,8 @@ from iabn.conversion import TrainEvalGraphModule
 from iabn.memory import saved_tensor_bytes
 from iabn.planning import PlannedSequential, PlanReport, module_plan
 from iabn.planning.planner import Planner
-from iabn.planning.solver import solve
-from iabn.planning.wrappers import INPLACE, INPLACE_RECOMPUTE, KEEP, RECOMPUTE
+from iabn.planning.solver import Option, solve
+from iabn.planning.wrappers import INPLACE, INPLACE_RECOMPUTE, KEEP, OFFLOAD, RECOMPUTE
 
 
 class Block(nn.Module):
@@ -318,6 +318,27 @@ def test_time_limit_returns_the_best_plan_found(monkeypatch):
     assert report.measured == measured(planned, x) <= 0.5 * report.as_given
 
 
+def test_time_limit_without_a_faster_plan_returns_the_plan_of_fewest_bytes(monkeypatch):
+    from scipy import optimize
+
+    real_milp = optimize.milp
+    calls = []
+
+    def stopped(*args, **kwargs):
+        result = real_milp(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:  # the least-time solve: stopped before it found any plan
+            result.status, result.x = 1, None
+        return result
+
+    monkeypatch.setattr(optimize, "milp", stopped)
+    model, x = build("resnet")
+    planned, report = iabn.plan(model, x, 0.5, policy="leaky_relu", time_limit=5.0)
+    assert report.solver_status == "time limit"
+    assert any("plan of fewest bytes" in n for n in report.notes)
+    assert report.measured == measured(planned, x) == report.smallest
+
+
 def test_a_tiny_time_limit_is_handled():
     model, x = build("vgg_leaky")
     try:
@@ -566,3 +587,25 @@ def test_offload_on_cuda_is_measured_exactly():
         _step(m, x, target)
     for (name, p), q in zip(reference.named_parameters(), planned.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad), name
+
+
+def test_offloaded_units_run_exactly_on_cpu():
+    """Offloading is no candidate on CPU (nothing to gain), but its wrappers run there: a
+    single module and a chain unit offloaded keep nothing of their own in the count (what
+    CUDA's planner records for them), their neighbours' storages still count, and training
+    is bit for bit the model's as given."""
+    for name, chosen in (("dense", ("layers.0", "layers.1")), ("vgg", ("3-7",))):
+        model, x = build(name)
+        planner = Planner(model, (x,), "lossless", ("recompute",))
+        units = {u.name: u.index for u in planner.units}
+        offloaded = [units[n] for n in chosen]
+        planned = planner.assemble([((u,), OFFLOAD) for u in offloaded], real=True)
+        problem = planner.problem()
+        nothing = len(problem.options)
+        problem.options += [Option((u,), 0.0, 0, frozenset(), KEEP, True) for u in offloaded]
+        plan = [i for i, c in enumerate(planner.candidates)
+                if c.choice == KEEP and c.units[0] not in offloaded]
+        plan += list(range(nothing, nothing + len(offloaded)))
+        assert problem.saved_bytes(plan) == measured(planned, x) < planner.as_given
+        worst, counted = _largest_difference(copy.deepcopy(model), planned, x)
+        assert counted and worst == 0.0

@@ -29,7 +29,7 @@ from .segments import (
     tensor_leaves,
     unit_modules,
 )
-from .solver import Option, Problem, SolverTimeout, smallest, solve
+from .solver import Option, Problem, Solution, SolverTimeout, smallest, solve
 from .wrappers import (
     INPLACE,
     INPLACE_RECOMPUTE,
@@ -563,10 +563,9 @@ def _plan(model: nn.Module, args: tuple, budget: int | float, policy: str,
              else math.floor(float(budget) * planner.as_given))
     problem = planner.problem()
     say(f"solving: {len(problem.options)} candidates")
-    remaining = max(time_limit - 0.0, 1e-3)
     solve_start = time.perf_counter()
     try:
-        least, _, proven, lower = smallest(problem, remaining)
+        least, fewest, proven, lower = smallest(problem, time_limit)
     except SolverTimeout:
         raise ValueError(f"time_limit={time_limit:g}: the solver found no plan in time; give "
                          f"it more seconds") from None
@@ -584,9 +583,10 @@ def _plan(model: nn.Module, args: tuple, budget: int | float, policy: str,
     remaining = max(time_limit - (time.perf_counter() - solve_start), 1e-3)
     try:
         solution = solve(problem, limit, remaining)
-    except SolverTimeout:
-        raise ValueError(f"time_limit={time_limit:g}: the solver found no plan within the "
-                         f"budget in time; give it more seconds") from None
+    except SolverTimeout:  # the plan of fewest bytes fits: better than none
+        solution = Solution(fewest, "time limit", time.perf_counter() - solve_start, None, [
+            "the time limit ended the search before it found a plan of less time than the "
+            "plan of fewest bytes, which is this one"])
     chosen = solution.chosen
     predicted = problem.saved_bytes(chosen)
     blocks = [(planner.candidates[i].units, planner.candidates[i].choice) for i in chosen]
