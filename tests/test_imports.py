@@ -59,6 +59,17 @@ def test_conversion_loads_on_first_use():
     assert result.stdout.strip() == "ok", result.stderr
 
 
+def test_plan_loads_on_first_use():
+    """iabn.plan (and SciPy, its solver) load when used, not with `import iabn`."""
+    script = ("import sys, iabn; assert 'iabn.planning' not in sys.modules; "
+              "assert 'scipy' not in sys.modules; "
+              "assert iabn.plan is sys.modules['iabn.planning'].plan; "
+              "assert iabn.PlanReport is sys.modules['iabn.planning'].PlanReport; print('ok')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
 def _import_graph():
     """iabn's modules and the iabn modules each imports (top-level and inside functions)."""
     import ast

@@ -1,5 +1,5 @@
-"""Output paths of ``iabn bench`` and ``iabn memory``, and the atomic write they share
-(``iabn test --json`` uses it too): every path is checked before any work, the write leaves
+"""Output paths of ``iabn bench``, ``iabn memory`` and ``iabn plan``, and the atomic write they
+share (``iabn test --json`` uses it too): every path is checked before any work, the write leaves
 the old file or the whole new one and never a temporary file, and a failed write is one line
 on stderr with exit status 2."""
 
@@ -21,6 +21,8 @@ pytestmark = pytest.mark.without_gpu
 TINY_BENCH = ["bench", "--blocks", "1", "--channels", "2", "--size", "4", "--batch", "2",
               "--repeats", "1", "--iters", "1", "--warmup", "0", "--threads", "1", "--quiet"]
 FACTORY = ["memory", "memory_cli_models:small_net", "--input", "2,3,8,8", "--quiet"]
+PLAN = ["plan", "memory_cli_models:small_net", "--input", "2,3,8,8", "--quiet"]
+ARGV = {"bench": TINY_BENCH, "memory": FACTORY, "plan": PLAN}
 
 
 class Worked(Exception):
@@ -29,7 +31,8 @@ class Worked(Exception):
 
 @pytest.fixture()
 def no_work(monkeypatch):
-    """``bench`` and ``memory`` raise :class:`Worked` where their measuring would start."""
+    """``bench``, ``memory`` and ``plan`` raise :class:`Worked` where their measuring would
+    start."""
 
     def worked(*_args, **_kwargs):
         raise Worked
@@ -54,22 +57,22 @@ def _bad_paths(tmp_path):
     ]
 
 
-@pytest.mark.parametrize("command", ["bench", "memory"])
+@pytest.mark.parametrize("command", ["bench", "memory", "plan"])
 def test_bad_json_paths_exit_2_before_any_work(tmp_path, capsys, no_work, command):
     cases = _bad_paths(tmp_path)
     before = sorted(os.listdir(tmp_path))
     for path, message in cases:
-        argv = (TINY_BENCH if command == "bench" else FACTORY) + ["--json", path]
+        argv = [*ARGV[command], "--json", path]
         assert main(argv) == 2, path  # Worked would escape if the work started
         assert message in one_line_error(capsys, command), path
     assert sorted(os.listdir(tmp_path)) == before  # nothing created (no missing/ folder)
 
 
-@pytest.mark.parametrize("command", ["bench", "memory"])
+@pytest.mark.parametrize("command", ["bench", "memory", "plan"])
 def test_an_existing_json_file_is_kept_unless_overwrite(tmp_path, capsys, no_work, command):
     mine = tmp_path / "mine.json"
     mine.write_text("my notes")
-    argv = (TINY_BENCH if command == "bench" else FACTORY) + ["--json", str(mine)]
+    argv = [*ARGV[command], "--json", str(mine)]
     assert main(argv) == 2
     assert "exists; add --overwrite to replace it" in one_line_error(capsys, command)
     assert mine.read_text() == "my notes"
@@ -85,13 +88,13 @@ def test_bench_overwrite_replaces_the_file(tmp_path):
     assert os.listdir(tmp_path) == ["bench.json"]
 
 
-@pytest.mark.parametrize("command", ["bench", "memory"])
+@pytest.mark.parametrize("command", ["bench", "memory", "plan"])
 def test_full_disk_while_writing_json_is_one_line_and_leaves_nothing(tmp_path, capsys,
                                                                       monkeypatch, command):
     old = tmp_path / "old.json"
     old.write_text("the previous results")
     new = tmp_path / "new.json"
-    argv = TINY_BENCH if command == "bench" else FACTORY
+    argv = ARGV[command]
     full_disk.install(monkeypatch)
     assert main([*argv, "--json", str(new)]) == 2
     assert main([*argv, "--json", str(old), "--overwrite"]) == 2

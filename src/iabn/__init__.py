@@ -26,6 +26,11 @@ def __getattr__(name: str):
         from . import conversion
 
         return getattr(conversion, name)
+    # iabn.plan likewise: it imports the conversion package and, to solve, SciPy
+    if name in ("plan", "PlanReport"):
+        from . import planning
+
+        return getattr(planning, name)
     raise AttributeError(f"module 'iabn' has no attribute {name!r}")
 
 __all__ = [
@@ -37,6 +42,7 @@ __all__ = [
     "InPlaceABNSync",
     "OffloadModel",
     "Offloader",
+    "PlanReport",
     "__version__",
     "convert",
     "convert_local",
@@ -45,4 +51,5 @@ __all__ = [
     "functional",
     "memory",
     "offload",
+    "plan",
 ]

@@ -4,9 +4,10 @@
 and InPlace-ABN on a small stack of blocks; see :mod:`iabn.tools.bench.blocks`. ``iabn memory``
 measures the activation memory of an existing torchvision/timm/own model before and after
 :func:`iabn.convert` and the batch that fits the same memory; see
-:mod:`iabn.tools.bench.model_memory`. ``iabn segment`` segments a folder of images. ``iabn train``,
-``iabn train-seg`` and ``iabn test`` train and evaluate classifiers and segmentation models;
-see :mod:`iabn.tools.training`.
+:mod:`iabn.tools.bench.model_memory`. ``iabn plan`` fits a model's activation memory into a
+budget with :func:`iabn.plan`; see :mod:`iabn.tools.bench.model_plan`. ``iabn segment``
+segments a folder of images. ``iabn train``, ``iabn train-seg`` and ``iabn test`` train and
+evaluate classifiers and segmentation models; see :mod:`iabn.tools.training`.
 """
 
 from __future__ import annotations
@@ -157,6 +158,83 @@ def _add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="replace an existing --json file (default: refuse it)")
     memory.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     memory.set_defaults(handler=_memory)
+
+
+def _plan_budget(text: str) -> int | float:
+    from .bench.model_plan import parse_budget
+
+    try:
+        return parse_budget(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _plan_allow(text: str) -> tuple[str, ...]:
+    from .bench.model_plan import parse_allow
+
+    try:
+        return parse_allow(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
+def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
+    plan = subparsers.add_parser(
+        "plan", help="fit a model's activation memory into a budget (in place, recompute, "
+        "offload)",
+        description="Build MODEL with random weights (nothing is downloaded) and plan its "
+        "training at --input with iabn.plan: each unit (a block, a conv-norm-activation "
+        "group) is kept, converted in place, recomputed in backward (alone or with its "
+        "neighbours), or offloaded to host memory (CUDA only), so that the bytes autograd "
+        "keeps for backward fit --budget at the least predicted extra time. Bytes are exact "
+        "(counted on meta where that equals the device's count); times are predicted from "
+        "the operations and the device's measured speed. Prints one row per decision.",
+        epilog="Exit status: 0 done, 2 bad arguments (model name, a factory that fails, an "
+        "--input the model cannot take, --device, --budget out of reach, --json path), "
+        "checked before the planning where possible, or a --json file that could not be "
+        "written.",
+    )
+    plan.add_argument("model", metavar="MODEL",
+                      help="a torchvision classification model name (e.g. resnet50), a timm "
+                      "name or pkg.module:factory, as for iabn memory")
+    plan.add_argument("--input", type=_input_shape, default=(8, 3, 224, 224),
+                      metavar="N,C,H,W", help="input shape, batch first (default: 8,3,224,224)")
+    plan.add_argument("--budget", type=_plan_budget, default=0.5, metavar="B",
+                      help="a fraction in (0, 1] of the activation memory of the model as "
+                      "given, or bytes (an integer, or with a unit: 300MiB, 1.5GiB) "
+                      "(default: 0.5)")
+    plan.add_argument("--policy", choices=("lossless", "leaky_relu"), default="lossless",
+                      help="iabn.convert's policy for units converted in place (leaky_relu "
+                      "swaps ReLU for LeakyReLU(0.01): it changes the model) (default: "
+                      "lossless)")
+    plan.add_argument("--allow", type=_plan_allow, default=("inplace", "recompute", "offload"),
+                      metavar="C[,C...]", help="the choices the plan may use, from inplace, "
+                      "recompute, offload (default: all; offload only on CUDA)")
+    plan.add_argument("--time-limit", type=_positive_seconds, default=10.0, metavar="S",
+                      help="seconds for the solver; when they run out the best plan found so "
+                      "far is printed, marked as such (default: 10)")
+    plan.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp64"), default="fp32",
+                      help="the model's and the input's dtype (default: fp32)")
+    plan.add_argument("--device", default="cpu",
+                      help="torch device the model trains on, whose speed the time model "
+                      "measures (default: cpu)")
+    plan.add_argument("--json", default=None, metavar="PATH",
+                      help="also write the plan, machine info, versions and the date as JSON "
+                      "to PATH (its folder must exist)")
+    plan.add_argument("--overwrite", action="store_true",
+                      help="replace an existing --json file (default: refuse it)")
+    plan.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    plan.set_defaults(handler=_plan)
 
 
 def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -360,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     _add_bench_parser(subparsers)
     _add_memory_parser(subparsers)
+    _add_plan_parser(subparsers)
     _add_segment_parser(subparsers)
     _add_train_parser(subparsers, "train")
     _add_train_parser(subparsers, "train-seg")
@@ -481,6 +560,51 @@ def _memory(args: argparse.Namespace) -> int:
     print(f"wall time {result.wall_time_s:.1f} s ({torch.get_num_threads()} threads)")
     if json_path is not None:
         return _write_json("memory", json_path, mm.to_json(result, _arguments(args)))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import model_memory as mm
+    from .bench import model_plan as mp
+
+    start = time.perf_counter()
+    try:  # before the planning, not after
+        json_path = _json_path(args)
+    except OutputPathError as error:
+        return _fail("plan", str(error))
+
+    def say(text: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - start:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    shape_text = ",".join(map(str, args.input))
+    try:
+        device = mp.resolve_plan_device(args.device)
+        say(f"building {args.model}")
+        model, source = mm.build_model(args.model)
+        say(f"checking that {args.model} takes --input {shape_text}")
+        mm.check_input(model, args.model, args.input, args.dtype, device)
+    except mm.ModelMemoryError as error:
+        return _fail("plan", str(error))
+    try:
+        result = mp.run_plan(model, args.model, source, list(args.input), args.dtype, device,
+                             args.budget, args.policy, args.allow, args.time_limit,
+                             progress=say)
+    except ValueError as error:  # a budget out of reach, a time limit too short
+        return _fail("plan", f"--budget {args.budget}: {error}" if "budget" in str(error)
+                     else str(error))
+    except RuntimeError as error:  # torch.OutOfMemoryError is one
+        if not _out_of_memory(error):
+            raise
+        return _fail("plan", f"out of {device} memory at --input {shape_text}: use a smaller "
+                     f"batch or image")
+    print(mp.format_result(result))
+    result.wall_time_s = round(time.perf_counter() - start, 2)
+    print(f"wall time {result.wall_time_s:.1f} s ({torch.get_num_threads()} threads)")
+    if json_path is not None:
+        return _write_json("plan", json_path, mp.to_json(result, _arguments(args)))
     return 0
 
 

@@ -68,6 +68,12 @@ ENGINE_SCHEMA: Schema = {
                             "scaling); parameters stay fp32", str, PRECISIONS),
         "channels_last": Option(False, "run the model and inputs in channels_last memory "
                                 "format", bool),
+        "memory_budget": Option(None, "plan the model with iabn.plan (in-place units, "
+                                "recomputation, offloading on CUDA; lossless) so that the "
+                                "activations it keeps for backward fit: a fraction in (0, 1] "
+                                "of the built model's at one training batch per rank, or "
+                                "bytes (a whole number above 1); null: as built", float,
+                                nullable=True),
     },
     "optimizer": {
         "type": Option("sgd", "optimizer", str, OPTIMIZERS),
@@ -250,6 +256,11 @@ def load_config(path: str | Path, schema: Schema, overrides: Sequence[str] = ())
 
 def check_engine_config(config: Config, source: str = "config") -> None:
     """Rules that span keys of the engine's sections (ConfigError naming the keys)."""
+    budget = config["network"]["memory_budget"]
+    if budget is not None and (budget <= 0 or (budget > 1 and not float(budget).is_integer())):
+        raise ConfigError(f"{source}: network.memory_budget must be a fraction in (0, 1] of "
+                          f"the model's activation memory or a whole number of bytes above 1, "
+                          f"got {budget}")
     schedule = config["schedule"]
     milestones = schedule["milestones"]
     if any(not float(m).is_integer() or m < 1 for m in milestones) or milestones != sorted(

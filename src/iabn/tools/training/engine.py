@@ -234,6 +234,14 @@ class _Run:
             raise ConfigError(f"data.batch_size={data['batch_size']}: {error}") from None
         check_training_batch(task, config, self.splits, self.model, self.sampler.per_rank,
                              ranks)
+        self.plan_report = None
+        if network["memory_budget"] is not None:
+            from .memory_plan import plan_model
+
+            self.model, self.plan_report = plan_model(
+                self.model, network["memory_budget"], self.splits.train[(0, 0)][0],
+                self.sampler.per_rank, ranks.device, network["precision"],
+                network["channels_last"], ranks.distributed)
         self.optimizer = build_optimizer(self.model, config["optimizer"])
         self.scheduler = build_scheduler(self.optimizer, config["schedule"],
                                          self.sampler.batches_per_epoch)
@@ -491,6 +499,10 @@ class _Run:
             log.info(f"{'resuming' if options.resume else 'starting'} at epoch "
                      f"{self.epoch + 1}, step {self.global_step}; {self.splits.description}; "
                      f"{ranks.world_size} rank(s) on {ranks.device}; log dir {options.log_dir}")
+            if self.plan_report is not None:
+                from .memory_plan import summary
+
+                log.info(summary(self.plan_report))
             interrupts = _Interrupts(log, defer=not ranks.distributed)
             with interrupts.installed():
                 code = self._epochs(log, interrupts)

@@ -1,0 +1,245 @@
+"""iabn.plan against the usual ways to trade activation memory for time, on CPU.
+
+For each model (torchvision ResNet-50 and iabn's VGG-19-BN layout with ReLU, batch 4 at 64x64
+by default, float32, training mode) and strategy:
+
+``eager``             the model as given
+``checkpoint_sqrt``   ``torch.utils.checkpoint.checkpoint_sequential`` (non-reentrant) over
+                      round(sqrt(n)) segments of the body's n modules (torch runs the last
+                      segment without checkpointing; batch norm in a checkpointed segment
+                      updates its running statistics twice)
+``plan_B``            ``iabn.plan(model, x, B)`` (lossless; in place where exact, recompute;
+                      offload is not a candidate on CPU)
+``compile_B``         ``torch.compile`` with ``activation_memory_budget=B``
+
+Activation bytes are exact (:func:`iabn.memory.saved_tensor_bytes`; for ``compile_B``
+:func:`iabn.memory.compiled_saved_bytes`). A training step (forward, cross-entropy, backward)
+of every strategy of one model is timed side by side, round-robin over the strategies: the
+median of ``--repeats`` and, since other jobs on a shared machine only ever add time, the
+fastest (:func:`iabn.tools.bench.time_interleaved`); the plan's predicted overhead (its cost
+model) is reported next to the measured one. CPU figures only: the GPU figures of
+the same comparison are unmeasured.
+
+Usage::
+
+    python benchmarks/plan_anchors.py [--batch 4] [--size 64] [--repeats 15] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
+
+import iabn
+from iabn.memory import compiled_saved_bytes, saved_tensor_bytes
+from iabn.models import create
+from iabn.tools.bench import machine_info, results_folder, time_interleaved, write_json
+
+MODELS = ("resnet50", "vgg19_bn")
+PLAN_BUDGETS = (1.0, 0.75, 0.5, 0.25)
+COMPILE_BUDGETS = (1.0, 0.5, 0.25)
+DEFAULT_JSON = (results_folder(Path(__file__).resolve().parent / "results")
+                / "plan_anchors_cpu.json")
+MIB = 2**20
+
+
+def build(name: str) -> nn.Module:
+    """The model, random weights (the same every call)."""
+    torch.manual_seed(0)
+    if name == "resnet50":
+        import torchvision
+
+        return torchvision.models.resnet50(num_classes=10)
+    return create("vgg19", num_classes=10, norm_act="bn", activation="relu")
+
+
+def parts(name: str, model: nn.Module) -> tuple[nn.Sequential, nn.Module]:
+    """The model as its body (one nn.Sequential of its modules in order) and its head."""
+    if name == "resnet50":
+        body = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool,
+                             *model.layer1, *model.layer2, *model.layer3, *model.layer4)
+        return body, nn.Sequential(model.avgpool, nn.Flatten(), model.fc)
+    return model.features, model.classifier
+
+
+class Trainable:
+    """A forward function with the ``zero_grad()`` of the model it runs."""
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], model: nn.Module) -> None:
+        self.fn, self.model = fn, model
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn(x)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def saved(model: nn.Module, x: torch.Tensor) -> int:
+    model = copy.deepcopy(model).train()
+    return saved_tensor_bytes(model, x)
+
+
+def checkpointed(name: str, model: nn.Module) -> tuple[Trainable, int, int]:
+    """checkpoint_sequential over round(sqrt(n)) segments of the body; (forward, segments,
+    n)."""
+    body, head = parts(name, model)
+    segments = max(1, round(math.sqrt(len(body))))
+    return (Trainable(lambda x: head(checkpoint_sequential(body, segments, x,
+                                                           use_reentrant=False)), model),
+            segments, len(body))
+
+
+def compiled(model: nn.Module, budget: float) -> Trainable:
+    from torch._functorch import config as functorch_config
+
+    compiled_model = torch.compile(model)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with functorch_config.patch(activation_memory_budget=budget):
+            return compiled_model(x)
+    return Trainable(forward, model)
+
+
+def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -> dict:
+    model = build(name)
+    x = torch.randn(args.batch, 3, args.size, args.size)
+    target = torch.arange(args.batch) % 10
+    as_given = saved(model, x)
+    rows: dict[str, dict] = {"eager": {"bytes": as_given}}
+    forwards: dict[str, Callable] = {"eager": copy.deepcopy(model).train()}
+    say(f"{name}: as given {as_given / MIB:.2f} MiB")
+    ckpt_model = copy.deepcopy(model).train()
+    forward, segments, modules = checkpointed(name, ckpt_model)
+    rows["checkpoint_sqrt"] = {
+        "bytes": saved_tensor_bytes(forward, x, exclude=[*ckpt_model.parameters(),
+                                                         *ckpt_model.buffers()]),
+        "segments": segments, "modules": modules}
+    forwards["checkpoint_sqrt"] = forward
+    for budget in args.plan_budgets:
+        start = time.perf_counter()
+        try:
+            planned, report = iabn.plan(model, x, budget, allow=args.allow,
+                                        time_limit=args.time_limit)
+        except ValueError as error:
+            rows[f"plan_{budget:g}"] = {"out_of_reach": str(error)}
+            say(f"{name}: plan {budget:g}: {error}")
+            continue
+        seconds = time.perf_counter() - start
+        rows[f"plan_{budget:g}"] = {
+            "bytes": saved(planned, x), "predicted_bytes": report.predicted,
+            "predicted_overhead": report.overhead,
+            "predicted_overhead_ms": report.predicted_overhead_ms,
+            "predicted_step_ms": report.predicted_step_ms, "counts": report.counts,
+            "solver": report.solver_status, "planning_s": round(seconds, 1),
+            "segments": [[r.segment, r.choice] for r in report.rows if r.choice != "keep"]}
+        forwards[f"plan_{budget:g}"] = planned
+        say(f"{name}: plan {budget:g}: {report.measured / MIB:.2f} MiB, predicted +"
+            f"{100 * report.overhead:.1f} % ({seconds:.0f} s)")
+    for budget in args.compile_budgets:
+        say(f"{name}: compile {budget:g} (slow)")
+        try:
+            rows[f"compile_{budget:g}"] = {"bytes": compiled_saved_bytes(
+                copy.deepcopy(model).train(), x, activation_memory_budget=budget)}
+            forwards[f"compile_{budget:g}"] = compiled(copy.deepcopy(model).train(), budget)
+        except Exception as error:  # no C++ compiler, an unsupported operation
+            rows[f"compile_{budget:g}"] = {"failed": f"{type(error).__name__}: {error}"[:300]}
+    steps = {key: _step(forward, x, target) for key, forward in forwards.items()}
+    say(f"{name}: timing {len(steps)} strategies, {args.repeats} repeats")
+    times = time_interleaved(steps, repeats=args.repeats, iters=1, warmup=args.warmup)
+    eager_ms, eager_min = statistics.median(times["eager"]), min(times["eager"])
+    for key, samples in times.items():
+        ms = statistics.median(samples)
+        rows[key].update(step_ms=round(ms, 2), step_ratio=round(ms / eager_ms, 3),
+                         step_ms_min=round(min(samples), 2),
+                         step_ratio_min=round(min(samples) / eager_min, 3),
+                         step_ms_samples=[round(t, 2) for t in samples])
+    for row in rows.values():
+        if "bytes" in row:
+            row["ratio"] = round(row["bytes"] / as_given, 4)
+    return {"model": name, "as_given_bytes": as_given, "rows": rows}
+
+
+def _step(forward: Callable, x: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        forward.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(forward(x), target).backward()
+    return step
+
+
+def table(results: list[dict]) -> str:
+    lines = []
+    for result in results:
+        lines.append(f"{result['model']}: activation memory as given "
+                     f"{result['as_given_bytes'] / MIB:.2f} MiB")
+        lines.append(f"  {'strategy':<16}{'MiB':>9}{'ratio':>8}{'median ms':>11}{'x eager':>9}"
+                     f"{'min ms':>9}{'x eager':>9}{'predicted':>11}")
+        for key, row in result["rows"].items():
+            if "bytes" not in row:
+                lines.append(f"  {key:<16}  {row.get('out_of_reach') or row.get('failed')}")
+                continue
+            predicted = (f"{1 + row['predicted_overhead']:.3f}" if "predicted_overhead" in row
+                         else "")
+            step = (f"{row['step_ms']:>11.1f}{row['step_ratio']:>9.3f}"
+                    f"{row['step_ms_min']:>9.1f}{row['step_ratio_min']:>9.3f}"
+                    if "step_ms" in row else f"{'':>38}")
+            lines.append(f"  {key:<16}{row['bytes'] / MIB:>9.2f}{row['ratio']:>8.3f}{step}"
+                         f"{predicted:>11}")
+    return "\n".join(lines)
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(v) for v in text.split(",") if v.strip())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated subset of {', '.join(MODELS)}")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--time-limit", type=float, default=30.0)
+    parser.add_argument("--allow", type=lambda text: tuple(text.split(",")),
+                        default=("inplace", "recompute", "offload"),
+                        help="iabn.plan's choices (default: all; offload only on CUDA)")
+    parser.add_argument("--plan-budgets", type=_floats, default=PLAN_BUDGETS)
+    parser.add_argument("--compile-budgets", type=_floats, default=COMPILE_BUDGETS,
+                        help="torch.compile activation_memory_budget values ('' for none)")
+    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = parser.parse_args(argv)
+    models = [m for m in args.models.split(",") if m]
+    unknown = set(models) - set(MODELS)
+    if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)}; use some of {', '.join(MODELS)}")
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+
+    def say(text: str) -> None:
+        print(f"[{time.perf_counter() - start:7.1f} s] {text}", file=sys.stderr, flush=True)
+
+    results = [run_model(name, args, say) for name in models]
+    print(table(results))
+    report = {"benchmark": "plan_anchors", "machine": machine_info(),
+              "command": " ".join(["python", "benchmarks/plan_anchors.py",
+                                   *(sys.argv[1:] if argv is None else argv)]),
+              "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "results": results, "wall_time_s": round(time.perf_counter() - start, 1)}
+    write_json(args.json, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The planner's time model: operations counted, the device's speed measured once.
+
+Each ATen operation a forward (or backward) runs is counted with a ``TorchDispatchMode``: its
+floating-point operations by PyTorch's own formulas (``torch.utils.flop_counter``'s registry:
+convolutions, matrix products, attention; other operations count 0) and its bytes moved as
+the sizes of its tensor inputs and outputs (views, which move nothing, are not counted;
+allocations count no bytes). An operation's predicted time is a roofline:
+
+    t = overhead + max(flops / compute rate, bytes / bandwidth)
+
+with the device's rates measured by a short calibration (a square matrix product, a large
+copy, a tiny operation repeated; the fastest of a few runs each), once per process for each
+device, dtype and CPU thread count. On CUDA the host-device copy bandwidth (pinned memory) is
+measured too, for offloading. Counting needs shapes only, so it works on the ``meta``
+device; the rates come from a real device. The predictions are a model:
+``benchmarks/plan_anchors.py`` compares them with measured step times.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+REST = -1  # operations outside every unit
+
+_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                torch.ops.aten.empty_strided.default, torch.ops.aten.new_empty.default,
+                torch.ops.aten.new_empty_strided.default}
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """Measured rates of one device for one dtype."""
+
+    device: str
+    name: str
+    dtype: str
+    threads: int
+    flops_per_s: float
+    bytes_per_s: float
+    op_overhead_s: float
+    pcie_bytes_per_s: float | None = None  # CUDA: pinned host <-> device copies
+
+    def seconds(self, flops: float, nbytes: float) -> float:
+        return self.op_overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_SPEEDS: dict[tuple, DeviceSpeed] = {}
+
+
+def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` runs: the device's speed, least disturbed by other work
+    on the machine."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine() or device.type
+
+
+def calibrate(device: torch.device | str, dtype: torch.dtype = torch.float32) -> DeviceSpeed:
+    """The rates of ``device`` for ``dtype`` (measured on first use, then remembered for the
+    process; about half a second on a CPU)."""
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("calibrate: the meta device has no speed; give a real device")
+    if not dtype.is_floating_point:
+        dtype = torch.float32
+    threads = torch.get_num_threads()
+    key = (str(device), _device_name(device), dtype, threads)
+    if key in _SPEEDS:
+        return _SPEEDS[key]
+    n = 1024 if device.type == "cuda" else 384
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    mm = _best_seconds(lambda: torch.mm(a, b, out=out), device, 15)
+    flops = 2 * n**3 / mm
+    elements = (256 if device.type == "cuda" else 32) * 2**20 // 4
+    src = torch.empty(elements, device=device, dtype=torch.float32).fill_(1.0)
+    dst = torch.empty_like(src)
+    copy = _best_seconds(lambda: dst.copy_(src), device, 10)
+    bandwidth = 2 * src.numel() * src.element_size() / copy
+    tiny_a = torch.ones(1, device=device, dtype=dtype)
+    tiny_out = torch.empty_like(tiny_a)
+    count = 200
+
+    def tiny() -> None:
+        for _ in range(count):
+            torch.add(tiny_a, tiny_a, out=tiny_out)
+
+    overhead = _best_seconds(tiny, device, 15) / count
+    pcie = None
+    if device.type == "cuda":
+        host = torch.empty(src.numel(), dtype=torch.float32, pin_memory=True)
+        pcie = src.numel() * 4 / _best_seconds(
+            lambda: host.copy_(src, non_blocking=True), device, 5)
+    speed = DeviceSpeed(str(device), _device_name(device), str(dtype).removeprefix("torch."),
+                        threads, flops, bandwidth, overhead, pcie)
+    _SPEEDS[key] = speed
+    return speed
+
+
+@dataclass
+class OpCount:
+    """Operations counted for one owner: ``ops`` is a list of ``(flops, bytes)``."""
+
+    ops: list[tuple[float, int]]
+
+    @property
+    def flops(self) -> float:
+        return float(sum(f for f, _ in self.ops))
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for _, b in self.ops)
+
+    def seconds(self, speed: DeviceSpeed) -> float:
+        return sum(speed.seconds(f, b) for f, b in self.ops)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every operation run under it for ``owner()`` (a unit index or :data:`REST`)."""
+
+    def __init__(self, owner: Callable[[], int] = lambda: REST) -> None:
+        super().__init__()
+        self.owner = owner
+        self.counts: dict[int, OpCount] = defaultdict(lambda: OpCount([]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view:
+            return out
+        formula = flop_registry.get(func._overloadpacket)
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        nbytes = 0 if func in _ALLOCATIONS else sum(
+            t.numel() * t.element_size()
+            for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor))
+        self.counts[self.owner()].ops.append((flops, nbytes))
+        return out
+
+
+__all__ = ["REST", "DeviceSpeed", "OpCount", "OpCounter", "calibrate"]

@@ -1,0 +1,118 @@
+"""``iabn plan``: fit a model's activation memory into a budget with :func:`iabn.plan`.
+
+The model is built as ``iabn memory`` builds it (a torchvision or timm name, or
+``pkg.module:factory``; random weights, nothing downloaded) on ``--device`` and planned at an
+input of ``--input``. Bytes are counted on the ``meta`` device where its count of the model as
+given equals the device's (shapes only: a large model plans in seconds, without its memory);
+in-place conversion reads the weights, so it runs on the real model with the units' real
+inputs; the time model's rates are measured on ``--device``. The figures are exact bytes
+autograd keeps for backward (:func:`iabn.memory.saved_tensor_bytes`), not peak memory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from . import machine_info
+from .model_memory import DTYPES, ModelMemoryError, resolve_device, versions
+
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
+          "gb": 10**9}
+_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+
+
+def parse_budget(text: str) -> int | float:
+    """``--budget``: a fraction in (0, 1] of the model's activation memory (``0.5``, ``1``),
+    or bytes: an integer above 1 or a size with a unit (``300MiB``, ``1.5GiB``, ``2GB``)."""
+    text = text.strip()
+    match = _BYTES.match(text)
+    if match is not None:
+        number, unit = match.groups()
+        if unit.lower() not in _UNITS:
+            raise ValueError(f"unknown unit {unit!r} in {text!r}: use B, KiB, MiB, GiB (or kB, "
+                             f"MB, GB)")
+        value = int(float(number) * _UNITS[unit.lower()])
+        if value < 1:
+            raise ValueError(f"{text!r} is less than one byte")
+        return value
+    try:
+        number = float(text)
+    except ValueError:
+        raise ValueError(f"expected a fraction in (0, 1] such as 0.5, or bytes such as "
+                         f"300MiB, got {text!r}") from None
+    if number > 1 and number.is_integer() and text.isdigit():
+        return int(text)
+    if not 0 < number <= 1:
+        raise ValueError(f"a fraction must be in (0, 1] (give bytes with a unit, e.g. "
+                         f"300MiB), got {text!r}")
+    return number
+
+
+def parse_allow(text: str) -> tuple[str, ...]:
+    """``--allow``: a comma-separated subset of inplace, recompute, offload."""
+    from ...planning import ALLOWED
+
+    chosen = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
+    unknown = [p for p in chosen if p not in ALLOWED]
+    if unknown or not chosen:
+        raise ValueError(f"expected a comma-separated list of {', '.join(ALLOWED)}, got "
+                         f"{text!r}")
+    return chosen
+
+
+def resolve_plan_device(text: str) -> torch.device:
+    if text.strip().lower().startswith("meta"):
+        raise ModelMemoryError("--device meta: plan counts on meta by itself where it can; "
+                               "give the device the model trains on (cpu, cuda)")
+    return resolve_device(text)
+
+
+@dataclass
+class PlanResult:
+    model: str
+    source: str
+    input_shape: list[int]
+    dtype: str
+    device: str
+    report: Any  # iabn.PlanReport
+    wall_time_s: float = 0.0
+
+
+def run_plan(model: torch.nn.Module, name: str, source: str, shape: list[int], dtype_name: str,
+             device: torch.device, budget: int | float, policy: str, allow: tuple[str, ...],
+             time_limit: float, progress: Any = None) -> PlanResult:
+    """Plan ``model`` (cast and moved in place) at an input of ``shape``."""
+    import iabn
+
+    dtype = DTYPES[dtype_name]
+    model = model.to(device=device, dtype=dtype).train()
+    x = torch.randn(*shape, dtype=dtype, device=device)
+    # no backward pass through the planned model: the command returns the report, not it
+    _, report = iabn.plan(model, x, budget, policy=policy, allow=allow, time_limit=time_limit,
+                          verify=False, progress=progress)
+    return PlanResult(name, source, list(shape), str(dtype).removeprefix("torch."), str(device),
+                      report)
+
+
+def format_result(result: PlanResult) -> str:
+    shape = "x".join(map(str, result.input_shape))
+    head = (f"iabn plan: {result.model} ({result.source}), input {shape} {result.dtype} on "
+            f"{result.device}")
+    return f"{head}\n{result.report.table()}"
+
+
+def to_json(result: PlanResult, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"model": result.model, "source": result.source, "input_shape": result.input_shape,
+            "dtype": result.dtype, "device": result.device, "plan": result.report.to_dict(),
+            "wall_time_s": result.wall_time_s, "arguments": arguments,
+            "machine": machine_info(), "versions": versions(),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+__all__ = ["PlanResult", "format_result", "parse_allow", "parse_budget", "resolve_plan_device",
+           "run_plan", "to_json"]
