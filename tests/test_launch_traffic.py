@@ -124,8 +124,11 @@ def test_batch_norm_leaky_relu_step():
     Allocated in backward: dy and dx, both alive at the batch-norm backward: peak 2A."""
     for name in ("bn", "abn"):
         step, leaf = _count(name, _layers()[name])
-        assert step.forward.names() == ["aten.add_", "aten.native_batch_norm",
-                                        "aten.leaky_relu_"]
+        # nn.BatchNorm2d counts the batch before computing, iabn.ABN after (so that a call
+        # that fails is not counted): the same three launches.
+        counted = ["aten.native_batch_norm", "aten.leaky_relu_"]
+        counted.insert(0 if name == "bn" else 2, "aten.add_")
+        assert step.forward.names() == counted
         assert step.backward.names() == ["aten.leaky_relu_backward",
                                          "aten.native_batch_norm_backward"]
         assert _activations(step.forward, leaf) == (3, 2)
@@ -142,8 +145,9 @@ def test_in_place_reference_step(dtype, channels_last):
     g^2 invstd, and the batch-norm backward (read dy and y twice, write dx): read 7A, written
     3A; y, dy and dx alive at once: peak 3A, all in the input's dtype."""
     step, leaf = _count("reference", _layers()["reference"], dtype, channels_last)
-    assert step.forward.names() == ["aten.add_", "aten.abs", "aten.clamp_", "aten.copysign_",
-                                    "aten.native_batch_norm", "aten.leaky_relu_"]
+    # The layer counts the batch (add_) once the computation has succeeded.
+    assert step.forward.names() == ["aten.abs", "aten.clamp_", "aten.copysign_",
+                                    "aten.native_batch_norm", "aten.leaky_relu_", "aten.add_"]
     assert step.backward.names() == ["aten.leaky_relu", "aten.leaky_relu_backward",
                                      "aten.reciprocal", "aten.mul", "aten.mul_",
                                      "aten.native_batch_norm_backward"]
@@ -159,9 +163,9 @@ def test_in_place_triton_step(channels_last):
     write dx): read 4A, written 1A; only dx is allocated: peak A."""
     step, leaf = _count("triton", _layers()["triton"], channels_last=channels_last)
     layout = "mc" if channels_last else "ncs"
-    assert step.forward.names() == ["aten.add_", f"triton.moments_{layout}_kernel",
+    assert step.forward.names() == [f"triton.moments_{layout}_kernel",
                                     "triton.finalize_forward_kernel",
-                                    "triton.normalize_act_kernel"]
+                                    "triton.normalize_act_kernel", "aten.add_"]
     assert step.backward.names() == [f"triton.grad_sums_{layout}_kernel",
                                      "triton.finalize_backward_kernel",
                                      "triton.input_grad_kernel"]
