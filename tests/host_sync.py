@@ -8,6 +8,7 @@ On CPU the same calls run without waiting, so the mode finds them where a timing
 from __future__ import annotations
 
 import torch
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
@@ -38,8 +39,12 @@ class NoHostSync(TorchDispatchMode):
     """Raise :class:`HostSyncError` on every call that reads tensor values on the host.
 
     ``ignore_compile_internals``: code compiled by ``torch.compile`` runs inside the mode (the
-    compiler traces outside it), so what the compiled step calls at run time is checked too.
+    compiler traces outside it), so what the compiled step calls at run time is checked too;
+    higher-order operators of its graphs (e.g. a functionalised custom operator) run through,
+    and the ATen calls inside them are checked.
     """
+
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -47,6 +52,8 @@ class NoHostSync(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, HigherOrderOperator):
+            return func(*args, **kwargs)
         if reads_values_on_host(func, args, kwargs):
             raise HostSyncError(f"{func} reads tensor values on the host")
         return func(*args, **kwargs)
