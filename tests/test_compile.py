@@ -236,10 +236,11 @@ def test_inductor_compiles_layers_on_1x1_feature_maps(training, backend, device)
     that differ from the traced tensor's only in size-1 dimensions. Under the default
     fixed-stride-order constraint Inductor copied the mutated input to the traced strides and
     its scheduler then failed (``KeyError: 'op5'``, torch 2.13) -- every ResNet-18 with a 32x32
-    input reaches 1x1 maps. The forward operator is tagged ``flexible_layout`` (its kernels take
-    any strides), which this test checks through a compiled run against eager. Inductor's
-    caches are off: their keys do not include the operator's tags, so code compiled after the
-    fix made this test pass with the fix reverted (seen)."""
+    input reaches 1x1 maps. That was the opaque forward operator, fixed by its
+    ``flexible_layout`` tag; the layers now compile to ATen operations (iabn.compiled), and
+    this compiled run against eager keeps 1x1 maps covered. Inductor's caches are off: their
+    keys did not include the operator's tags, so code compiled after the fix made this test
+    pass with the fix reverted (seen)."""
     from iabn.models.norm_act import norm_act_factory
     from iabn.models.resnet import BasicBlock
 
@@ -277,7 +278,9 @@ def test_compiled_layer_on_a_graph_input_has_eager_gradients(compiler, backend, 
     """A regression test: when the tensor the layer overwrites is an input of the compiled
     graph (the layer compiled alone, a graph break just before it, a compiled pre-activation
     block), torch 2.13's compiler loses ``ctx.mark_dirty`` and backward passed ``dz`` through
-    as ``dx`` (pytorch/pytorch#184113; measured error 3.9 here). Float64, against eager."""
+    as ``dx`` (pytorch/pytorch#184113; measured error 3.9 here, still in torch 2.14.1). The
+    compiled layers no longer mark anything dirty (iabn.compiled); this keeps the case covered.
+    Float64, against eager."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = iabn.InPlaceABN(5).double().to(device)
