@@ -7,20 +7,30 @@ statistics, the normalisation and the activation with their neighbours, and the 
 (inverse activation, its derivative, batch-norm backward) into a few kernels, with no call
 back into Python per layer.
 
-What is kept for backward is decided by AOTAutograd's partitioner from the joint graph, not by
-``save_for_backward`` alone (it may save other values of the forward or recompute them). It
-keeps the output ``z`` and per-channel tensors and neither the input ``x`` nor the normalised
-``y``, because of the structure here:
+What is kept for backward is decided by AOTAutograd's min-cut partitioner from the joint graph
+of forward and backward, not by ``save_for_backward`` (it may save other values of the forward
+or recompute them). Per layer it keeps one full-size tensor and ``(C,)`` tensors, because of
+the structure here:
 
 - the backward is written from ``z`` alone (``y = phi^-1(z)``): no node of the backward reads
-  ``x`` or the forward's ``y``, so saving them would not spare the inversion;
-- ``z`` is also what the next operation reads (a convolution saves it as its input): it is the
-  one tensor both backwards need, and the partitioner counts a saved tensor once;
+  ``x`` or the forward's ``y`` (the partitioner cannot tell that the inversion gives ``y``
+  back), so either would be saved only to recompute ``z`` from it;
+- ``z`` is what the next operation reads; where that is a convolution, which keeps its input,
+  ``z`` is written to memory anyway and it is the tensor saved;
 - the autograd function returns ``z`` itself, not the input it overwrites (below): were the
   caller handed the overwritten input, the graph would hold two nodes with ``z``'s values
-  (the function's output and the input's updated value) and the partitioner saves both.
+  (the function's output and the input's updated value), and a partitioner without Inductor's
+  removal of no-op copies (``aot_eager``) saves both.
 
-``tests/test_compile.py`` checks this on the graphs Inductor's partitioner produces.
+Where ``z`` feeds only operations Inductor fuses (pooling, a residual addition) the partitioner
+may keep the input ``x`` instead and recompute ``z`` from it in backward: the same bytes, and
+``z`` then never goes to memory (``x``, a convolution's output, is in memory anyway, which is
+also why it is preferred to ``y``, never chosen in the graphs measured). This is deliberately
+not forced: the only marking the partitioner honours is selective activation checkpointing
+(``MUST_SAVE``), which, tried, also kept ``z`` of every layer inside a user's
+``torch.utils.checkpoint`` region (where everything is otherwise recomputed), overrides
+``activation_memory_budget`` and writes ``z`` where it would be fused away.
+``tests/test_compile.py`` checks what the graphs Inductor would compile keep.
 
 **In place.** The function's output is a new tensor; :func:`inplace_abn` then copies it into
 the input, so the caller's tensor is overwritten as in eager mode, and returns the output,
