@@ -349,6 +349,55 @@ def test_compiled_layer_overwrites_its_input_as_in_eager_mode(compiler):
         torch.testing.assert_close(getattr(layer, name), getattr(eager, name), **tol)
 
 
+_OPTIONS = [
+    {}, {"affine": False}, {"track_running_stats": False}, {"gamma_mode": "abs"},
+    {"variant": 1}, {"activation": "elu", "activation_param": 0.7},
+    {"activation": "identity"}, {"momentum": 0.5, "eps": 1e-3},
+]
+_SHAPES = [(4, 3), (4, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
+
+
+@pytest.mark.parametrize("options", _OPTIONS, ids=lambda o: ",".join(o) or "default")
+def test_compiled_layer_options_match_eager(options):
+    """Every option and input rank of the layer, compiled with ``aot_eager`` (the ATen graphs
+    iabn.compiled builds, without Inductor's reordering), against eager in float64: outputs,
+    input and parameter gradients and running statistics, in training (two steps) and in
+    eval mode (where the gradient uses the running statistics)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    layer = iabn.InPlaceABN(3, **options).double()
+    if layer.weight is not None:
+        with torch.no_grad():
+            layer.weight.uniform_(-1.5, 1.5)  # both signs, as "abs" and "signed" differ there
+            layer.bias.normal_()
+    eager = copy.deepcopy(layer)
+    for shape in _SHAPES:
+        torch._dynamo.reset()  # a fresh cache per shape: no recompile limit reached
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(layer, backend=counter, fullgraph=True)
+        for training in (True, True, False):
+            layer.train(training), eager.train(training)
+            if not training and not layer.track_running_stats:
+                continue
+            data = torch.randn(shape, dtype=torch.float64) * 2 + 0.5
+            dz = torch.randn(shape, dtype=torch.float64)
+            results = []
+            for run, module in ((compiled, layer), (eager, eager)):
+                module.zero_grad(set_to_none=True)
+                leaf = data.clone().requires_grad_()
+                out = run(leaf * 1.0)
+                out.backward(dz)
+                grads = [p.grad for p in module.parameters()]
+                results.append([out, leaf.grad, *grads, *module.buffers()])
+            # measured bitwise equal for every case here (aot_eager runs ATen's kernels as
+            # eager mode does); the bound leaves room for a different summation order
+            for got, want in zip(*results, strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-14,
+                                           msg=f"{shape}, training={training}")
+        assert counter.frame_count >= (2 if layer.track_running_stats else 1)  # it compiled
+
+
 def test_dynamic_shapes_and_export():
     """``torch.compile(dynamic=True)`` trains over changing batch and image sizes as eager
     does, and ``torch.export`` of an eval-mode model reproduces its outputs."""
