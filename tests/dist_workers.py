@@ -6,6 +6,7 @@ can compute the single-process reference on the whole batch by itself and compar
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
 
@@ -210,7 +211,29 @@ def debug_poisons(rank: int, world: int) -> None:
         assert leaf.grad is not None and torch.isfinite(leaf.grad).all()
 
 
+def no_host_sync(rank: int, world: int) -> None:
+    """A training step of InPlaceABNSync and ABNSync layers (forward, backward with its
+    all-reduce, SGD) reads no tensor value on the host, after the first step (which checks
+    once that the ranks agree: tests/host_sync.py)."""
+    from host_sync import NoHostSync
+
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), iabn.InPlaceABNSync(4),
+        torch.nn.Conv2d(4, 4, 3, padding=1), iabn.ABNSync(4, activation="elu"),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, 2),
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = torch.randn(2 + rank, 3, 5, 5), torch.randint(0, 2, (2 + rank,))
+    for step in range(2):
+        with NoHostSync() if step else contextlib.nullcontext():
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    assert model[1].num_batches_tracked.item() == 2
+
+
 SCENARIOS = {
+    "no_host_sync": no_host_sync,
     "abn_sync_matches_single_process": abn_sync_matches_single_process,
     "debug_poisons": debug_poisons,
     "matches_single_process": matches_single_process,

@@ -38,6 +38,11 @@ def test_one_collective_each_way_and_none_in_eval():
     _spawn(2, "counts_collectives")
 
 
+def test_training_step_reads_nothing_on_the_host():
+    """The merged count stays on the device: a step waits for no device value."""
+    _spawn(2, "no_host_sync")
+
+
 def test_mismatched_channels_fail_clearly_on_every_rank():
     _spawn(2, "rejects_mismatched_ranks")
 

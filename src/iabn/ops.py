@@ -1,6 +1,18 @@
-"""The In-Place ABN operators: ``torch.library`` registration and the autograd wrapper.
+"""The In-Place ABN autograd function for eager mode, and the ``torch.library`` operators.
 
-Two operators, so that ``torch.compile`` sees them as opaque nodes with known effects:
+In eager mode :class:`InPlaceABNFunction` calls the kernels
+(:func:`iabn.kernels.dispatch.backend_for`) directly: going through the Python custom-op
+dispatcher costs about 60 µs per layer and step (measured on CPU, float32, tiny tensors), as
+much as a whole small batch-norm layer. It marks ``x`` dirty (the output *is* the input's
+storage) and saves only ``z`` and per-channel tensors.
+
+Under ``torch.compile`` (and ``torch.export``) the layers run :mod:`iabn.compiled` instead:
+ATen operations the compiler traces, fuses and differentiates through the backward from ``z``,
+with no call back into Python per layer (docs/design.md, "Under torch.compile").
+
+Two operators remain registered, each with a fake implementation and checked by
+``torch.library.opcheck`` (``tests/test_compile.py``), for code that calls
+:class:`InPlaceABNFunction` itself while compiling, where :func:`kernels_for` gives them:
 
 ``iabn::inplace_abn_forward_``
     overwrites ``x`` (and, in training, the running statistics) and returns the per-channel
@@ -9,20 +21,9 @@ Two operators, so that ``torch.compile`` sees them as opaque nodes with known ef
     layout they cannot read directly goes through a dense copy that is written back), so
     Inductor need not copy ``x`` to the traced strides. Under the default constraint it did so
     for 1x1 feature maps, whose strides differ only in size-1 dimensions, and its scheduler
-    then failed on that copy of a mutated buffer (torch 2.13; any ResNet-18 on 32x32 inputs).
+    then failed on that copy of a mutated buffer (torch 2.13).
 ``iabn::inplace_abn_backward``
     pure: ``(z, dz, ...) -> (dx, dgamma, dbeta)``.
-
-Both run the kernels :func:`iabn.kernels.dispatch.backend_for` picks (the PyTorch reference
-by default, Triton with ``IABN_BACKEND=triton``).
-
-In eager mode :class:`InPlaceABNFunction` calls the kernels directly: going through the
-Python custom-op dispatcher costs about 60 µs per layer and step (measured on CPU, float32,
-tiny tensors), as much as a whole small batch-norm layer. Under ``torch.compile`` it calls the
-registered operators, which is what the compiler needs.
-
-:class:`InPlaceABNFunction` ties them together for autograd: it marks ``x`` dirty (the output
-*is* the input's storage) and saves only ``z`` and per-channel tensors.
 
 Scalar options travel as one :class:`~iabn.layer_config.LayerConfig` from the layer to the
 kernels, so that ``Function.apply`` handles six arguments rather than thirteen (its
@@ -160,12 +161,14 @@ def overwritable(x: Tensor) -> Tensor:
     """The tensor to hand to an autograd function that overwrites its input and calls
     ``ctx.mark_dirty``: ``x`` itself in eager mode, a copy under ``torch.compile``.
 
-    torch 2.13's compiler loses ``ctx.mark_dirty`` when the overwritten tensor is an input of
-    the compiled graph (a graph break before the layer, a compiled block that starts with its
-    norm): backward then passed ``dz`` through as ``dx`` (pytorch/pytorch#184113;
-    tests/test_compile.py). On a copy the overwritten tensor is an intermediate of the graph,
-    which compiles correctly, and Inductor drops the copy where ``x`` already is one. Only the
-    output is saved for backward either way.
+    The compiler (torch 2.13, and still 2.14.1: input-gradient error 7.3 on the test's data)
+    loses ``ctx.mark_dirty`` when the overwritten tensor is an input of the compiled graph (a
+    graph break before the layer, a compiled block that starts with its norm): backward then
+    passed ``dz`` through as ``dx`` (pytorch/pytorch#184113). On a copy the overwritten tensor
+    is an intermediate of the graph, which compiles correctly, and Inductor drops the copy
+    where ``x`` already is one. Used by the synchronised layers and by direct callers of
+    :class:`InPlaceABNFunction`; the single-process layers compile through
+    :mod:`iabn.compiled`, which does not mark anything dirty.
     """
     return x.clone() if torch.compiler.is_compiling() else x
 

@@ -113,10 +113,13 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         gathered = [torch.empty_like(moments) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, moments, group=group)
         total, mean, var = sync.merge_moments(torch.stack(gathered))
-        if total < 2:
+        # The total stays on the device (reading it waits for the device). A rank with 2 or
+        # more values knows the total is at least that; only ranks with fewer read it, and
+        # where the total is below 2 every rank has fewer, so all of them raise.
+        if x.numel() // max(x.shape[1], 1) < 2 and bool(total < 2):
             raise ValueError(
-                f"expected more than 1 value per channel when training, got {total} over all "
-                f"ranks: use larger batches or eval mode"
+                f"expected more than 1 value per channel when training, got {int(total)} over "
+                f"all ranks: use larger batches or eval mode"
             )
         invstd, scale = sync.normalize_(backend_for(x), x, weight, bias, mean, var, config)
         if running_mean is not None and running_var is not None:

@@ -13,10 +13,10 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from . import activation as act
-from . import debug
+from . import compiled, debug
 from .checks import functorch_active
 from .layer_config import LayerConfig
-from .ops import InPlaceABNFunction, forward_, overwritable
+from .ops import InPlaceABNFunction, forward_
 from .scale import ABS, abs_sign, effective_scale
 
 
@@ -36,6 +36,8 @@ def inplace_abn_unchecked(
         )
     if _transformed():
         return _inplace_abn_composed(input, running_mean, running_var, weight, bias, config)
+    if torch.compiler.is_compiling():  # ATen operations the compiler sees (iabn.compiled)
+        return compiled.inplace_abn(input, running_mean, running_var, weight, bias, config)
     # Spelled out: a generator over the three tensors costs a microsecond per layer call.
     needs_grad = torch.is_grad_enabled() and (
         input.requires_grad
@@ -45,9 +47,7 @@ def inplace_abn_unchecked(
     if not needs_grad:
         forward_(input, weight, bias, running_mean, running_var, config)
         return input
-    return InPlaceABNFunction.apply(
-        overwritable(input), weight, bias, running_mean, running_var, config
-    )
+    return InPlaceABNFunction.apply(input, weight, bias, running_mean, running_var, config)
 
 
 def _transformed() -> bool:

@@ -44,10 +44,12 @@ def local_moments(x: Tensor) -> Tensor:
     return moments
 
 
-def merge_moments(gathered: Tensor) -> tuple[int, Tensor, Tensor]:
+def merge_moments(gathered: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Chan's parallel merge of ``(world, 2C + 1)`` rows -> ``(total count, mean, var)``.
 
-    ``var`` is the biased variance of the union of all ranks' values.
+    ``var`` is the biased variance of the union of all ranks' values. The total count stays a
+    0-d tensor on the device: reading it on the host would wait for the device (a host
+    synchronisation every step).
     """
     channels = (gathered.shape[1] - 1) // 2
     counts = gathered[:, :1]
@@ -55,7 +57,7 @@ def merge_moments(gathered: Tensor) -> tuple[int, Tensor, Tensor]:
     total = counts.sum()
     mean = (counts * means).sum(0) / total
     m2 = (counts * (variances + (means - mean) ** 2)).sum(0)
-    return int(total.item()), mean, m2 / total
+    return total, mean, m2 / total
 
 
 def normalize_(
@@ -75,7 +77,7 @@ def normalize_(
 
 
 def update_running_stats_(
-    running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, total: int,
+    running_mean: Tensor, running_var: Tensor, mean: Tensor, var: Tensor, total: Tensor,
     momentum: float,
 ) -> None:
     """``nn.BatchNorm``'s update with the merged statistics (unbiased variance)."""
@@ -102,7 +104,7 @@ def local_sums(
 
 
 def dx_coefficients(
-    scale: Tensor, invstd: Tensor, bias: Tensor | None, global_sums: Tensor, total: int,
+    scale: Tensor, invstd: Tensor, bias: Tensor | None, global_sums: Tensor, total: Tensor,
     dtype: torch.dtype,
 ) -> Tensor:
     """``(k1, k2, k3)`` ``(3, C)`` of ``dx = k1 * dy + k2 * y + k3``, which is
@@ -120,7 +122,7 @@ def dx_coefficients(
 
 def input_grad(
     saved: tuple[Tensor, Tensor], bias: Tensor | None, scale: Tensor, invstd: Tensor,
-    global_sums: Tensor, total: int, out_dtype: torch.dtype,
+    global_sums: Tensor, total: Tensor, out_dtype: torch.dtype,
 ) -> Tensor:
     """``dx`` from :func:`local_sums`' ``saved`` and the sums over all ranks."""
     y, dy = saved

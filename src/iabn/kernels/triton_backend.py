@@ -332,7 +332,7 @@ def local_sums(
 
 def input_grad(
     saved: tuple, bias: Tensor | None, scale: Tensor, invstd: Tensor, global_sums: Tensor,
-    total: int, out_dtype: torch.dtype,
+    total: Tensor, out_dtype: torch.dtype,
 ) -> Tensor:
     """``dx`` from the sums over all ranks (see :func:`.sync_reference.input_grad`)."""
     z, dz, layout, activation, activation_param = saved
