@@ -51,6 +51,13 @@ from torch import Tensor
 from .kernels import traceable
 from .layer_config import LayerConfig
 
+#: Whether the compiler is given the traceable layer (else the opaque ``iabn::`` operators of
+#: :mod:`iabn.ops`). Measured: correct on torch 2.14.1; on 2.11.0 the compiled conv -> layer ->
+#: conv training step gave wrong parameter gradients (0.079 off in a layer's bias gradient,
+#: tests/test_compile.py), where the operators are right. 2.12 and 2.13 are not measured, so
+#: they keep the operators.
+TRACEABLE = torch.__version__ >= (2, 14)
+
 
 class TracedInPlaceABNFunction(torch.autograd.Function):
     """Autograd of the in-place layer for the compiler: returns ``z`` as a new tensor and saves

@@ -16,7 +16,7 @@ from . import activation as act
 from . import compiled, debug
 from .checks import functorch_active
 from .layer_config import LayerConfig
-from .ops import InPlaceABNFunction, forward_
+from .ops import InPlaceABNFunction, forward_, overwritable
 from .scale import ABS, abs_sign, effective_scale
 
 
@@ -36,7 +36,8 @@ def inplace_abn_unchecked(
         )
     if _transformed():
         return _inplace_abn_composed(input, running_mean, running_var, weight, bias, config)
-    if torch.compiler.is_compiling():  # ATen operations the compiler sees (iabn.compiled)
+    if torch.compiler.is_compiling() and compiled.TRACEABLE:
+        # ATen operations the compiler sees (iabn.compiled)
         return compiled.inplace_abn(input, running_mean, running_var, weight, bias, config)
     # Spelled out: a generator over the three tensors costs a microsecond per layer call.
     needs_grad = torch.is_grad_enabled() and (
@@ -47,7 +48,10 @@ def inplace_abn_unchecked(
     if not needs_grad:
         forward_(input, weight, bias, running_mean, running_var, config)
         return input
-    return InPlaceABNFunction.apply(input, weight, bias, running_mean, running_var, config)
+    # overwritable: a copy where an older torch compiles the opaque iabn:: operators instead
+    return InPlaceABNFunction.apply(
+        overwritable(input), weight, bias, running_mean, running_var, config
+    )
 
 
 def _transformed() -> bool:
