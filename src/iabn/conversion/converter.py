@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import warnings
@@ -15,6 +14,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..memory import _storage_key, saved_tensor_bytes
 from ..modules import ABN
+from ..trial_runs import preserved, same_randomness
 from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
 from .graph import find_sites, is_convertible_norm, module_activation, node_activation, trace
 from .report import ConversionReport, LayerRow
@@ -179,32 +179,6 @@ def _deepcopy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-@contextlib.contextmanager
-def _preserved(model: nn.Module):
-    """Run ``model`` without a trace: its buffers (running statistics) and every module's
-    training flag are restored afterwards."""
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield model
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        for m, mode in modes:
-            m.training = mode
-
-
-@contextlib.contextmanager
-def _same_randomness(args: tuple):
-    """The same random numbers (dropout, stochastic depth) for each model compared."""
-    devices = sorted({a.device.index or 0 for a in args
-                      if isinstance(a, Tensor) and a.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
-        yield
-
-
 # ---------------------------------------------------------------- byte accounting
 
 
@@ -224,7 +198,7 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
     the activation consuming its output are first to save for backward (training mode); and
     the bytes of all of them, which is :func:`iabn.memory.saved_tensor_bytes` of the model (the
     graph computes what the model computes; ``tests/test_convert_zoo.py`` compares them)."""
-    with _preserved(model), _same_randomness(args):
+    with preserved(model), same_randomness(args):
         model.train()
         module = fx.GraphModule(model, graph)
         interpreter = _Attributing(module)
@@ -258,7 +232,7 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
 
 
 def _saved(model: nn.Module, args: tuple) -> int:
-    with _preserved(model), _same_randomness(args):
+    with preserved(model), same_randomness(args):
         return saved_tensor_bytes(model.train(), *args)
 
 
@@ -272,13 +246,13 @@ def _differences(original: nn.Module, converted: nn.Module, args: tuple) -> tupl
     gradients run backward in eval mode). Nothing of either model changes: statistics are
     restored, gradients are not accumulated."""
     result = []
-    with _preserved(original), _preserved(converted):
+    with preserved(original), preserved(converted):
         for training in (False, True):
             original.train(training)
             converted.train(training)
-            with _same_randomness(args):
+            with same_randomness(args):
                 expected = [t for t in tree_leaves(original(*args)) if isinstance(t, Tensor)]
-            with _same_randomness(args):
+            with same_randomness(args):
                 got = [t for t in tree_leaves(converted(*args)) if isinstance(t, Tensor)]
             result.append(max((float((x.detach().double() - y.detach().double()).abs().max())
                                for x, y in zip(expected, got, strict=True) if x.numel()),

@@ -31,8 +31,9 @@ import torch
 from torch import Tensor, nn
 
 from ..memory import _storage_key
+from ..trial_runs import preserved, same_randomness
 from .cost import REST, OpCount, OpCounter
-from .segments import preserved, tensor_leaves
+from .segments import tensor_leaves
 from .wrappers import Observer, PlannedSequential, _chain, module_plan, recomputed
 
 Identity = tuple[str, int, int]
@@ -129,15 +130,6 @@ def observe(model: nn.Module, observer: Observer | None) -> None:
         target = module if isinstance(module, PlannedSequential) else module_plan(module)
         if target is not None:
             target.observer = observer
-
-
-@contextlib.contextmanager
-def same_randomness(args: tuple):
-    devices = sorted({a.device.index or 0 for a in args
-                      if isinstance(a, Tensor) and a.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(0)
-        yield
 
 
 def record(model: nn.Module, args: tuple, *, capture_inputs: bool = False,

@@ -16,7 +16,8 @@ import torch
 from torch import Tensor, nn
 
 from ..memory import saved_tensor_bytes
-from .accounting import Run, Saved, observe, recomputed_saves, record, same_randomness
+from ..trial_runs import preserved, same_randomness
+from .accounting import Run, Saved, observe, recomputed_saves, record
 from .cost import DeviceSpeed, calibrate
 from .report import DecisionRow, PlanReport
 from .segments import (
@@ -24,7 +25,6 @@ from .segments import (
     Unit,
     as_args,
     find_units,
-    preserved,
     shares_tensors,
     tensor_leaves,
     unit_modules,

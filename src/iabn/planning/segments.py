@@ -17,7 +17,6 @@ arguments, or never, are not units; containers that are never called themselves 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,21 +193,6 @@ def shares_tensors(model: nn.Module, unit: Unit) -> bool:
     return False
 
 
-@contextlib.contextmanager
-def preserved(model: nn.Module):
-    """Run ``model`` without a trace: buffers and training flags are restored afterwards."""
-    modes = [(m, m.training) for m in model.modules()]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    try:
-        yield model
-    finally:
-        with torch.no_grad():
-            for buffer, saved in buffers:
-                buffer.copy_(saved)
-        for m, mode in modes:
-            m.training = mode
-
-
 def tensor_leaves(value: Any) -> list[Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, Tensor)]
 
@@ -218,4 +202,4 @@ def as_args(example_input: Any) -> tuple:
 
 
 __all__ = ["Chain", "Segmentation", "Unit", "as_args", "find_units", "is_plain_sequential",
-           "preserved", "shares_tensors", "tensor_leaves", "unit_modules"]
+           "shares_tensors", "tensor_leaves", "unit_modules"]
