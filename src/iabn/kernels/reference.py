@@ -76,16 +76,38 @@ def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def effective_g(
+    weight: Tensor | None, eps: float, gamma_mode: str, channels: int, dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """``g`` ``(C,)`` in ``dtype``: ``scale(weight)``, or ones without affine parameters."""
+    if weight is not None:
+        return effective_scale(_cast(weight, dtype), eps, gamma_mode)
+    return torch.ones(channels, dtype=dtype, device=device)
+
+
+def running_invstd(running_var: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+    """``1 / sqrt(running_var + eps)`` in ``dtype``: the eval-mode normalisation's."""
+    return torch.add(_cast(running_var, dtype), eps).rsqrt_()
+
+
+def empty_invstd(
+    training: bool, running_var: Tensor | None, eps: float, channels: int, dtype: torch.dtype,
+    device: torch.device,
+) -> Tensor:
+    """``invstd`` of a zero-size input: the running statistics' where they normalise, else NaN
+    (there are no batch statistics). Backward of an empty input reads neither value."""
+    if training or running_var is None:
+        return torch.full((channels,), float("nan"), dtype=dtype, device=device)
+    return running_invstd(running_var, eps, dtype)
+
+
 def scale_and_shift(
     weight: Tensor | None, bias: Tensor | None, eps: float, gamma_mode: str, channels: int,
     dtype: torch.dtype, device: torch.device,
 ) -> tuple[Tensor, Tensor]:
     """``(g, beta)`` ``(C,)`` in ``dtype``: ``scale(weight)`` and ``bias``, or 1 and 0."""
-    g = (
-        effective_scale(_cast(weight, dtype), eps, gamma_mode)
-        if weight is not None
-        else torch.ones(channels, dtype=dtype, device=device)
-    )
+    g = effective_g(weight, eps, gamma_mode, channels, dtype, device)
     beta = (
         _cast(bias, dtype) if bias is not None
         else torch.zeros(channels, dtype=dtype, device=device)
@@ -113,19 +135,11 @@ def forward_(
     channels = x.shape[1]
     sdtype = stat_dtype(x, weight, running_mean)
     device = x.device
-    g = (
-        effective_scale(_cast(weight, sdtype), eps, gamma_mode)
-        if weight is not None
-        else torch.ones(channels, dtype=sdtype, device=device)
-    )
+    g = effective_g(weight, eps, gamma_mode, channels, sdtype, device)
     if x.numel() == 0:
         # Nothing to normalise, and no kernel is launched: ATen's batch-norm kernels are not
-        # all safe on empty inputs (see empty_grads). Backward of an empty input reads neither
-        # value; invstd is the running statistics' where they normalise, else NaN (there are
-        # no batch statistics).
-        if training or running_var is None:
-            return torch.full((channels,), float("nan"), dtype=sdtype, device=device), g
-        return torch.add(_cast(running_var, sdtype), eps).rsqrt_(), g
+        # all safe on empty inputs (see empty_grads).
+        return empty_invstd(training, running_var, eps, channels, sdtype, device), g
     # The kernel treats a missing bias as 0: no zeros tensor needed.
     beta = _cast(bias, sdtype) if bias is not None else None
     # For other strides the native kernel's ``out=`` write does not follow the input's
@@ -144,7 +158,7 @@ def forward_(
             work, g, beta, running_mean, running_var, False, 0.0, eps,
             out=(work, unused, torch.empty(0, dtype=sdtype, device=device)),
         )
-        invstd = torch.add(_cast(running_var, sdtype), eps).rsqrt_()
+        invstd = running_invstd(running_var, eps, sdtype)
     act.apply_(work, activation, activation_param)
     if work is not x:
         x.copy_(work)

@@ -28,14 +28,16 @@ from torch import Tensor
 
 from .. import activation as act
 from ..layer_config import LayerConfig
-from ..scale import effective_scale
 from .reference import (
     _BATCH_NORM_BACKWARD,
     _cast,
     channel_view,
     compute_dtype,
+    effective_g,
     empty_grads,
+    empty_invstd,
     finish_grads,
+    running_invstd,
     stat_dtype,
 )
 
@@ -55,22 +57,16 @@ def forward(
     training, momentum, eps, activation, activation_param, gamma_mode, _ = config
     channels = x.shape[1]
     sdtype = stat_dtype(x, weight, running_mean)
-    g = (
-        effective_scale(_cast(weight, sdtype), eps, gamma_mode)
-        if weight is not None
-        else torch.ones(channels, dtype=sdtype, device=x.device)
-    )
+    g = effective_g(weight, eps, gamma_mode, channels, sdtype, x.device)
     if x.numel() == 0:
-        if training or running_var is None:
-            nan = torch.full((channels,), float("nan"), dtype=sdtype, device=x.device)
-            return torch.empty_like(x), nan, g
-        return torch.empty_like(x), torch.add(_cast(running_var, sdtype), eps).rsqrt(), g
+        invstd = empty_invstd(training, running_var, eps, channels, sdtype, x.device)
+        return torch.empty_like(x), invstd, g
     beta = _cast(bias, sdtype) if bias is not None else None
     y, _, invstd = torch.native_batch_norm(
         x, g, beta, running_mean, running_var, training, momentum, eps
     )
     if not training:
-        invstd = torch.add(_cast(running_var, sdtype), eps).rsqrt()
+        invstd = running_invstd(running_var, eps, sdtype)
     # y is batch norm's own new output, which nothing else reads: the activation may overwrite
     # it (functionalisation makes this out of place again).
     return act.apply_(y, activation, activation_param), invstd, g
