@@ -52,6 +52,17 @@ def _add_int(
     group.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
 
 
+def _add_output_options(group: argparse._ActionsContainer, what: str, **json_kw) -> None:
+    """``--json PATH`` (``what`` is written there), ``--overwrite`` and ``--quiet``: the output
+    options of every command that writes a JSON file."""
+    group.add_argument("--json", default=None, metavar="PATH",
+                       help=f"also write {what} as JSON to PATH (its folder must exist; "
+                       "checked before the work starts)", **json_kw)
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace an existing --json file (default: refuse it)")
+    group.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
 def _origin(text: str) -> str:
     """``--origin``: normalised by :func:`iabn.models.checkpoints.resolve_origin`."""
     from ..models.checkpoints import resolve_origin
@@ -93,12 +104,7 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     timing.add_argument("--threads", type=_positive_int, default=None,
                         help="torch intra-op threads (default: torch's own choice)")
     output = bench.add_argument_group("output")
-    output.add_argument("--json", default=None, metavar="PATH",
-                        help="also write all results and machine info as JSON to PATH (its "
-                        "folder must exist; checked before the run)")
-    output.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --json file (default: refuse it)")
-    output.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_output_options(output, "all results and machine info")
     bench.set_defaults(handler=_bench)
 
 
@@ -151,12 +157,8 @@ def _add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
                         "(default: not measured)")
     memory.add_argument("--table", action="store_true",
                         help="also print the leaky_relu conversion's per-layer table")
-    memory.add_argument("--json", default=None, metavar="PATH",
-                        help="also write all figures, the conversion reports, machine info, "
-                        "versions and the date as JSON to PATH (its folder must exist)")
-    memory.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --json file (default: refuse it)")
-    memory.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_output_options(memory, "all figures, the conversion reports, machine info, versions "
+                        "and the date")
     memory.set_defaults(handler=_memory)
 
 
@@ -228,12 +230,7 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
     plan.add_argument("--device", default="cpu",
                       help="torch device the model trains on, whose speed the time model "
                       "measures (default: cpu)")
-    plan.add_argument("--json", default=None, metavar="PATH",
-                      help="also write the plan, machine info, versions and the date as JSON "
-                      "to PATH (its folder must exist)")
-    plan.add_argument("--overwrite", action="store_true",
-                      help="replace an existing --json file (default: refuse it)")
-    plan.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    _add_output_options(plan, "the plan, machine info, versions and the date")
     plan.set_defaults(handler=_plan)
 
 
@@ -402,11 +399,7 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="data-loading workers per rank (default: data.workers)")
     test.add_argument("--device", default=None,
                       help="cpu, cuda or cuda:N (default: cuda:LOCAL_RANK when available)")
-    test.add_argument("--json", type=Path, default=None, metavar="PATH",
-                      help="also write the metrics and settings as JSON to PATH")
-    test.add_argument("--overwrite", action="store_true",
-                      help="replace an existing --json file (default: refuse it)")
-    test.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    _add_output_options(test, "the metrics and settings", type=Path)
     test.set_defaults(handler=_test)
 
 
