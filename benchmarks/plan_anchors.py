@@ -126,26 +126,6 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
                                                          *ckpt_model.buffers()]),
         "segments": segments, "modules": modules}
     forwards["checkpoint_sqrt"] = forward
-    for budget in args.plan_budgets:
-        start = time.perf_counter()
-        try:
-            planned, report = iabn.plan(model, x, budget, allow=args.allow,
-                                        time_limit=args.time_limit)
-        except ValueError as error:
-            rows[f"plan_{budget:g}"] = {"out_of_reach": str(error)}
-            say(f"{name}: plan {budget:g}: {error}")
-            continue
-        seconds = time.perf_counter() - start
-        rows[f"plan_{budget:g}"] = {
-            "bytes": saved(planned, x), "predicted_bytes": report.predicted,
-            "predicted_overhead": report.overhead,
-            "predicted_overhead_ms": report.predicted_overhead_ms,
-            "predicted_step_ms": report.predicted_step_ms, "counts": report.counts,
-            "solver": report.solver_status, "planning_s": round(seconds, 1),
-            "segments": [[r.segment, r.choice] for r in report.rows if r.choice != "keep"]}
-        forwards[f"plan_{budget:g}"] = planned
-        say(f"{name}: plan {budget:g}: {report.measured / MIB:.2f} MiB, predicted +"
-            f"{100 * report.overhead:.1f} % ({seconds:.0f} s)")
     for budget in args.compile_budgets:
         say(f"{name}: compile {budget:g} (slow)")
         try:
@@ -154,6 +134,33 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
             forwards[f"compile_{budget:g}"] = compiled(copy.deepcopy(model).train(), budget)
         except Exception as error:  # no C++ compiler, an unsupported operation
             rows[f"compile_{budget:g}"] = {"failed": f"{type(error).__name__}: {error}"[:300]}
+    # the plans: at the fixed fractions, and at each anchor's bytes (the same memory)
+    budgets: dict[str, int | float] = {f"plan_{b:g}": b for b in args.plan_budgets}
+    budgets["plan_at_checkpoint_sqrt"] = rows["checkpoint_sqrt"]["bytes"]
+    for key, row in list(rows.items()):
+        if key.startswith("compile_") and "bytes" in row and row["bytes"] < as_given:
+            budgets[f"plan_at_{key}"] = row["bytes"]
+    for key, budget in budgets.items():
+        start = time.perf_counter()
+        try:
+            planned, report = iabn.plan(model, x, budget, allow=args.allow,
+                                        time_limit=args.time_limit)
+        except ValueError as error:
+            rows[key] = {"out_of_reach": str(error)}
+            say(f"{name}: {key}: {error}")
+            continue
+        seconds = time.perf_counter() - start
+        rows[key] = {
+            "budget": budget,
+            "bytes": saved(planned, x), "predicted_bytes": report.predicted,
+            "predicted_overhead": report.overhead,
+            "predicted_overhead_ms": report.predicted_overhead_ms,
+            "predicted_step_ms": report.predicted_step_ms, "counts": report.counts,
+            "solver": report.solver_status, "planning_s": round(seconds, 1),
+            "segments": [[r.segment, r.choice] for r in report.rows if r.choice != "keep"]}
+        forwards[key] = planned
+        say(f"{name}: {key}: {report.measured / MIB:.2f} MiB, predicted +"
+            f"{100 * report.overhead:.1f} % ({seconds:.0f} s)")
     steps = {key: _step(forward, x, target) for key, forward in forwards.items()}
     say(f"{name}: timing {len(steps)} strategies, {args.repeats} repeats")
     times = time_interleaved(steps, repeats=args.repeats, iters=1, warmup=args.warmup)
@@ -167,7 +174,34 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
     for row in rows.values():
         if "bytes" in row:
             row["ratio"] = round(row["bytes"] / as_given, 4)
-    return {"model": name, "as_given_bytes": as_given, "rows": rows}
+    return {"model": name, "as_given_bytes": as_given, "rows": rows,
+            "at_the_same_bytes": same_bytes(rows)}
+
+
+def same_bytes(rows: dict[str, dict]) -> list[dict]:
+    """Each anchor against the plan made at its bytes: extra step time over each one's own
+    baseline (the eager model for checkpointing and the plan, ``compile_1`` for a compiled
+    budget), median and fastest of the repeats."""
+    found = []
+    for key, row in rows.items():
+        plan = rows.get(f"plan_at_{key}")
+        if plan is None or "step_ms" not in row or "step_ms" not in plan:
+            continue
+        base = rows["compile_1"] if key.startswith("compile_") else rows["eager"]
+        if "step_ms" not in base:
+            continue
+        entry = {"anchor": key, "anchor_bytes": row["bytes"], "plan_bytes": plan["bytes"],
+                 "plan_predicted_overhead": round(plan["predicted_overhead"], 4),
+                 "anchor_baseline": "compile_1" if key.startswith("compile_") else "eager"}
+        for stat in ("step_ms", "step_ms_min"):
+            anchor = row[stat] / base[stat] - 1
+            planned = plan[stat] / rows["eager"][stat] - 1
+            suffix = "" if stat == "step_ms" else "_min"
+            entry[f"anchor_overhead{suffix}"] = round(anchor, 4)
+            entry[f"plan_overhead{suffix}"] = round(planned, 4)
+        entry["plan_no_slower"] = entry["plan_overhead"] <= entry["anchor_overhead"]
+        found.append(entry)
+    return found
 
 
 def _step(forward: Callable, x: torch.Tensor, target: torch.Tensor) -> Callable[[], None]:
@@ -182,19 +216,27 @@ def table(results: list[dict]) -> str:
     for result in results:
         lines.append(f"{result['model']}: activation memory as given "
                      f"{result['as_given_bytes'] / MIB:.2f} MiB")
-        lines.append(f"  {'strategy':<16}{'MiB':>9}{'ratio':>8}{'median ms':>11}{'x eager':>9}"
+        lines.append(f"  {'strategy':<24}{'MiB':>9}{'ratio':>8}{'median ms':>11}{'x eager':>9}"
                      f"{'min ms':>9}{'x eager':>9}{'predicted':>11}")
         for key, row in result["rows"].items():
             if "bytes" not in row:
-                lines.append(f"  {key:<16}  {row.get('out_of_reach') or row.get('failed')}")
+                lines.append(f"  {key:<24}  {row.get('out_of_reach') or row.get('failed')}")
                 continue
             predicted = (f"{1 + row['predicted_overhead']:.3f}" if "predicted_overhead" in row
                          else "")
             step = (f"{row['step_ms']:>11.1f}{row['step_ratio']:>9.3f}"
                     f"{row['step_ms_min']:>9.1f}{row['step_ratio_min']:>9.3f}"
                     if "step_ms" in row else f"{'':>38}")
-            lines.append(f"  {key:<16}{row['bytes'] / MIB:>9.2f}{row['ratio']:>8.3f}{step}"
+            lines.append(f"  {key:<24}{row['bytes'] / MIB:>9.2f}{row['ratio']:>8.3f}{step}"
                          f"{predicted:>11}")
+        for entry in result.get("at_the_same_bytes", []):
+            lines.append(
+                f"  at the bytes of {entry['anchor']}: {entry['anchor']} "
+                f"{100 * entry['anchor_overhead']:+.1f} % over {entry['anchor_baseline']}, "
+                f"the plan {100 * entry['plan_overhead']:+.1f} % over eager (predicted "
+                f"{100 * entry['plan_predicted_overhead']:+.1f} %; fastest of the repeats: "
+                f"{100 * entry['anchor_overhead_min']:+.1f} % and "
+                f"{100 * entry['plan_overhead_min']:+.1f} %)")
     return "\n".join(lines)
 
 

@@ -200,24 +200,22 @@ def _transferred(model: nn.Module) -> dict[int, int]:
 
 
 def recomputed_saves(modules: Sequence[nn.Module], inputs: Sequence[Tensor],
-                     identities: Sequence[Identity]) -> Saved:
-    """What a recomputed run of ``modules`` keeps for backward, run on ``inputs`` (the first
-    unit's recorded input, whose boundary identities are ``identities``)."""
+                     identities: Sequence[Identity], last: int,
+                     selective: bool = False) -> Saved:
+    """What a recomputed run of ``modules`` keeps for backward (``selective``: recomputed
+    but for its products), run on ``inputs`` (the first unit's recorded input, whose boundary
+    identities are ``identities``). ``last`` is the run's last unit: an output it keeps (a
+    selective run ending in a product) is that unit's boundary output."""
     names = {_storage_key(t): identity for t, identity in zip(inputs, identities, strict=True)}
     excluded = {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
-    seen: set = set()
+    packed: dict[Any, int] = {}
     held: list[Tensor] = []
-    saved = Saved()
 
     def pack(t: Tensor) -> Tensor:
         key = _storage_key(t)
-        if key not in excluded and key not in seen:
-            seen.add(key)
+        if key not in excluded and key not in packed:
+            packed[key] = t.untyped_storage().nbytes()
             held.append(t)
-            if key in names:
-                saved.shared[names[key]] = t.untyped_storage().nbytes()
-            else:
-                saved.private.append(t.untyped_storage().nbytes())
         return t.detach()
 
     container = nn.ModuleList(modules)
@@ -225,9 +223,17 @@ def recomputed_saves(modules: Sequence[nn.Module], inputs: Sequence[Tensor],
     with preserved(container), same_randomness(tuple(inputs)):
         container.train()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = recomputed(fn, modules, *inputs)
+            out = recomputed(fn, modules, *inputs, selective=selective)
+        for i, t in enumerate(tensor_leaves(out)):
+            names.setdefault(_storage_key(t), ("out", last, i))
         del out
     held.clear()
+    saved = Saved()
+    for key, nbytes in packed.items():
+        if key in names:
+            saved.shared[names[key]] = nbytes
+        else:
+            saved.private.append(nbytes)
     return saved
 
 

@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
+from .selective import is_product
+
 REST = -1  # operations outside every unit
 
 _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
@@ -130,20 +132,23 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
 
 @dataclass
 class OpCount:
-    """Operations counted for one owner: ``ops`` is a list of ``(flops, bytes)``."""
+    """Operations counted for one owner: ``ops`` is a list of ``(flops, bytes, product)``;
+    ``product`` marks the operations with a FLOP formula (which selective recomputation
+    keeps the outputs of, :mod:`.selective`)."""
 
-    ops: list[tuple[float, int]]
+    ops: list[tuple[float, int, bool]]
 
     @property
     def flops(self) -> float:
-        return float(sum(f for f, _ in self.ops))
+        return float(sum(f for f, _, _ in self.ops))
 
     @property
     def bytes(self) -> int:
-        return sum(b for _, b in self.ops)
+        return sum(b for _, b, _ in self.ops)
 
-    def seconds(self, speed: DeviceSpeed) -> float:
-        return sum(speed.seconds(f, b) for f, b in self.ops)
+    def seconds(self, speed: DeviceSpeed, products: bool = True) -> float:
+        """Predicted time of the operations (``products=False``: of all but products)."""
+        return sum(speed.seconds(f, b) for f, b, product in self.ops if products or not product)
 
 
 class OpCounter(TorchDispatchMode):
@@ -159,12 +164,13 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func.is_view:
             return out
-        formula = flop_registry.get(func._overloadpacket)
-        flops = float(formula(*args, **kwargs, out_val=out)) if formula is not None else 0.0
+        product = is_product(func)
+        flops = (float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
+                 if product else 0.0)
         nbytes = 0 if func in _ALLOCATIONS else sum(
             t.numel() * t.element_size()
             for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor))
-        self.counts[self.owner()].ops.append((flops, nbytes))
+        self.counts[self.owner()].ops.append((flops, nbytes, product))
         return out
 
 

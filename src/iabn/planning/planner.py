@@ -37,6 +37,7 @@ from .wrappers import (
     OFFLOAD,
     RECOMPUTE,
     RECOMPUTED,
+    SELECTIVE,
     Observer,
     PlannedSequential,
     plan_module,
@@ -350,12 +351,14 @@ class Planner:
         return runs
 
     def _recompute_candidates(self) -> list[Candidate]:
-        """Every run, recomputed (and, where a unit converts, recomputed in place). What a
-        run keeps is measured by running it under checkpoint on its first unit's recorded
-        input. Checkpoint saves the run's inputs before it runs the run, so the runs from one
-        unit keep the same storages whatever their length: the shortest and the longest are
+        """Every run, recomputed (and, where a unit converts, recomputed in place), and
+        recomputed selectively (all but its products, where it has any). What a run keeps is
+        measured by running it under checkpoint on its first unit's recorded input.
+        Checkpoint saves the run's inputs before it runs the run, so the runs from one unit
+        keep the same storages whatever their length: the shortest and the longest are
         measured, and where they agree (always, so far) the others take that figure; where
-        they do not, each run is measured."""
+        they do not, each run is measured. A selective run keeps its products' outputs too:
+        each is measured."""
         found = []
         runs = [r for r in self._runs() if r[0] not in self.keep.writes_input
                 and self.keep.inputs.get(r[0])]
@@ -387,12 +390,29 @@ class Planner:
                                                 else self._measure_run(model, units))
                     seconds = sum(self._forward_seconds(u, variant) for u in units)
                     found.append(Candidate(units, choice, saved, seconds))
+            found += self._selective_candidates(group)
         return found
 
-    def _measure_run(self, model: nn.Module, units: tuple[int, ...]) -> Saved:
+    def _selective_candidates(self, group: list[tuple[int, ...]]) -> list[Candidate]:
+        found = []
+        for units in group:
+            counts = [self.keep.forward_ops.get(u) for u in units]
+            if not any(op[2] for c in counts if c is not None for op in c.ops):
+                continue  # no product: the same as recomputing it
+            if units[-1] in self.keep.output_written:
+                continue  # a later operation may write into a product's output it keeps
+            seconds = sum(c.seconds(self.speed, products=False) for c in counts
+                          if c is not None)
+            found.append(Candidate(units, SELECTIVE,
+                                   self._measure_run(self.keep_model, units, selective=True),
+                                   seconds))
+        return found
+
+    def _measure_run(self, model: nn.Module, units: tuple[int, ...],
+                     selective: bool = False) -> Saved:
         modules = [m for u in units for m in self._modules(model, self.units[u])]
         return recomputed_saves(modules, self.keep.inputs[units[0]],
-                                self.input_identities[units[0]])
+                                self.input_identities[units[0]], units[-1], selective)
 
     # ------------------------------------------------------------ the integer program
 

@@ -28,14 +28,18 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from .selective import selectively_recomputed
+
 #: The choices a plan makes per segment.
 KEEP = "keep"
 INPLACE = "inplace"
 RECOMPUTE = "recompute"
 INPLACE_RECOMPUTE = "inplace+recompute"
+#: recomputed in backward but for its convolutions and matrix products (:mod:`.selective`)
+SELECTIVE = "selective"
 OFFLOAD = "offload"
-CHOICES = (KEEP, INPLACE, RECOMPUTE, INPLACE_RECOMPUTE, OFFLOAD)
-RECOMPUTED = (RECOMPUTE, INPLACE_RECOMPUTE)
+CHOICES = (KEEP, INPLACE, RECOMPUTE, INPLACE_RECOMPUTE, SELECTIVE, OFFLOAD)
+RECOMPUTED = (RECOMPUTE, INPLACE_RECOMPUTE, SELECTIVE)
 
 
 class Observer:
@@ -57,8 +61,11 @@ def _buffers(modules: Iterable[nn.Module]) -> list[Tensor]:
     return list(seen.values())
 
 
-def recomputed(fn: Callable[..., Any], modules: Sequence[nn.Module], *args: Any) -> Any:
-    """``fn(*args)``, keeping only ``args`` for backward and running ``fn`` again there.
+def recomputed(fn: Callable[..., Any], modules: Sequence[nn.Module], *args: Any,
+               selective: bool = False) -> Any:
+    """``fn(*args)``, keeping only ``args`` for backward and running ``fn`` again there
+    (``selective``: keeping also the outputs of its convolutions and matrix products, which
+    are then not run again; see :mod:`.selective`).
 
     The buffers of ``modules`` (running statistics) are restored after the recomputation:
     they are updated by the forward only, as without recomputation.
@@ -79,6 +86,8 @@ def recomputed(fn: Callable[..., Any], modules: Sequence[nn.Module], *args: Any)
                 for buffer, value in zip(buffers, saved, strict=True):
                     buffer.copy_(value)
 
+    if selective:
+        return selectively_recomputed(run, *args)
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
 
@@ -158,7 +167,7 @@ def _chain(modules: Sequence[nn.Module]) -> Callable[[Any], Any]:
 def _run(choice: str, fn: Callable[..., Any], modules: Sequence[nn.Module],
          offloaders: Offloaders, key: int, *args: Any) -> Any:
     if choice in RECOMPUTED:
-        return recomputed(fn, modules, *args)
+        return recomputed(fn, modules, *args, selective=choice == SELECTIVE)
     if choice == OFFLOAD:
         return offloaded(fn, offloaders.get(key), modules, *args)
     return fn(*args)
@@ -203,5 +212,5 @@ def module_plan(module: nn.Module) -> ModulePlan | None:
 
 
 __all__ = ["CHOICES", "INPLACE", "INPLACE_RECOMPUTE", "KEEP", "OFFLOAD", "RECOMPUTE",
-           "RECOMPUTED", "ModulePlan", "Offloaders", "PlannedSequential", "module_plan",
-           "offloaded", "plan_module", "recomputed"]
+           "RECOMPUTED", "SELECTIVE", "ModulePlan", "Offloaders", "PlannedSequential",
+           "module_plan", "offloaded", "plan_module", "recomputed"]

@@ -1,0 +1,186 @@
+"""Selective recomputation: a segment recomputed in backward except for its products.
+
+Checkpointing a segment keeps only its input and runs its whole forward again in backward,
+convolutions and matrix products included, which is most of the forward's time. Most of the
+memory, though, is in the outputs of the cheap operations between them (normalisation,
+activation, pooling, additions): a ResNet block saves its convolutions' outputs and as many
+normalised-and-activated tensors again. Selective recomputation keeps the outputs of the
+products (the operations with a FLOP formula in ``torch.utils.flop_counter``, the planner's cost
+model's definition) and recomputes only the rest, the batch-norm-aware checkpointing of the
+In-Place ABN paper (section 3.2) for any segment: about half the memory for the cost of the
+cheap operations' forward.
+
+Why not ``torch.utils.checkpoint``'s selective checkpointing (``context_fn`` with
+``create_selective_checkpoint_contexts``): before torch 2.14 it keeps its values outside
+autograd's saved tensors, where no ``saved_tensors_hooks`` sees them, so
+:func:`iabn.memory.saved_tensor_bytes` (and the planner's accounting) would not count them and
+an offloading hook would not move them. Here they are saved by a small autograd function at
+the segment's output, as autograd saves any tensor, and the recomputation takes them from there.
+
+Mechanics: the segment runs under ``torch.utils.checkpoint`` (non-reentrant) with two dispatch
+modes (its ``context_fn``). In the forward, :class:`_Keeper` runs every operation and remembers
+the products' outputs (an output that a later operation of the segment writes into is
+remembered as a copy taken before the write, so the recomputation sees the value the forward
+used). In backward, :class:`_Replayer` runs the cheap operations again and hands the
+remembered outputs back in place of the products, in the order the forward made them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import (
+    TreeSpec,
+    tree_flatten,
+    tree_leaves,
+    tree_map_only,
+    tree_unflatten,
+)
+from torch.utils.flop_counter import flop_registry
+
+
+def is_product(func: Any) -> bool:
+    """Whether an ATen operation is one whose output selective recomputation keeps: one that
+    ``torch.utils.flop_counter`` counts FLOPs for (convolutions, matrix products, attention)."""
+    return func._overloadpacket in flop_registry
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
+
+
+def _written(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
+    """The tensors ``func`` writes into (in place or ``out=``), by its schema."""
+    where = _WRITES.get(func)
+    if where is None:
+        where = _WRITES[func] = tuple(
+            (i, a.name) for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write)
+    found = []
+    for i, name in where:
+        value = args[i] if i < len(args) else kwargs.get(name)
+        found += [t for t in tree_leaves(value) if isinstance(t, Tensor)]
+    return found
+
+
+def _detach(t: Tensor) -> Tensor:
+    # Below autograd the view-tracking key is excluded: let detach share the version counter
+    # (as torch.utils.checkpoint's selective mode does), which the write checks read.
+    with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+        return t.detach()
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Memory:
+    """The products of one forward of a segment, in order: their outputs while the forward
+    runs (tensors detached), then only their structure (the tensors go to :class:`_Hold`),
+    and in backward the outputs as unpacked there."""
+
+    def __init__(self) -> None:
+        self.outputs: list[Any] = []
+        self.funcs: list[Any] = []
+        self.specs: list[tuple[TreeSpec, list[Any]]] = []
+        self.restored: list[Any] | None = None
+
+    def hand_over(self) -> list[Tensor]:
+        """The tensors to save; only the structure (and any non-tensor values) stays here."""
+        kept = []
+        for out in self.outputs:
+            leaves, spec = tree_flatten(out)
+            self.specs.append((spec, [None if isinstance(v, Tensor) else v for v in leaves]))
+            kept += [v for v in leaves if isinstance(v, Tensor)]
+        self.outputs = []
+        return kept
+
+    def restore(self, kept: Sequence[Tensor]) -> None:
+        tensors = iter(kept)
+        self.restored = [tree_unflatten([next(tensors) if v is None else v for v in values],
+                                        spec) for spec, values in self.specs]
+
+
+class _Keeper(TorchDispatchMode):
+    def __init__(self, memory: _Memory) -> None:
+        super().__init__()
+        self.memory = memory
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.memory.outputs and not func.is_view:
+            written = {_storage(t) for t in _written(func, args, kwargs)}
+            if written:
+                self.memory.outputs = [
+                    tree_map_only(Tensor, lambda t: t.clone() if _storage(t) in written else t,
+                                  out)
+                    for out in self.memory.outputs]
+        out = func(*args, **kwargs)
+        if is_product(func):
+            self.memory.funcs.append(func)
+            self.memory.outputs.append(tree_map_only(Tensor, _detach, out))
+        return out
+
+
+class _Replayer(TorchDispatchMode):
+    def __init__(self, memory: _Memory) -> None:
+        super().__init__()
+        self.memory = memory
+        self.next = 0
+
+    def __enter__(self):
+        self.next = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not is_product(func):
+            return func(*args, **(kwargs or {}))
+        restored = self.memory.restored
+        index = self.next
+        self.next += 1
+        if restored is None or index >= len(restored) or self.memory.funcs[index] is not func:
+            raise RuntimeError(
+                f"selective recomputation: the recomputed forward ran {func} as product "
+                f"{index}, which its first run did not: the segment's forward must run the "
+                f"same operations each time")
+        return tree_map_only(Tensor, _detach, restored[index])
+
+
+class _Hold(torch.autograd.Function):
+    """Saves the remembered outputs for backward (where saved-tensor hooks see them) and hands
+    them to the recomputation, which runs after this function's backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, memory: _Memory, out: Tensor, *kept: Tensor
+    ) -> Tensor:
+        ctx.memory = memory
+        ctx.save_for_backward(*kept)
+        # an alias, not a view: a view made in a custom function could not be written into
+        # in place (a ReLU(inplace=True) after the segment); the alias shares the version
+        # counter, so autograd refuses to unpack a kept output written into after this
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:  # type: ignore[override]
+        kept = ctx.saved_tensors
+        ctx.memory.restore(kept)
+        return (None, grad) + (None,) * len(kept)
+
+
+def selectively_recomputed(run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)`` keeping its input and its products' outputs for backward; the rest is
+    recomputed there by ``run`` again (see the module docstring). ``run`` returns one tensor."""
+    memory = _Memory()
+    out = torch.utils.checkpoint.checkpoint(
+        run, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=lambda: (_Keeper(memory), _Replayer(memory)))
+    if not isinstance(out, Tensor) or not out.requires_grad:
+        return out
+    return _Hold.apply(memory, out, *memory.hand_over())
+
+
+__all__ = ["is_product", "selectively_recomputed"]

@@ -1,0 +1,164 @@
+"""Selective recomputation (iabn.planning.selective): recomputed in backward but for the
+products, whose outputs are kept.
+
+Checked against the same segment run without recomputation in float64 (outputs, gradients:
+bit for bit, since the same operations run on the same values), the bytes against the
+tensors' own sizes, and what backward runs with a dispatch mode.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from iabn.memory import saved_storages, saved_tensor_bytes
+from iabn.planning.selective import is_product, selectively_recomputed
+from iabn.planning.wrappers import recomputed
+
+
+class Selective(nn.Module):
+    """``module`` run by selective recomputation (running statistics restored after it)."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        return recomputed(self.module, [self.module], x, selective=True)
+
+
+class Attention(nn.Module):
+    """Linear projections and a matrix product written with functional calls."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.qkv = nn.Linear(c, 3 * c)
+        self.out = nn.Linear(c, c)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        return self.out(torch.nn.functional.gelu(weights @ v))
+
+
+def conv_chain(inplace=True):
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(inplace=inplace),
+        nn.Conv2d(8, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=inplace),
+        nn.Dropout(0.3), nn.MaxPool2d(2), nn.Conv2d(8, 4, 1), nn.LeakyReLU(0.1, inplace=inplace),
+    )
+
+
+def _step(model, x, grad, seed=0):
+    torch.manual_seed(seed)
+    x = x.detach().clone().requires_grad_()
+    out = model(x)
+    out.backward(grad)
+    return out.detach(), x.grad, [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("make, shape", [
+    (conv_chain, (2, 3, 8, 8)),
+    (lambda: conv_chain(inplace=False), (2, 3, 8, 8)),
+    (lambda: Attention(6), (2, 5, 6)),
+    (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(inplace=True)), (2, 3, 6, 6)),
+], ids=["conv_bn_relu_inplace", "conv_bn_relu", "attention", "conv_then_inplace_relu"])
+def test_training_is_bitwise_the_plain_segment(make, shape):
+    """float64, two steps: outputs, input and parameter gradients and running statistics
+    equal those of the segment run plainly (the same operations on the same values). The
+    last case writes into a kept convolution output (ReLU in place right after it)."""
+    torch.manual_seed(0)
+    plain = make().double().train()
+    planned = Selective(copy.deepcopy(plain)).train()
+    x = torch.randn(shape, dtype=torch.float64)
+    for step in range(2):
+        grad = torch.randn_like(plain(x.clone()).detach())
+        plain.load_state_dict(planned.module.state_dict())  # undo that forward's statistics
+        expected = _step(plain, x, grad, seed=step)
+        got = _step(planned, x, grad, seed=step)
+        for a, b in zip(expected[:2] + tuple(expected[2]), got[:2] + tuple(got[2]), strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(plain.state_dict().values(), planned.module.state_dict().values(),
+                        strict=True):
+            assert torch.equal(a, b)
+        for p in (*plain.parameters(), *planned.parameters()):
+            p.grad = None
+
+
+def test_keeps_the_input_and_the_products_outputs_only():
+    """Kept: the input and each convolution's output (sizes from the shapes); a plain run
+    keeps those and the normalised and activated tensors besides."""
+    torch.manual_seed(0)
+    model = conv_chain(inplace=False).train()
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    kept = saved_storages(Selective(model), x)
+    element = x.element_size()
+    expected = sorted([x.numel() * element, 2 * 8 * 8 * 8 * element, 2 * 8 * 8 * 8 * element,
+                       2 * 4 * 4 * 4 * element])
+    assert sorted(s.nbytes for s in kept) == expected
+    assert saved_tensor_bytes(model, x) > 2 * sum(expected)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func._overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_backward_runs_no_product_forward_again():
+    """Backward recomputes batch norm and the activations but no convolution: it runs the
+    convolutions' backward only."""
+    model = Selective(conv_chain()).train()
+    out = model(torch.randn(2, 3, 8, 8, requires_grad=True))
+    ops = _Ops()
+    with ops:
+        out.sum().backward()
+    assert "convolution" not in ops.names and "convolution_backward" in ops.names
+    assert "native_batch_norm" in ops.names or "_native_batch_norm_legit" in ops.names
+
+
+def test_a_later_write_into_a_kept_output_is_refused():
+    """A segment ending in a convolution whose output is then changed in place: backward
+    refuses (autograd's check of saved tensors; the recomputation would read the changed
+    values)."""
+    conv = nn.Conv2d(3, 4, 3)
+    out = selectively_recomputed(conv, torch.randn(1, 3, 5, 5, requires_grad=True))
+    out.relu_()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_a_forward_that_changes_is_refused():
+    """The recomputation must run the products the forward ran."""
+    calls = []
+    a = torch.randn(3, 3, requires_grad=True)
+
+    def run(x):
+        calls.append(1)
+        if len(calls) == 1:
+            return torch.mm(x, a).relu()
+        return torch.bmm(x[None], a[None])[0].relu()
+
+    out = selectively_recomputed(run, torch.randn(2, 3, requires_grad=True))
+    with pytest.raises(RuntimeError, match="same operations each time"):
+        out.sum().backward()
+
+
+def test_no_grad_and_eval_run_plainly():
+    model = Selective(conv_chain()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x.clone()), model.module(x.clone()))
+
+
+def test_products_are_the_flop_counters_operations():
+    aten = torch.ops.aten
+    assert is_product(aten.convolution.default) and is_product(aten.mm.default)
+    assert not is_product(aten.native_batch_norm.default)
+    assert not is_product(aten.relu_.default)
