@@ -8,9 +8,14 @@ allocations count no bytes). An operation's predicted time is a roofline:
 
     t = overhead + max(flops / compute rate, bytes / bandwidth)
 
-with the device's rates measured by a short calibration (a square matrix product, a large
-copy, a tiny operation repeated; the fastest of a few runs each), once per process for each
-device, dtype and CPU thread count. On CUDA the host-device copy bandwidth (pinned memory) is
+with the device's rates measured by a short calibration (a square matrix product; the
+memory-bound operations of a convolutional network's layer, batch norm in training, ReLU in
+place and a residual addition, whose bytes are counted as above; a tiny operation repeated;
+the fastest of a few runs each), once per process for each device, dtype and CPU thread
+count. The memory-bound rate is taken from those operations rather than from a copy because
+they are what a recomputation runs: on the 2-core CPU used for development batch norm + ReLU
+moved their counted bytes at 8.3 GB/s where a copy moved 27 (a copy's rate predicted a third
+of their time). On CUDA the host-device copy bandwidth (pinned memory) is
 measured too, for offloading. Counting needs shapes only, so it works on the ``meta``
 device; the rates come from a real device. The predictions are a model:
 ``benchmarks/plan_anchors.py`` compares them with measured step times.
@@ -31,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .selective import is_product
+from .selective import is_product, keeper
 
 REST = -1  # operations outside every unit
 
@@ -52,6 +57,9 @@ class DeviceSpeed:
     bytes_per_s: float
     op_overhead_s: float
     pcie_bytes_per_s: float | None = None  # CUDA: pinned host <-> device copies
+    #: extra host time of an operation run under a Python dispatch mode (selective
+    #: recomputation runs each of a segment's operations under one in forward and backward)
+    mode_overhead_s: float = 0.0
 
     def seconds(self, flops: float, nbytes: float) -> float:
         return self.op_overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
@@ -105,11 +113,7 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
     out = torch.empty(n, n, device=device, dtype=dtype)
     mm = _best_seconds(lambda: torch.mm(a, b, out=out), device, 15)
     flops = 2 * n**3 / mm
-    elements = (256 if device.type == "cuda" else 32) * 2**20 // 4
-    src = torch.empty(elements, device=device, dtype=torch.float32).fill_(1.0)
-    dst = torch.empty_like(src)
-    copy = _best_seconds(lambda: dst.copy_(src), device, 10)
-    bandwidth = 2 * src.numel() * src.element_size() / copy
+    bandwidth = _memory_bound_rate(device, dtype)
     tiny_a = torch.ones(1, device=device, dtype=dtype)
     tiny_out = torch.empty_like(tiny_a)
     count = 200
@@ -119,15 +123,62 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
             torch.add(tiny_a, tiny_a, out=tiny_out)
 
     overhead = _best_seconds(tiny, device, 15) / count
+
+    in_mode = _mode_overhead(device, dtype)
     pcie = None
     if device.type == "cuda":
+        src = torch.ones(64 * 2**20, device=device, dtype=torch.float32)
         host = torch.empty(src.numel(), dtype=torch.float32, pin_memory=True)
         pcie = src.numel() * 4 / _best_seconds(
             lambda: host.copy_(src, non_blocking=True), device, 5)
     speed = DeviceSpeed(str(device), _device_name(device), str(dtype).removeprefix("torch."),
-                        threads, flops, bandwidth, overhead, pcie)
+                        threads, flops, bandwidth, overhead, pcie,
+                        in_mode)
     _SPEEDS[key] = speed
     return speed
+
+
+def _mode_overhead(device: torch.device, dtype: torch.dtype) -> float:
+    """Extra seconds per operation of a layer's tiny operations (batch norm, ReLU in place, an
+    addition) run under selective recomputation's forward dispatch mode."""
+    x = torch.ones(2, 2, 1, 1, device=device, dtype=dtype)
+    weight = torch.ones(2, device=device, dtype=dtype)
+    count = 50
+
+    def layers() -> None:
+        with torch.no_grad():
+            for _ in range(count):
+                torch.nn.functional.batch_norm(x, None, None, weight, weight, True).relu_().add_(x)
+
+    def layers_in_mode() -> None:
+        with keeper():
+            layers()
+
+    plain = _best_seconds(layers, device, 10)
+    return max(0.0, _best_seconds(layers_in_mode, device, 10) - plain) / (3 * count)
+
+
+def _memory_bound_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """Bytes per second of batch norm (training) + ReLU in place + a residual addition on one
+    layer-sized activation (32 MiB in float32 on CUDA, 4 MiB on a CPU), the bytes counted as
+    :class:`OpCounter` counts them."""
+    shape = (32, 64, 64, 64) if device.type == "cuda" else (4, 64, 64, 64)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    residual = torch.randn_like(x)
+    weight = torch.ones(shape[1], device=device, dtype=torch.float32)
+    bias = torch.zeros_like(weight)
+
+    def layer() -> None:
+        with torch.no_grad():
+            y = torch.nn.functional.batch_norm(x, None, None, weight.to(dtype),
+                                               bias.to(dtype), True)
+            y.relu_().add_(residual)
+
+    counter = OpCounter()
+    with counter:
+        layer()
+    nbytes = sum(count.bytes for count in counter.counts.values())
+    return nbytes / _best_seconds(layer, device, 10)
 
 
 @dataclass
@@ -149,6 +200,12 @@ class OpCount:
     def seconds(self, speed: DeviceSpeed, products: bool = True) -> float:
         """Predicted time of the operations (``products=False``: of all but products)."""
         return sum(speed.seconds(f, b) for f, b, product in self.ops if products or not product)
+
+    def selective_seconds(self, speed: DeviceSpeed) -> float:
+        """Predicted extra time of recomputing these operations selectively: those other than
+        products run again, and every one runs under a dispatch mode twice (the forward and
+        the recomputation)."""
+        return self.seconds(speed, products=False) + 2 * len(self.ops) * speed.mode_overhead_s
 
 
 class OpCounter(TorchDispatchMode):

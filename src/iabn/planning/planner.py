@@ -401,8 +401,7 @@ class Planner:
                 continue  # no product: the same as recomputing it
             if units[-1] in self.keep.output_written:
                 continue  # a later operation may write into a product's output it keeps
-            seconds = sum(c.seconds(self.speed, products=False) for c in counts
-                          if c is not None)
+            seconds = sum(c.selective_seconds(self.speed) for c in counts if c is not None)
             found.append(Candidate(units, SELECTIVE,
                                    self._measure_run(self.keep_model, units, selective=True),
                                    seconds))
@@ -536,8 +535,9 @@ def plan(
     weights, e.g. conv + norm + activation, a ResNet block; and modules forward calls once
     outside chains). Each unit is kept as it is, converted in place (:func:`iabn.convert` on
     the unit), recomputed in backward (alone or as a run of consecutive units of one chain:
-    ``torch.utils.checkpoint``, running statistics updated once), both, or offloaded to host
-    memory (CUDA only). The saved bytes of every choice are measured exactly (as
+    ``torch.utils.checkpoint``, running statistics updated once), both, recomputed
+    selectively (all but its convolutions and matrix products, whose outputs are kept), or
+    offloaded to host memory (CUDA only). The saved bytes of every choice are measured exactly (as
     :func:`iabn.memory.saved_tensor_bytes` counts them, with storages shared by neighbouring
     units counted once); the time of each choice is predicted from the operations it
     recomputes or the bytes it transfers and the device's measured speed. An integer program

@@ -171,6 +171,11 @@ class _Hold(torch.autograd.Function):
         return (None, grad) + (None,) * len(kept)
 
 
+def keeper() -> TorchDispatchMode:
+    """The forward's dispatch mode on its own (the planner's calibration times it)."""
+    return _Keeper(_Memory())
+
+
 def selectively_recomputed(run: Callable[..., Any], *args: Any) -> Any:
     """``run(*args)`` keeping its input and its products' outputs for backward; the rest is
     recomputed there by ``run`` again (see the module docstring). ``run`` returns one tensor."""

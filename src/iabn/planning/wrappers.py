@@ -9,12 +9,13 @@ The model keeps its ``state_dict`` keys, parameter names, module paths and class
   so ``isinstance`` checks (an optimizer's norm-layer groups, weight initialisation) see it.
 
 Recomputation is ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout
-draws the same mask again). Running statistics must be updated once per forward, as without
-the plan: the recomputation in backward saves every buffer of the recomputed modules first
-and restores it afterwards (also when checkpoint stops the recomputation early), so batch
-norm's running mean, variance and ``num_batches_tracked`` end as the unplanned model's, bit
-for bit. The recomputed forward itself uses batch statistics in training mode, so its
-outputs do not depend on the running statistics.
+draws the same mask again); selective recomputation keeps the outputs of the segment's
+convolutions and matrix products besides (:mod:`.selective`). Running statistics must be
+updated once per forward, as without the plan: the recomputation in backward saves every
+buffer of the recomputed modules first and restores it afterwards (also when checkpoint stops
+the recomputation early), so batch norm's running mean, variance and ``num_batches_tracked``
+end as the unplanned model's, bit for bit. The recomputed forward itself uses batch
+statistics in training mode, so its outputs do not depend on the running statistics.
 """
 
 from __future__ import annotations
