@@ -70,6 +70,21 @@ def test_plan_loads_on_first_use():
     assert result.stdout.strip() == "ok", result.stderr
 
 
+def test_compat_and_models_are_reachable_after_import_iabn():
+    """``iabn.compat.to_signed_state_dict`` and ``iabn.models.create``, as the README writes
+    them, work after ``import iabn`` alone; they load on first use, and loading iabn.compat
+    registers no ``inplace_abn`` alias (only iabn.compat.enable or install() does)."""
+    script = ("import sys, iabn; assert 'iabn.compat' not in sys.modules; "
+              "assert 'iabn.models' not in sys.modules; "
+              "assert iabn.compat.to_signed_state_dict is "
+              "sys.modules['iabn.compat'].to_signed_state_dict; "
+              "assert iabn.models.create is sys.modules['iabn.models'].create; "
+              "assert 'inplace_abn' not in sys.modules; print('ok')")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
 def _import_graph():
     """iabn's modules and the iabn modules each imports (top-level and inside functions)."""
     import ast

@@ -31,6 +31,12 @@ def __getattr__(name: str):
         from . import planning
 
         return getattr(planning, name)
+    # iabn.compat and iabn.models, as the README writes them, after `import iabn` alone;
+    # importing iabn.compat registers nothing (iabn.compat.enable or install() does)
+    if name in ("compat", "models"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'iabn' has no attribute {name!r}")
 
 __all__ = [
