@@ -249,6 +249,33 @@ def test_fp16_loss_scaling_is_saved_and_resumed_exactly(tmp_path):
     _assert_same_weights(tmp_path / "whole" / "last.pth", run / "last.pth")
 
 
+@pytest.mark.parametrize("update", ["step", "epoch"])
+def test_fp16_skipped_steps_do_not_step_the_schedule_ahead(tmp_path, update):
+    """fp16's loss scaler skips the first steps (their scaled gradients overflow): the
+    schedule advances once per applied step only, so PyTorch has no reason to warn that
+    lr_scheduler.step() came before optimizer.step()."""
+    import math
+    import warnings
+
+    # batches of 4: 12 steps an epoch, more than the scaler skips at the start (a per-epoch
+    # schedule steps after every epoch, applied or not)
+    config = toy_config(network={"precision": "fp16"}, schedule={"update": update},
+                        data={"batch_size": 4})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        train(ToyTask(), config, TrainOptions(tmp_path))
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "lr_scheduler.step()" in m], messages
+    snapshot = torch.load(tmp_path / "last.pth", weights_only=True)
+    # GradScaler halves its scale (2**16 at first) at every skipped step and grows it only
+    # after 2000 good ones: the halvings count the skipped steps
+    skipped = round(math.log2(2.0**16 / snapshot["scaler"]["scale"]))
+    assert skipped >= 1  # the case this checks: the first step is skipped
+    steps, epochs = 3 * TRAIN // 4, 3
+    expected = steps - skipped if update == "step" else epochs
+    assert snapshot["scheduler"]["last_epoch"] == expected
+
+
 class ToyImages(ToyData):
     """The same targets from ``[3, 4, 4]`` images whose mean colour carries the features."""
 

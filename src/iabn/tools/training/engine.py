@@ -419,9 +419,16 @@ class _Run:
         if clip is not None:
             self.scaler.unscale_(optimizer)
             nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        # fp16's loss scaler skips the optimizer step when the scaled gradients overflowed
+        # (the first steps, while it lowers its scale): no update is applied, so a per-step
+        # schedule does not advance either. It would otherwise run ahead of the updates, and
+        # PyTorch rightly warns "lr_scheduler.step() before optimizer.step()" when the very
+        # first step is skipped. A lowered scale is the skip (one host sync, fp16 only).
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(optimizer)
         self.scaler.update()
-        if self.config["schedule"]["update"] == "step":
+        applied = scale is None or self.scaler.get_scale() >= scale
+        if self.config["schedule"]["update"] == "step" and applied:
             self.scheduler.step()
         meter.update(outputs.detach(), targets, loss.detach())
 

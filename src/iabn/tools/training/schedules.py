@@ -1,8 +1,9 @@
 """Learning-rate schedules as closed-form multipliers of the base rate, with linear warm-up.
 
-The multiplier at time ``t`` (the epoch index, or the global step when the schedule updates
-per step) is ``warmup(t) * main(t)``. With progress ``p = min(t / T, 1)`` over the whole run
-``T`` and ``r = final_lr / lr``:
+The multiplier at time ``t`` (the epoch index, or the number of optimizer steps applied when
+the schedule updates per step: a step that fp16's loss scaler skips does not count) is
+``warmup(t) * main(t)``. With progress ``p = min(t / T, 1)`` over the whole run ``T`` and
+``r = final_lr / lr``:
 
     constant   1                        linear  r + (1 - r) * (1 - p)
     step       gamma ** (t // step_size)    poly    r + (1 - r) * (1 - p) ** power
