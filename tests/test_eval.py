@@ -151,6 +151,28 @@ def test_bad_checkpoints_and_crops_are_refused(snapshot, tmp_path, capsys):
     assert "--crop 20 is larger than --scale 16" in capsys.readouterr().err
 
 
+def test_ten_crops_mirror_only_what_the_config_trained_with(snapshot, tmp_path, capsys):
+    """The tiny config trains without flips, so --ten-crops evaluates the five crops of the
+    image itself, not their mirrors. Its crop is the whole 16x16 image: the five crops are the
+    centre crop five times, and the result is the single-crop one. With flips in the config
+    the mirrors come back (ten crops), and the result differs."""
+    config, path, _ = snapshot
+    code, single = _test(config, path, tmp_path=tmp_path, name="single.json")
+    assert code == 0 and single["crops_per_image"] == 1
+    capsys.readouterr()
+    code, five = _test(config, path, "--ten-crops", tmp_path=tmp_path, name="five.json")
+    assert code == 0 and five["crops_per_image"] == 5
+    assert "5 crops (corners and centre; not mirrored: input.flip_train is false)" in (
+        capsys.readouterr().out)
+    assert five["metrics"]["top1"] == pytest.approx(single["metrics"]["top1"], abs=1e-9)
+    assert five["metrics"]["loss"] == pytest.approx(single["metrics"]["loss"], rel=1e-5)
+    code, ten = _test(config, path, "--ten-crops", "--set", "input.flip_train=true",
+                      tmp_path=tmp_path, name="ten.json")
+    assert code == 0 and ten["crops_per_image"] == 10
+    assert "10 crops (corners and centre, and their mirrors)" in capsys.readouterr().out
+    assert ten["metrics"]["loss"] != pytest.approx(single["metrics"]["loss"], rel=1e-3)
+
+
 def test_two_ranks_count_every_image_once_with_ten_crops(snapshot, tmp_path):
     config, path, _ = snapshot
     code, single = _test(config, path, "--ten-crops", "--batch-size", "32", tmp_path=tmp_path)

@@ -45,6 +45,17 @@ def test_eval_ten_crops_are_corners_centre_and_their_mirrors():
         np.testing.assert_allclose(crop.numpy().transpose(1, 2, 0), want / 255.0, rtol=1e-6)
 
 
+def test_eval_five_crops_without_mirrors_are_corners_and_centre():
+    """A model trained without flips is evaluated on the five crops of the image itself."""
+    full = _pixels(40, 30)
+    transform = EvalTransform(30, 20, True, *IDENTITY, mirror=False)
+    got = transform(_tensor(full))
+    assert got.shape == (5, 3, 20, 20) and transform.views == 5
+    expected = [full[:20, :20], full[:20, 20:], full[10:, :20], full[10:, 20:], full[5:25, 10:30]]
+    for crop, want in zip(got, expected, strict=True):
+        np.testing.assert_allclose(crop.numpy().transpose(1, 2, 0), want / 255.0, rtol=1e-6)
+
+
 def test_eval_transform_resizes_the_shorter_side_then_normalises_the_centre_crop():
     full = _pixels(48, 32)
     mean, std = (0.5, 0.4, 0.3), (0.2, 0.25, 0.3)

@@ -380,7 +380,11 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
     test.add_argument("--scale", type=_positive_int, default=None,
                       help="shorter side before cropping (default: input.scale_val)")
     test.add_argument("--ten-crops", action="store_true",
-                      help="average the softmax of 4 corner + centre crops and their mirrors")
+                      help="average the softmax of the 4 corner + centre crops and of their "
+                      "mirrors (10 crops) when the config trains with flips "
+                      "(input.flip_train); without flips the 5 crops alone, since mirrored "
+                      "images are inputs the model never saw (--set input.flip_train=true "
+                      "mirrors anyway)"),
     test.add_argument("--original", action="store_true",
                       help="CHECKPOINT is from the original inplace_abn package")
     test.add_argument("--origin", default="auto", metavar="LAYER", type=_origin,
@@ -394,7 +398,7 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
                       help="override a config value, e.g. --set network.activation=relu")
     test.add_argument("--batch-size", type=_positive_int, default=None,
                       help="images per global batch (default: the config's validation batch, "
-                      "/10 with --ten-crops)")
+                      "divided by the crops per image with --ten-crops)")
     test.add_argument("--workers", type=_non_negative_int, default=None,
                       help="data-loading workers per rank (default: data.workers)")
     test.add_argument("--device", default=None,

@@ -95,18 +95,22 @@ class EvalTransform(v2.Compose):
     """Shorter side to ``scale``, then the centre ``crop`` (``[3, crop, crop]``) or, with
     ``ten_crops``, a ``[10, 3, crop, crop]`` stack (``v2.TenCrop``: top-left, top-right,
     bottom-left, bottom-right and centre crops, then the same five of the mirrored image),
-    normalised."""
+    normalised. ``mirror=False`` (a model trained without flips) keeps the five crops of the
+    image itself (``v2.FiveCrop``, ``[5, 3, crop, crop]``): mirrored images are inputs such a
+    model never saw. ``views`` is the number of crops per image."""
 
     def __init__(self, scale: int, crop: int, ten_crops: bool, mean: Sequence[float],
-                 std: Sequence[float]) -> None:
+                 std: Sequence[float], mirror: bool = True) -> None:
         if crop > scale:
             raise ValueError(f"crop {crop} is larger than scale {scale}: the crop must fit "
                              f"inside the resized image")
-        self.scale, self.crop, self.ten_crops = scale, crop, ten_crops
+        self.scale, self.crop, self.ten_crops, self.mirror = scale, crop, ten_crops, mirror
+        self.views = (10 if mirror else 5) if ten_crops else 1
         self.mean, self.std = tuple(mean), tuple(std)
+        corners = v2.TenCrop(crop) if mirror else v2.FiveCrop(crop)
         super().__init__([
             v2.Resize(scale, **_bilinear()),
-            v2.TenCrop(crop) if ten_crops else v2.CenterCrop(crop),
+            corners if ten_crops else v2.CenterCrop(crop),
             v2.ToDtype(torch.float32, scale=True),
             v2.Normalize(self.mean, self.std),
         ])

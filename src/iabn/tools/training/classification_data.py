@@ -88,9 +88,10 @@ def train_transform(section: dict[str, Any]) -> TrainTransform:
 def eval_transform(section: dict[str, Any], scale: int | None = None, crop: int | None = None,
                    ten_crops: bool = False) -> EvalTransform:
     """The evaluation transform of an ``input`` config section (``scale``/``crop`` override
-    ``scale_val``/``crop_val``)."""
+    ``scale_val``/``crop_val``). Multi-crop evaluation mirrors the crops only when the model
+    trained with flips (``flip_train``): ten crops, else the five of the image itself."""
     return EvalTransform(scale or section["scale_val"], crop or section["crop_val"], ten_crops,
-                         section["mean"], section["std"])
+                         section["mean"], section["std"], mirror=section["flip_train"])
 
 
 __all__ = ["DigitsImages", "ImageSources", "eval_transform", "image_sources",

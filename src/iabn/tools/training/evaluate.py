@@ -40,8 +40,6 @@ from .progress import ProgressLine
 from .ranks import Ranks, finish, start
 from .snapshot import FORMAT, SnapshotError, not_a_file, one_line
 
-TEN_CROPS = 10
-
 
 @dataclass
 class TestOptions:
@@ -60,8 +58,8 @@ class TestOptions:
     strict: bool = True
     device: str | None = None
     batch_size: int | None = None
-    """Global batch of images (of 10 crops each with ``ten_crops``); None: the config's
-    validation batch, divided by 10 with ``ten_crops``."""
+    """Global batch of images (of 10 or 5 crops each with ``ten_crops``); None: the config's
+    validation batch, divided by the crops per image."""
     workers: int | None = None
     progress: bool = True
 
@@ -123,11 +121,11 @@ def load_weights(model: nn.Module, path: Path, original: bool = False,
     return report, trained_config
 
 
-def _batch_size(config: Config, options: TestOptions, ranks: Ranks) -> int:
+def _batch_size(config: Config, options: TestOptions, ranks: Ranks, views: int) -> int:
     data = config["data"]
     total = options.batch_size or data["val_batch_size"] or data["batch_size"]
-    if options.ten_crops and options.batch_size is None:
-        total = total // TEN_CROPS
+    if options.batch_size is None:
+        total = total // views
     return max(1, total // ranks.world_size)
 
 
@@ -170,7 +168,7 @@ def _run_test(config: Config, options: TestOptions, ranks: Ranks) -> dict[str, A
         if changed:
             say("evaluating with a different network than trained: " + "; ".join(changed))
     dataset = TransformedDataset(sources.val, transform)
-    loader = DataLoader(dataset, batch_size=_batch_size(config, options, ranks),
+    loader = DataLoader(dataset, batch_size=_batch_size(config, options, ranks, transform.views),
                         sampler=ExactShardSampler(len(dataset), ranks.world_size, ranks.rank),
                         num_workers=config["data"]["workers"] if options.workers is None
                         else options.workers,
@@ -178,12 +176,17 @@ def _run_test(config: Config, options: TestOptions, ranks: Ranks) -> dict[str, A
     progress = ProgressLine(options.progress and ranks.is_main)
     metrics = evaluate(ClassificationTask(), model, loader, ranks, network["precision"],
                        network["channels_last"], progress, len(loader))
-    views = f"{TEN_CROPS} crops" if options.ten_crops else "centre crop"
+    views = "centre crop"
+    if options.ten_crops:  # mirrored only for a model trained with flips (eval_transform)
+        views = (f"{transform.views} crops (corners and centre"
+                 + (", and their mirrors" if transform.mirror else
+                    "; not mirrored: input.flip_train is false") + ")")
     say(f"top-1 {metrics['top1']:.2f}%  top-5 {metrics['top5']:.2f}%  loss "
         f"{metrics['loss']:.4f}  on {int(metrics['count'])} images ({views} {transform.crop} "
         f"of {transform.scale}; {sources.description})")
     return {"checkpoint": str(options.checkpoint), "metrics": metrics,
             "crop": transform.crop, "scale": transform.scale, "ten_crops": options.ten_crops,
+            "crops_per_image": transform.views,
             "world_size": ranks.world_size,
             "load_report": {"missing": report.missing, "unexpected": report.unexpected,
                             "shape_mismatches": report.shape_mismatches}}
