@@ -161,6 +161,26 @@ def test_snapshots_logs_and_best_are_written(tmp_path):
     assert "epoch 3 val: loss" in log and "finished 3 epochs" in log
 
 
+def test_figures_in_the_console_and_log_are_rounded(tmp_path, capsys):
+    """Metrics, the learning rate and the best value are shown to 4 significant digits (the
+    snapshot keeps the full value): no figure in the output or the log has 5 or more digits
+    after its decimal point, nor more than 4 significant ones."""
+    import re
+
+    train(ToyTask(), toy_config(), TrainOptions(tmp_path))
+    console = capsys.readouterr().out
+    log = (tmp_path / "logs" / "rank0.log").read_text()
+    best = torch.load(tmp_path / "last.pth", weights_only=True)["best"]
+    assert f"best neg_loss {best['value']:.4g} (epoch {best['epoch']})" in console
+    assert len(repr(best["value"])) > 8  # a value that rounding shortens
+    # a decimal figure, not a date or version: digits '.' digits, not part of a longer token
+    figures = re.findall(r"(?<![\w.])-?\d+\.\d+(?:e-?\d+)?(?![\w.])", console + log)
+    assert figures  # the check sees the metrics
+    long = [f for f in figures
+            if len(f.split("e")[0].lstrip("-").replace(".", "").lstrip("0")) > 4]
+    assert not long, long
+
+
 def _assert_same_weights(a, b):
     state_a, state_b = _model_state(a), _model_state(b)
     for key in state_a:

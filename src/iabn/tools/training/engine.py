@@ -616,9 +616,12 @@ class _Run:
                     return EXIT_STOPPED
             progress.end()
             self._end_epoch(meter, val_loader, log, progress, interrupts)
-        best = self.best or {}
-        log.info(f"finished {epochs} epochs; best {best.get('metric')} {best.get('value')} "
-                 f"(epoch {best.get('epoch')}); snapshots in {self.options.log_dir}")
+        best = self.best
+        # rounded as the epochs' metrics are (the snapshot keeps the full value)
+        best_text = (f"best {best['metric']} {best['value']:.4g} (epoch {best['epoch']})"
+                     if best is not None else
+                     f"no best.pth (no finite validation {self.task.best_metric})")
+        log.info(f"finished {epochs} epochs; {best_text}; snapshots in {self.options.log_dir}")
         return EXIT_FINISHED
 
     def _end_epoch(self, meter: Meter, val_loader: _ShieldedLoader, log: RunLog,
