@@ -110,6 +110,27 @@ def test_progress_on_stderr_table_and_wall_time(factory_run):
     assert quiet[0] == 0 and quiet[2] == ""
 
 
+def test_a_total_that_moves_outside_the_norm_part_is_explained(factory_run):
+    """A norm whose output a later layer saves (a squeeze-excitation multiply, as in TResNet):
+    in place, that output is the norm's own saved storage, so the total drops by the output's
+    bytes while the norm + activation part stays; the output says so. small_net, whose totals
+    move by the part alone, gets no note."""
+    status, stdout, stderr = _run("memory_cli_models:excite_net", "--input", "4,3,16,16",
+                                  "--quiet")
+    assert status == 0, stderr
+    rows, _ = _printed(stdout)
+    parts = re.findall(r"^convert, (\w+) .*?(\d+\.\d+ MiB -> \d+\.\d+ MiB)", stdout, re.M)
+    assert len(parts) == 2 and parts[0][1] == parts[1][1]  # the same part for both policies
+    output = 4 * 8 * 16 * 16 * 4  # the norm's float32 output at 4x3x16x16
+    assert rows["convert, lossless"] - rows["convert, leaky_relu"] == output
+    notes = [line for line in stdout.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1, notes
+    assert notes[0].startswith(f"note: outside the norm + activation part, convert, "
+                               f"leaky_relu keeps {output} bytes (0.03 MiB) less than the "
+                               f"model as given: later layers save some norms' outputs")
+    assert factory_run[0] == 0 and "outside the norm + activation part" not in factory_run[1]
+
+
 def test_torchvision_model_figures_match_independent_counts(tmp_path):
     torchvision = pytest.importorskip("torchvision")
     path = tmp_path / "resnet18.json"

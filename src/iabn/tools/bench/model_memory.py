@@ -420,7 +420,31 @@ def format_result(result: MemoryResult) -> str:
                  for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
     lines.append(_fitting_line(result))
+    lines.extend(_outside_notes(result))
     return "\n".join(lines)
+
+
+def _outside_notes(result: MemoryResult) -> list[str]:
+    """A note for each conversion whose total moved by more than its norm + activation part.
+    The part counts the storages the norms and their activations save first; a storage a
+    later layer also saves is counted once, where it is saved first. So where a later layer
+    saves a norm's output (TResNet's squeeze-excitation multiply does), a norm that is not in
+    place leaves that output to the later layer, outside the part, while an in-place norm's
+    output is the storage the norm keeps anyway: the total drops, the part does not."""
+    notes = []
+    for c in result.converted.values():
+        change = (c.saved_bytes - c.norm_saved_after) - (result.saved_bytes
+                                                         - c.norm_saved_before)
+        if change == 0:
+            continue
+        text = (f"note: outside the norm + activation part, convert, {c.policy} keeps "
+                f"{abs(change)} bytes ({_mib(abs(change))}) {'less' if change < 0 else 'more'} "
+                f"than the model as given")
+        if change < 0 and c.counts.get("InPlaceABN", 0):
+            text += (": later layers save some norms' outputs, and an in-place norm's output "
+                     "is the storage the norm keeps anyway, counted once in its part")
+        notes.append(text)
+    return notes
 
 
 def _fitting_line(result: MemoryResult) -> str:
