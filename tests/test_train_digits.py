@@ -166,9 +166,12 @@ def test_image_folder_training_and_ten_crop_test(tmp_path, capsys):
         assert main(["test", str(config), str(log_dir / "last.pth"), str(data), "--ten-crops",
                      "--crop", "12", "--scale", "16", "--json", str(report), "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert "on 9 images (10 crops 12 of 16" in out and "all keys matched" in out
+    # the tiny config trains without flips: the five crops, not mirrored
+    assert "on 9 images (5 crops (corners and centre; not mirrored: input.flip_train is " \
+           "false) 12 of 16" in out and "all keys matched" in out
     result = json.loads(report.read_text())
     assert result["metrics"]["count"] == 9 and result["ten_crops"] and result["crop"] == 12
+    assert result["crops_per_image"] == 5
 
 
 @pytest.mark.parametrize(("make_problem", "args", "message"), [
