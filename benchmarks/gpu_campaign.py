@@ -388,7 +388,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     """Write through a temporary file in the same folder and a rename; on failure the
     temporary file is removed and the old file, if any, stays. (The campaign imports nothing
     of iabn, so that it records a part broken by an import error instead of dying with it:
-    hence this twin of ``iabn.tools.bench.outputs.write_atomic``.)"""
+    hence this twin of ``iabn.tools.outputs.write_atomic``.)"""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
     try:

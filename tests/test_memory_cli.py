@@ -12,6 +12,7 @@ import torch
 
 import iabn
 from iabn.memory import saved_tensor_bytes
+from iabn.tools import arguments
 from iabn.tools.bench import model_memory
 from iabn.tools.cli import main
 
@@ -185,7 +186,8 @@ def test_bad_arguments_exit_2(args, capsys):
         main(["memory", *args])
     assert excinfo.value.code == 2
     err = capsys.readouterr().err
-    assert "usage:" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "Traceback" not in err  # one line, no usage block
+    assert err.startswith("iabn memory: error: argument ")
 
 
 def test_unknown_name_suggests_close_matches():
@@ -196,11 +198,11 @@ def test_unknown_name_suggests_close_matches():
 
 
 def test_missing_packages_are_named(monkeypatch):
-    monkeypatch.setattr(model_memory, "_torchvision_names", lambda: None)
-    monkeypatch.setattr(model_memory, "_timm_names", lambda: None)
+    monkeypatch.setattr(arguments, "torchvision_names", lambda: None)
+    monkeypatch.setattr(arguments, "timm_names", lambda: None)
     status, _, stderr = _run("resnet50", "--quiet")
     assert status == 2 and "pip install torchvision" in stderr
-    monkeypatch.setattr(model_memory, "_timm_names", lambda: ["efficientnet_b0"])
+    monkeypatch.setattr(arguments, "timm_names", lambda: ["efficientnet_b0"])
     status, _, stderr = _run("resnet50", "--quiet")
     assert status == 2 and "pip install torchvision" in stderr
 
@@ -317,8 +319,8 @@ def test_user_code_that_exits_or_fails_is_an_error_naming_it(spec, message, tmp_
 
 
 def test_close_matches_are_listed_once(monkeypatch):
-    monkeypatch.setattr(model_memory, "_torchvision_names", lambda: ["resnet50", "resnet18"])
-    monkeypatch.setattr(model_memory, "_timm_names",
+    monkeypatch.setattr(arguments, "torchvision_names", lambda: ["resnet50", "resnet18"])
+    monkeypatch.setattr(arguments, "timm_names",
                         lambda: ["resnet50", "resnet18", "resnet26", "resnet50d"])
     status, _, stderr = _run("resnet5", "--quiet")
     assert status == 2

@@ -17,12 +17,16 @@ from iabn import _moved
 TOOLS = Path(iabn.__file__).parent / "tools"
 
 
+#: Modules written under iabn.tools after the move: they never had an old path.
+SINCE_THE_MOVE = ("arguments", "outputs")
+
+
 def _tool_modules():
     """Every module under iabn/tools, by its new name, found from the files (nothing imported)."""
     names = []
     for path in sorted(TOOLS.rglob("*.py")):
         parts = path.relative_to(TOOLS).with_suffix("").parts
-        if parts == ("__init__",):
+        if parts == ("__init__",) or parts[0] in SINCE_THE_MOVE:
             continue
         parts = parts[:-1] if parts[-1] == "__init__" else parts
         names.append(".".join(("iabn", "tools", *parts)))

@@ -2,13 +2,17 @@
 
 The library core is this package's modules; the command-line tools (training, data,
 segmentation, benchmarks, the ``iabn`` command) live in :mod:`iabn.tools`.
+
+The names below load on first use (PEP 562), so ``import iabn`` imports no torch: the ``iabn``
+command, whose modules live in this package, checks its arguments before paying the seconds
+torch takes to import. ``iabn.InPlaceABN`` (or ``from iabn import InPlaceABN``) imports it.
 """
 
-from . import _moved, debug, functional, memory
-from .blocks import BNActConv
-from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
-from .modules import ABN, InPlaceABN
-from .offloading import Offloader, OffloadModel, offload
+import importlib
+import importlib.util
+import os
+
+from . import _moved
 
 __version__ = "0.1.0"
 
@@ -16,28 +20,58 @@ __version__ = "0.1.0"
 # installing the finder imports no tool code.
 _moved.install()
 
+#: Public name -> (module, attribute in it; None for the module itself).
+_LAZY = {
+    "ABN": ("modules", "ABN"),
+    "InPlaceABN": ("modules", "InPlaceABN"),
+    "ABNSync": ("distributed", "ABNSync"),
+    "InPlaceABNSync": ("distributed", "InPlaceABNSync"),
+    "convert_local": ("distributed", "convert_local"),
+    "convert_sync": ("distributed", "convert_sync"),
+    "BNActConv": ("blocks", "BNActConv"),
+    "OffloadModel": ("offloading", "OffloadModel"),
+    "Offloader": ("offloading", "Offloader"),
+    "offload": ("offloading", "offload"),
+    # the conversion package was a third of `import iabn`'s own time (12 of 35 ms, measured on
+    # CPU with -X importtime), and iabn.plan also imports SciPy, to solve
+    "convert": ("conversion", "convert"),
+    "ConversionReport": ("conversion", "ConversionReport"),
+    "plan": ("planning", "plan"),
+    "PlanReport": ("planning", "PlanReport"),
+    "debug": ("debug", None),
+    "functional": ("functional", None),
+    "memory": ("memory", None),
+    # as the README writes them; importing iabn.compat registers nothing (iabn.compat.enable or
+    # install() does)
+    "compat": ("compat", None),
+    "models": ("models", None),
+}
 
 
 def __getattr__(name: str):
-    # iabn.convert and iabn.ConversionReport load on first use (PEP 562): the conversion
-    # package was a third of `import iabn`'s own time (12 of 35 ms, measured on CPU with
-    # -X importtime) and a training script never calls it.
-    if name in ("convert", "ConversionReport"):
-        from . import conversion
+    if name in _LAZY:
+        module_name, attribute = _LAZY[name]
+    elif (not name.startswith("_") and name not in _moved.MOVED
+          and importlib.util.find_spec(f"{__name__}.{name}") is not None):
+        # another submodule (iabn.sync, iabn.ops, ...): `import iabn` used to load them all,
+        # and code reached them as attributes
+        module_name, attribute = name, None
+    else:
+        raise AttributeError(f"module 'iabn' has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{module_name}")
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value  # found directly from now on
+    return value
 
-        return getattr(conversion, name)
-    # iabn.plan likewise: it imports the conversion package and, to solve, SciPy
-    if name in ("plan", "PlanReport"):
-        from . import planning
 
-        return getattr(planning, name)
-    # iabn.compat and iabn.models, as the README writes them, after `import iabn` alone;
-    # importing iabn.compat registers nothing (iabn.compat.enable or install() does)
-    if name in ("compat", "models"):
-        import importlib
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module 'iabn' has no attribute {name!r}")
+
+# IABN_DEBUG_INPLACE=1 turns the debug mode on for the whole process when iabn is imported
+# (iabn.debug reads it, and refuses a value it does not know, when it is imported)
+if os.environ.get("IABN_DEBUG_INPLACE", "").strip():
+    from . import debug
 
 __all__ = [
     "ABN",

@@ -8,6 +8,10 @@ measures the activation memory of an existing torchvision/timm/own model before 
 budget with :func:`iabn.plan`; see :mod:`iabn.tools.bench.model_plan`. ``iabn segment``
 segments a folder of images. ``iabn train``, ``iabn train-seg`` and ``iabn test`` train and
 evaluate classifiers and segmentation models; see :mod:`iabn.tools.training`.
+
+Building the parser and checking what can be checked without torch (shapes, budgets, model
+names, paths, config files: :mod:`iabn.tools.arguments`) imports no torch, so a bad argument
+is one line on stderr in a fraction of a second; each command imports what it runs after that.
 """
 
 from __future__ import annotations
@@ -20,10 +24,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .. import __version__
-from .bench import OutputPathError, check_output_file, set_threads, write_text_atomic
-from .bench.blocks import BASELINE, BenchConfig, format_table, run_bench, to_json
+from . import arguments
+from .arguments import BASELINE, BenchConfig
+from .outputs import OutputPathError, check_output_file, write_text_atomic
 
 _DEFAULTS = BenchConfig()
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, but a bad argument is one line on stderr naming it and the fix
+    (where argparse prints its usage block first), and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -64,11 +77,12 @@ def _add_output_options(group: argparse._ActionsContainer, what: str, **json_kw)
 
 
 def _origin(text: str) -> str:
-    """``--origin``: normalised by :func:`iabn.models.checkpoints.resolve_origin`."""
-    from ..models.checkpoints import resolve_origin
-
+    """``--origin``: normalised by :func:`iabn.models.checkpoints.resolve_origin` (which
+    imports torch, so only when the option is given)."""
     if text.lower() == "auto":
         return "auto"
+    from ..models.checkpoints import resolve_origin
+
     try:
         return resolve_origin(text, {})[0]
     except ValueError as error:
@@ -109,19 +123,15 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _input_shape(text: str) -> tuple[int, ...]:
-    from .bench.model_memory import parse_input
-
     try:
-        return parse_input(text)
+        return arguments.parse_input(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _budgets(text: str) -> list[float]:
-    from .bench.model_memory import parse_budgets
-
     try:
-        return parse_budgets([text])
+        return arguments.parse_budgets([text])
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -163,19 +173,15 @@ def _add_memory_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _plan_budget(text: str) -> int | float:
-    from .bench.model_plan import parse_budget
-
     try:
-        return parse_budget(text)
+        return arguments.parse_budget(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _plan_allow(text: str) -> tuple[str, ...]:
-    from .bench.model_plan import parse_allow
-
     try:
-        return parse_allow(text)
+        return arguments.parse_allow(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -235,7 +241,7 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _add_segment_parser(subparsers: argparse._SubParsersAction) -> None:
-    from .segment import FUSIONS, OUTPUTS, PALETTES, parse_mean, parse_scales, parse_std
+    from .arguments import FUSIONS, OUTPUTS, PALETTES, parse_mean, parse_scales, parse_std
 
     seg = subparsers.add_parser(
         "segment", help="semantic segmentation of a folder of images (DeepLabV3)",
@@ -305,9 +311,7 @@ _TRAIN_COMMANDS = {
 
 
 def _add_train_parser(subparsers: argparse._SubParsersAction, command: str) -> None:
-    # the snapshot module, not the commands: building the parser must not import the tools'
-    # data stack (torchvision), which `iabn bench` does not need
-    from .training.snapshot import RESUME_LAST
+    from .arguments import RESUME_LAST
 
     text = _TRAIN_COMMANDS[command]
     train = subparsers.add_parser(
@@ -332,7 +336,7 @@ def _add_train_parser(subparsers: argparse._SubParsersAction, command: str) -> N
     train.add_argument("--data-root", dest="data_root_option", default=None,
                        metavar="DATA_ROOT", help="the same as the DATA_ROOT argument")
     if command == "train-seg":
-        from .data.label_sets import LAYOUTS
+        from .arguments import LAYOUTS
 
         train.add_argument("--dataset", choices=LAYOUTS, default=None,
                            help="the layout of DATA_ROOT (default: the config's data.dataset, "
@@ -407,19 +411,73 @@ def _add_test_parser(subparsers: argparse._SubParsersAction) -> None:
     test.set_defaults(handler=_test)
 
 
+# Each command first checks what it can without torch (arguments, paths, files), so a mistake
+# costs a fraction of a second, then imports what it runs, which checks the rest.
+
+
+def _config_problem(args: argparse.Namespace) -> str | None:
+    """A config file that cannot be read as JSON, a malformed ``--set``, DATA_ROOT given twice
+    (``iabn train``, ``train-seg``, ``test``); its values are checked once torch is loaded."""
+    from .training.config import ConfigError, data_root_argument, read_config_file
+
+    try:
+        data_root_argument(args)
+        read_config_file(args.config, args.set)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
 def _train(args: argparse.Namespace) -> int:
+    from .training.logdir import LogDirError, check_writable, default_log_dir
+
+    problem = _config_problem(args)
+    if problem is None and not args.print_config:
+        try:
+            check_writable(args.log_dir or default_log_dir(args.config))
+        except LogDirError as error:
+            problem = str(error)
+    if problem is not None:
+        return _fail(args.command, problem)
     from .training.commands import train_command
 
     return train_command(args)
 
 
 def _test(args: argparse.Namespace) -> int:
+    from .training.config import MAX_BATCH, MAX_SIDE, MAX_WORKERS
+
+    try:
+        _json_path(args)
+    except OutputPathError as error:
+        return _fail("test", str(error))
+    problem = _config_problem(args)
+    for flag, value, most in (("--crop", args.crop, MAX_SIDE), ("--scale", args.scale, MAX_SIDE),
+                              ("--batch-size", args.batch_size, MAX_BATCH),
+                              ("--workers", args.workers, MAX_WORKERS)):
+        if problem is None and value is not None and value > most:
+            problem = f"{flag} must be at most {most}, got {value}"
+    # the checkpoint is checked after --device (which needs torch), as before
+    if problem is not None:
+        return _fail("test", problem)
     from .training.commands import test_command
 
     return test_command(args)
 
 
 def _segment(args: argparse.Namespace) -> int:
+    from .outputs import check_output_folder
+
+    in_dir = Path(args.in_dir)
+    if not in_dir.is_dir():
+        return _fail("segment", f"IN_DIR {in_dir} is not a folder")
+    try:
+        check_output_folder(args.out_dir, "OUT_DIR")
+    except OutputPathError as error:
+        return _fail("segment", str(error))
+    problem = arguments.not_a_file(Path(args.snapshot), "snapshot")
+    if problem is not None:
+        return _fail("segment", problem)
     from .segment import run
 
     return run(args)
@@ -427,7 +485,7 @@ def _segment(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``iabn`` argument parser (one subcommand per tool)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="iabn",
         description="In-Place Activated BatchNorm: tools to train CNNs with less memory.",
     )
@@ -486,10 +544,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.batch * args.size * args.size < 2:
         # Batch statistics need two values per channel; say so before building anything.
         return _fail("bench", "--batch x --size^2 must be at least 2")
-    try:  # before the minute of measuring, not after
+    try:  # before importing torch and the minute of measuring, not after
         json_path = _json_path(args)
     except OutputPathError as error:
         return _fail("bench", str(error))
+    from .bench import set_threads
+    from .bench.blocks import format_table, run_bench, to_json
+
     threads = set_threads(args.threads)
     config = BenchConfig(
         batch=args.batch, channels=args.channels, size=args.size, blocks=args.blocks,
@@ -516,15 +577,15 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _memory(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    try:  # before importing torch and the minutes of measuring, not after
+        json_path = _json_path(args)
+        arguments.model_source(args.model)
+    except (OutputPathError, arguments.UnknownModel) as error:
+        return _fail("memory", str(error))
     import torch
 
     from .bench import model_memory as mm
-
-    start = time.perf_counter()
-    try:  # before the minutes of measuring, not after
-        json_path = _json_path(args)
-    except OutputPathError as error:
-        return _fail("memory", str(error))
 
     def say(text: str) -> None:
         if not args.quiet:
@@ -561,16 +622,16 @@ def _memory(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    start = time.perf_counter()
+    try:  # before importing torch and the planning, not after
+        json_path = _json_path(args)
+        arguments.model_source(args.model)
+    except (OutputPathError, arguments.UnknownModel) as error:
+        return _fail("plan", str(error))
     import torch
 
     from .bench import model_memory as mm
     from .bench import model_plan as mp
-
-    start = time.perf_counter()
-    try:  # before the planning, not after
-        json_path = _json_path(args)
-    except OutputPathError as error:
-        return _fail("plan", str(error))
 
     def say(text: str) -> None:
         if not args.quiet:

@@ -26,8 +26,6 @@ config stored in it).
 
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import sys
 import time
@@ -42,17 +40,14 @@ from torch import Tensor
 
 from ..models import deeplabv3_wider_resnet38, load_original
 from ..models.checkpoints import read_checkpoint
-from .bench.outputs import check_output_folder, write_atomic
+from .arguments import PALETTES
 from .data.label_sets import LabelSet, voc_colormap
+from .outputs import check_output_folder, write_atomic
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
 #: Input normalisation of the released Vistas model (RGB in [0, 1]).
 VISTAS_MEAN = (0.41738699, 0.45732192, 0.46886091)
 VISTAS_STD = (0.25685097, 0.26509955, 0.29067996)
-FUSIONS = ("mean", "voting", "max")
-OUTPUTS = ("palette", "raw", "prob", "labelids")
-#: ``--palette`` names; anything else is a Mapillary Vistas config file or dataset folder.
-PALETTES = ("auto", "default", "cityscapes", "voc")
 #: ``--long-side`` for snapshots that do not say their resolution (the released Vistas model's).
 VISTAS_LONG_SIDE = 2048
 
@@ -611,46 +606,6 @@ def _check_device(text: str) -> None:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise ValueError(f"--device {text}: not usable here ({first}); use --device cpu"
                          ) from None
-
-
-def parse_floats(text: str) -> list[float]:
-    """Comma-separated finite numbers (an argparse ``type``)."""
-    try:
-        values = [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}"
-                                         ) from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one number, got {text!r}")
-    if not all(math.isfinite(value) for value in values):
-        raise argparse.ArgumentTypeError(f"expected finite numbers, got {text!r}")
-    return values
-
-
-def parse_scales(text: str) -> list[float]:
-    """``--scales``: positive numbers."""
-    values = parse_floats(text)
-    if min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"scales must be positive, got {text!r}")
-    return values
-
-
-def parse_mean(text: str) -> list[float]:
-    """``--mean``: three numbers (RGB), or one for all channels."""
-    values = parse_floats(text)
-    if len(values) not in (1, 3):
-        raise argparse.ArgumentTypeError(f"expected 3 numbers (R,G,B) or one for all, got "
-                                         f"{len(values)} in {text!r}")
-    return values * 3 if len(values) == 1 else values
-
-
-def parse_std(text: str) -> list[float]:
-    """``--std``: as ``--mean``, positive (the input is divided by it)."""
-    values = parse_mean(text)
-    if min(values) <= 0:
-        raise argparse.ArgumentTypeError(f"std must be positive (the input is divided by "
-                                         f"it), got {text!r}")
-    return values
 
 
 __all__ = ["OutputClash", "Plan", "SegmentError", "SegmentOptions", "SegmentWriteError",

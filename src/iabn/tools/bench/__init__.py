@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ... import __version__
-from .outputs import (
+from ..outputs import (
     OutputPathError,
     check_output_file,
     check_output_folder,

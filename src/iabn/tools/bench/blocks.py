@@ -32,10 +32,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ... import InPlaceABN
 from ...memory import saved_storages
+from ..arguments import BASELINE, BenchConfig
 from . import machine_info, progress_printer, time_interleaved, train_step, training_step
 
 STRATEGIES = ("bn", "bn_inplace", "checkpoint", "iabn_I", "iabn_II")
-BASELINE = "bn_inplace"
 #: The reference the correctness check compares every strategy with.
 REFERENCE = "bn"
 NEGATIVE_SLOPE = 0.01
@@ -51,24 +51,6 @@ FOOTNOTES = (
     "per step (harmless for timing and memory, wrong for training).",
 )
 TABLE_WIDTH = 100
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What to run: input ``(batch, channels, size, size)`` float32 through ``blocks`` blocks."""
-
-    batch: int = 8
-    channels: int = 64
-    size: int = 32
-    blocks: int = 4
-    repeats: int = 7
-    iters: int = 3
-    warmup: int = 2
-    seed: int = 0
-
-    @property
-    def input_shape(self) -> tuple[int, int, int, int]:
-        return (self.batch, self.channels, self.size, self.size)
 
 
 @dataclass

@@ -18,7 +18,6 @@ meta kernel saves float32 statistics where its CPU kernel saves them in the inpu
 from __future__ import annotations
 
 import copy
-import difflib
 import importlib
 import sys
 import time
@@ -31,6 +30,8 @@ import torch
 from torch import nn
 
 from ...memory import compiled_saved_bytes, saved_tensor_bytes
+from .. import arguments
+from ..arguments import parse_budgets, parse_input
 from . import machine_info
 from .module_trace import trace_modules
 from .pixels import largest_fitting
@@ -46,58 +47,9 @@ class ModelMemoryError(ValueError):
     """A user error (model name, input shape, device): the command exits 2 with the text."""
 
 
-# ---------------------------------------------------------------- arguments
-
-
-def parse_input(text: str) -> tuple[int, ...]:
-    """``--input``: ``N,C,H,W`` (or another rank >= 2, batch first), positive integers."""
-    parts = [p.strip() for p in text.split(",")]
-    try:
-        shape = tuple(int(p) for p in parts)
-    except ValueError:
-        raise ValueError(f"expected positive integers N,C,H,W such as 8,3,224,224, "
-                         f"got {text!r}") from None
-    if len(shape) < 2 or any(n <= 0 for n in shape):
-        raise ValueError(f"expected positive integers N,C,H,W such as 8,3,224,224 (batch "
-                         f"first, at least two of them), got {text!r}")
-    return shape
-
-
-def parse_budgets(texts: Sequence[str]) -> list[float]:
-    """``--compile-budget``: values in [0, 1], repeated or comma-separated, in given order."""
-    budgets = []
-    for text in texts:
-        for part in text.split(","):
-            try:
-                value = float(part)
-            except ValueError:
-                raise ValueError(f"expected numbers in [0, 1] such as 1,0.5, got {text!r}") \
-                    from None
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{value} is outside [0, 1] (1.0 is torch.compile's default)")
-            if value not in budgets:
-                budgets.append(value)
-    return budgets
-
-
 # ---------------------------------------------------------------- building the model
-
-
-def _torchvision_names() -> list[str] | None:
-    try:
-        import torchvision
-    except ImportError:
-        return None
-    # module=torchvision.models: the classification models only (not detection, video...)
-    return torchvision.models.list_models(module=torchvision.models)
-
-
-def _timm_names() -> list[str] | None:
-    try:
-        import timm
-    except ImportError:
-        return None
-    return timm.list_models()
+# (--input and --compile-budget are parsed by parse_input and parse_budgets, from
+# iabn.tools.arguments, where the command checks them before importing torch)
 
 
 def build_model(spec: str) -> tuple[nn.Module, str]:
@@ -110,36 +62,19 @@ def build_model(spec: str) -> tuple[nn.Module, str]:
 
 
 def _build_model(spec: str) -> tuple[nn.Module, str]:
-    if ":" in spec:
+    try:
+        source = arguments.model_source(spec)
+    except arguments.UnknownModel as error:
+        raise ModelMemoryError(str(error)) from None
+    if source == "factory":
         return _from_factory(spec), "factory"
-    torchvision_names = _torchvision_names()
-    if torchvision_names is not None and spec in torchvision_names:
+    if source == "torchvision":
         import torchvision
 
         return torchvision.models.get_model(spec, weights=None), "torchvision"
-    # timm is imported only when torchvision does not know the name: it takes seconds
-    timm_names = _timm_names()
-    if timm_names is not None and spec in timm_names:
-        import timm
+    import timm
 
-        return timm.create_model(spec, pretrained=False), "timm"
-    missing = [p for p, names in (("torchvision", torchvision_names), ("timm", timm_names))
-               if names is None]
-    if len(missing) == 2:
-        raise ModelMemoryError(
-            f"model {spec!r}: model names are looked up in torchvision and timm, and neither "
-            f"is installed; pip install torchvision (or timm), or give pkg.module:factory")
-    # one entry per name: torchvision and timm share many (resnet50, ...)
-    known = list(dict.fromkeys([*(torchvision_names or []), *(timm_names or [])]))
-    close = difflib.get_close_matches(spec, known, n=5, cutoff=0.6)
-    text = f"unknown model {spec!r}"
-    if close:
-        text += f"; close matches: {', '.join(close)}"
-    if missing:
-        text += (f". {missing[0]} is not installed, so its names were not searched "
-                 f"(pip install {missing[0]})")
-    text += ". A model of your own: pkg.module:factory (called with no arguments)"
-    raise ModelMemoryError(text)
+    return timm.create_model(spec, pretrained=False), "timm"
 
 
 def _from_factory(spec: str) -> nn.Module:

@@ -11,58 +11,15 @@ autograd keeps for backward (:func:`iabn.memory.saved_tensor_bytes`), not peak m
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 import torch
 
+from ..arguments import parse_allow, parse_budget
 from . import machine_info
 from .model_memory import DTYPES, ModelMemoryError, resolve_device, versions
-
-_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6,
-          "gb": 10**9}
-_BYTES = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
-
-
-def parse_budget(text: str) -> int | float:
-    """``--budget``: a fraction in (0, 1] of the model's activation memory (``0.5``, ``1``),
-    or bytes: an integer above 1 or a size with a unit (``300MiB``, ``1.5GiB``, ``2GB``)."""
-    text = text.strip()
-    match = _BYTES.match(text)
-    if match is not None:
-        number, unit = match.groups()
-        if unit.lower() not in _UNITS:
-            raise ValueError(f"unknown unit {unit!r} in {text!r}: use B, KiB, MiB, GiB (or kB, "
-                             f"MB, GB)")
-        value = int(float(number) * _UNITS[unit.lower()])
-        if value < 1:
-            raise ValueError(f"{text!r} is less than one byte")
-        return value
-    try:
-        number = float(text)
-    except ValueError:
-        raise ValueError(f"expected a fraction in (0, 1] such as 0.5, or bytes such as "
-                         f"300MiB, got {text!r}") from None
-    if number > 1 and number.is_integer() and text.isdigit():
-        return int(text)
-    if not 0 < number <= 1:
-        raise ValueError(f"a fraction must be in (0, 1] (give bytes with a unit, e.g. "
-                         f"300MiB), got {text!r}")
-    return number
-
-
-def parse_allow(text: str) -> tuple[str, ...]:
-    """``--allow``: a comma-separated subset of inplace, recompute, offload."""
-    from ...planning import ALLOWED
-
-    chosen = tuple(dict.fromkeys(p.strip() for p in text.split(",") if p.strip()))
-    unknown = [p for p in chosen if p not in ALLOWED]
-    if unknown or not chosen:
-        raise ValueError(f"expected a comma-separated list of {', '.join(ALLOWED)}, got "
-                         f"{text!r}")
-    return chosen
 
 
 def resolve_plan_device(text: str) -> torch.device:

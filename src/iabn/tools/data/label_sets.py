@@ -22,12 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..arguments import LAYOUTS
 from .errors import DataLayoutError
 
-#: ``data.dataset`` / ``--dataset`` values: ``auto`` picks one from the folder
-#: (:func:`iabn.tools.data.seg_datasets.detect_layout`), ``digits`` is the embedded set (no folder),
-#: ``folder`` the ``train|val/images`` + ``labels`` layout.
-LAYOUTS = ("auto", "digits", "folder", "cityscapes", "vistas", "voc")
 #: Layouts of published datasets: their classes come from the data, not the config.
 PUBLISHED = ("cityscapes", "vistas", "voc")
 

@@ -18,23 +18,21 @@ from pathlib import Path
 
 import torch
 
-from ..bench.outputs import OutputPathError, check_output_file
 from ..data.imagefolder import DataLayoutError
+from ..outputs import OutputPathError, check_output_file
 from .classification import ClassificationTask
 from .config import (
     ENGINE_SCHEMA,
-    MAX_BATCH,
-    MAX_SIDE,
-    MAX_WORKERS,
     Config,
     ConfigError,
     check_engine_config,
     combine,
+    data_root_argument,
     load_config,
 )
 from .engine import EXIT_FAILED, TrainingFailed, TrainOptions, out_of_memory, train
 from .evaluate import TestOptions, run_test, write_json
-from .logdir import LogDirError
+from .logdir import LogDirError, default_log_dir
 from .ranks import DeviceError
 from .segmentation import SegmentationTask
 from .snapshot import LAST, RESUME_LAST, SnapshotError, one_line
@@ -95,20 +93,6 @@ def load_run_config(path: str | Path, data_root: str | None, overrides: list[str
     return config
 
 
-def data_root_argument(args: argparse.Namespace) -> str | None:
-    """DATA_ROOT given as the positional argument or as ``--data-root`` (not both)."""
-    positional, option = args.data_root, getattr(args, "data_root_option", None)
-    if positional is not None and option is not None and positional != option:
-        raise ConfigError(f"DATA_ROOT {positional!r} and --data-root {option!r} differ: give "
-                          f"the data folder once")
-    return option if option is not None else positional
-
-
-def default_log_dir(config_path: str | Path) -> Path:
-    """``runs/<config file name without .json>``."""
-    return Path("runs") / Path(config_path).stem
-
-
 def train_command(args: argparse.Namespace) -> int:
     """``iabn train`` / ``iabn train-seg CONFIG [DATA_ROOT]`` (see
     :func:`iabn.tools.cli.build_parser`); ``args.command`` picks the task."""
@@ -152,11 +136,8 @@ def test_command(args: argparse.Namespace) -> int:
             check_output_file(args.json, "--json", overwrite=args.overwrite)
         config = load_run_config(args.config, data_root_argument(args), args.set,
                                  command="test")
-        for flag, value, most in (("--crop", args.crop, MAX_SIDE), ("--scale", args.scale,
-                                  MAX_SIDE), ("--batch-size", args.batch_size, MAX_BATCH),
-                                  ("--workers", args.workers, MAX_WORKERS)):
-            if value is not None and value > most:
-                raise ConfigError(f"{flag} must be at most {most}, got {value}")
+        # --crop, --scale, --batch-size and --workers are checked against their bounds by
+        # iabn.tools.cli before torch is imported
         scale = args.scale or config["input"]["scale_val"]
         crop = args.crop or config["input"]["crop_val"]
         if crop > scale:

@@ -232,8 +232,10 @@ def parse_override(text: str) -> tuple[str, str, Any]:
     return section, key, value
 
 
-def load_config(path: str | Path, schema: Schema, overrides: Sequence[str] = ()) -> Config:
-    """Read the JSON file ``path``, merge it over the defaults, apply ``--set`` overrides."""
+def read_config_file(path: str | Path, overrides: Sequence[str] = ()) -> Any:
+    """The JSON in the file ``path`` with the ``--set`` overrides applied, not yet checked
+    against a schema (:func:`load_config` does that); needs no torch, so the commands call it
+    before importing it."""
     path = Path(path)
     try:
         user = json.loads(path.read_text())
@@ -251,7 +253,22 @@ def load_config(path: str | Path, schema: Schema, overrides: Sequence[str] = ())
             if not isinstance(target, dict):
                 raise ConfigError(f"{path}: section {section!r} must be an object of keys")
             target[key] = value
-    return merge(schema, user, source=str(path))
+    return user
+
+
+def load_config(path: str | Path, schema: Schema, overrides: Sequence[str] = ()) -> Config:
+    """Read the JSON file ``path``, merge it over the defaults, apply ``--set`` overrides."""
+    return merge(schema, read_config_file(path, overrides), source=str(path))
+
+
+def data_root_argument(args: Any) -> str | None:
+    """DATA_ROOT given as the positional argument or as ``--data-root`` (not both) in the
+    command's arguments ``args``."""
+    positional, option = args.data_root, getattr(args, "data_root_option", None)
+    if positional is not None and option is not None and positional != option:
+        raise ConfigError(f"DATA_ROOT {positional!r} and --data-root {option!r} differ: give "
+                          f"the data folder once")
+    return option if option is not None else positional
 
 
 def check_engine_config(config: Config, source: str = "config") -> None:
@@ -311,5 +328,5 @@ def differences(old: Config, new: Config, ignore: Sequence[str] = ()) -> list[st
 
 __all__ = ["ENGINE_SCHEMA", "FLOAT32_MAX", "MAX_BATCH", "MAX_SEED", "MAX_SIDE", "MAX_WORKERS",
            "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "Config", "ConfigError", "Option", "Schema",
-           "check_engine_config", "combine", "defaults", "differences", "load_config", "merge",
-           "parse_override", "with_defaults"]
+           "check_engine_config", "combine", "data_root_argument", "defaults", "differences",
+           "load_config", "merge", "parse_override", "read_config_file", "with_defaults"]

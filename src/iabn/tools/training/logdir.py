@@ -27,6 +27,11 @@ class LogDirError(ValueError):
     """A log directory that cannot be written, or that another run is using."""
 
 
+def default_log_dir(config_path: str | Path) -> Path:
+    """``runs/<config file name without .json>``."""
+    return Path("runs") / Path(config_path).stem
+
+
 def check_writable(log_dir: str | Path, what: str = "--log-dir") -> None:
     """Raise :class:`LogDirError` unless ``log_dir`` is, or can be created as, a folder this
     process can write in (checked without creating anything); ``what`` names the option in
@@ -145,4 +150,5 @@ class LogDirLock:
             self.file = None
 
 
-__all__ = ["LOCK", "LogDirError", "LogDirLock", "check_outputs", "check_writable"]
+__all__ = ["LOCK", "LogDirError", "LogDirLock", "check_outputs", "check_writable",
+           "default_log_dir"]

@@ -35,14 +35,13 @@ from typing import Any
 import torch
 
 from ...models.checkpoints import CheckpointError, read_checkpoint
+from ..arguments import LAST, RESUME_LAST, not_a_file
 from .config import Config, differences
 
 FORMAT = "iabn-training-snapshot"
 VERSION = 1
-LAST, BEST, PREVIOUS = "last.pth", "best.pth", "previous.pth"
+BEST, PREVIOUS = "best.pth", "previous.pth"
 CHECKSUM_SUFFIX = ".sha256"
-#: What ``--resume`` without a path resumes from (shown in the CLI's help).
-RESUME_LAST = f"LOG_DIR/{LAST}"
 #: Not in the file: the key :func:`read_snapshot` adds, naming the file it read (last.pth or,
 #: when that is corrupt, previous.pth).
 READ_FROM = "read_from"
@@ -189,17 +188,6 @@ def read_snapshot(path: str | Path) -> dict[str, Any]:
 def one_line(text: str) -> str:
     """``text``'s non-empty lines joined by "; " (torch's load errors span several lines)."""
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
-
-
-def not_a_file(path: Path, what: str) -> str | None:
-    """Why ``path`` cannot be read as a ``what`` file, or None when it is a regular file."""
-    if path.is_file():
-        return None
-    if path.is_dir():
-        return f"{what} {path} is a folder, not a file"
-    if path.exists():
-        return f"{what} {path} is not a regular file"
-    return f"{what} {path} does not exist"
 
 
 def _read_verified(path: Path) -> dict[str, Any]:
