@@ -62,7 +62,10 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
     found = []
     for i, name in where:
         value = args[i] if i < len(args) else kwargs.get(name)
-        found += [t for t in tree_leaves(value) if isinstance(t, Tensor)]
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif value is not None:
+            found += [t for t in tree_leaves(value) if isinstance(t, Tensor)]
     return found
 
 
@@ -108,20 +111,28 @@ class _Keeper(TorchDispatchMode):
     def __init__(self, memory: _Memory) -> None:
         super().__init__()
         self.memory = memory
+        self.storages: set[int] = set()  # of the remembered outputs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.memory.outputs and not func.is_view:
-            written = {_storage(t) for t in _written(func, args, kwargs)}
+        # (host cost matters: this runs for every operation of the segment)
+        if self.storages and not func.is_view:
+            written = {_storage(t) for t in _written(func, args, kwargs)} & self.storages
             if written:
                 self.memory.outputs = [
                     tree_map_only(Tensor, lambda t: t.clone() if _storage(t) in written else t,
                                   out)
                     for out in self.memory.outputs]
+                self.storages = {_storage(t) for out in self.memory.outputs
+                                 for t in tree_leaves(out) if isinstance(t, Tensor)}
         out = func(*args, **kwargs)
         if is_product(func):
+            kept = _detach(out) if isinstance(out, Tensor) else tree_map_only(Tensor, _detach,
+                                                                                 out)
             self.memory.funcs.append(func)
-            self.memory.outputs.append(tree_map_only(Tensor, _detach, out))
+            self.memory.outputs.append(kept)
+            self.storages.update(_storage(t) for t in tree_leaves(kept)
+                                 if isinstance(t, Tensor))
         return out
 
 
@@ -146,7 +157,8 @@ class _Replayer(TorchDispatchMode):
                 f"selective recomputation: the recomputed forward ran {func} as product "
                 f"{index}, which its first run did not: the segment's forward must run the "
                 f"same operations each time")
-        return tree_map_only(Tensor, _detach, restored[index])
+        out = restored[index]
+        return _detach(out) if isinstance(out, Tensor) else tree_map_only(Tensor, _detach, out)
 
 
 class _Hold(torch.autograd.Function):
@@ -169,11 +181,6 @@ class _Hold(torch.autograd.Function):
         kept = ctx.saved_tensors
         ctx.memory.restore(kept)
         return (None, grad) + (None,) * len(kept)
-
-
-def keeper() -> TorchDispatchMode:
-    """The forward's dispatch mode on its own (the planner's calibration times it)."""
-    return _Keeper(_Memory())
 
 
 def selectively_recomputed(run: Callable[..., Any], *args: Any) -> Any:
