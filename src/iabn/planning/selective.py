@@ -23,10 +23,14 @@ the products' outputs (an output that a later operation of the segment writes in
 remembered as a copy taken before the write, so the recomputation sees the value the forward
 used). In backward, :class:`_Replayer` runs the cheap operations again and hands the
 remembered outputs back in place of the products, in the order the forward made them.
+While ``torch.compile`` traces (Dynamo follows no custom dispatch mode),
+:func:`compiled_selectively` hands the same choice to PyTorch's selective checkpointing, whose
+marks the compiler's partitioner honours.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +44,7 @@ from torch.utils._pytree import (
     tree_map_only,
     tree_unflatten,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
 
@@ -181,6 +186,20 @@ class _Hold(torch.autograd.Function):
         kept = ctx.saved_tensors
         ctx.memory.restore(kept)
         return (None, grad) + (None,) * len(kept)
+
+
+def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if is_product(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_selectively(fn: Callable[..., Any], *args: Any) -> Any:
+    """What :func:`selectively_recomputed` is while ``torch.compile`` traces: Dynamo traces no
+    custom ``context_fn``, so PyTorch's own selective checkpointing gives the compiler's
+    partitioner the same marks (keep the products' outputs, recompute the rest), and the
+    compiled graph recomputes inside the backward (buffer updates are not replayed)."""
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
 
 
 def selectively_recomputed(run: Callable[..., Any], *args: Any) -> Any:
