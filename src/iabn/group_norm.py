@@ -53,7 +53,7 @@ from .checks import (
     check_per_call,
 )
 from .kernels.reference import LOW_PRECISION
-from .ops import overwritable, refuse_double_backward
+from .ops import overwritable
 from .scale import ABS, SIGNED, abs_sign, effective_scale, gamma_grad
 from .unchecked import _transformed
 
@@ -175,8 +175,13 @@ class InPlaceGroupNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
-        if torch.is_grad_enabled():
-            refuse_double_backward("InPlaceGroupNormAct")
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # only under create_graph=True (as iabn.ops.refuse_double_backward, naming the
+            # group-norm layer's not-in-place counterpart)
+            raise RuntimeError(
+                "InPlaceGroupNormAct does not support double backward (create_graph=True); "
+                "use iabn.GroupNormAct where second derivatives are needed"
+            )
         z, weight, bias, rstd = ctx.saved_tensors
         num_groups, eps, activation, activation_param, gamma_mode = ctx.options
         want_dx, want_dweight, want_dbias = ctx.needs_input_grad[:3]
