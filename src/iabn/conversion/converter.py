@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
+from ..group_norm import GroupNormAct
 from ..memory import _storage_key, saved_tensor_bytes
 from ..modules import ABN
 from ..trial_runs import preserved, same_randomness
@@ -224,7 +225,8 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
     result = {}
     for node in graph.nodes:
         if node.op == "call_module" and (is_convertible_norm(modules[node.target])
-                                         or isinstance(modules[node.target], ABN)):
+                                         or isinstance(modules[node.target],
+                                                       (ABN, GroupNormAct))):
             result[node.target] = sizes.get(node.name, 0) + sum(
                 sizes.get(user.name, 0) for user in node.users
                 if node_activation(user, modules) is not None)
