@@ -50,6 +50,9 @@ def convert(
       kept outside the graph...);
     - untouched otherwise; the report gives the reason for each layer.
 
+    ``nn.GroupNorm`` follows the same rules, becoming :class:`iabn.InPlaceGroupNormAct` for
+    ``InPlaceABN`` and :class:`iabn.GroupNormAct` for ``ABN``.
+
     The rules are checked on ``torch.fx`` graphs of the forward in training and in eval mode.
     Where every decision can be expressed by swapping modules, the result is ``model``'s own
     class with modules swapped (fused activation modules become ``nn.Identity``); otherwise
