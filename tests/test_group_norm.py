@@ -6,6 +6,7 @@ bad arguments."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -245,6 +246,21 @@ def test_state_dict_round_trip_with_group_norm():
     assert repr(iabn.InPlaceGroupNormAct(2, 4, activation="elu", activation_param=0.5)) == (
         "InPlaceGroupNormAct(2, 4, eps=1e-05, affine=True, activation=elu, "
         "activation_param=0.5)")
+
+
+def test_abs_state_into_signed_layer_warns(monkeypatch):
+    import iabn.group_norm
+
+    monkeypatch.setattr(iabn.group_norm, "_warned_abs_into_signed", False)
+    trained = nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceGroupNormAct(2, 4, gamma_mode="abs"))
+    state = trained.state_dict()
+    with pytest.warns(iabn.modules.GammaModeWarning, match=r"^1: .*gamma_mode='abs'"):
+        nn.Sequential(nn.Conv2d(3, 4, 1), iabn.GroupNormAct(2, 4)).load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        nn.Sequential(nn.Conv2d(3, 4, 1), iabn.GroupNormAct(2, 4)).load_state_dict(state)
+        iabn.GroupNormAct(2, 4, gamma_mode="abs").load_state_dict(trained[1].state_dict())
+        nn.GroupNorm(2, 4).load_state_dict(trained[1].state_dict())
 
 
 @pytest.mark.parametrize("args, kwargs, error, words", [

@@ -29,13 +29,16 @@ is not needed). Backward recovers ``y = phi^-1(z)``, ``dy = phi'(y) * dz`` (from
 
 float16 and bfloat16 inputs are normalised by the same kernel as ``nn.GroupNorm`` (forward
 outputs equal its outputs); backward recovers ``xhat`` and runs the backward kernel in
-float32, casting ``dx`` to the input's dtype.
+float32, casting ``dx`` to the input's dtype. The output always has the input's dtype (it is
+the input): under CUDA autocast, whose float32 list holds ``group_norm``, ``nn.GroupNorm``
+returns float32 instead (CPU autocast leaves it in the input's dtype, as here).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -53,12 +56,15 @@ from .checks import (
     check_per_call,
 )
 from .kernels.reference import LOW_PRECISION
+from .modules import GammaModeWarning
 from .ops import overwritable
 from .scale import ABS, SIGNED, abs_sign, effective_scale, gamma_grad
 from .unchecked import _transformed
 
 _NATIVE_GROUP_NORM = torch.ops.aten.native_group_norm.default
 _NATIVE_GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
+
+_warned_abs_into_signed = False
 
 #: Options read on every call; assigning one to a built layer validates it.
 _OPTIONS = ("num_groups", "num_channels", "eps", "activation", "activation_param",
@@ -357,6 +363,28 @@ class GroupNormAct(nn.Module):
             f"export for inference, a copy of the model with nn.GroupNorm + the activation in "
             f"its place (a gamma_mode='signed' layer's state_dict loads into it unchanged)"
         )
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        # as ABN: record the parametrisation, so that loading abs-trained weights into a
+        # signed layer (same keys and shapes) can be noticed
+        metadata = getattr(destination, "_metadata", None)
+        if self.gamma_mode == ABS and metadata is not None and prefix[:-1] in metadata:
+            metadata[prefix[:-1]]["gamma_mode"] = ABS
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
+        global _warned_abs_into_signed
+        if (local_metadata.get("gamma_mode") == ABS and self.gamma_mode != ABS
+                and not _warned_abs_into_signed):
+            _warned_abs_into_signed = True
+            warnings.warn(
+                f"{prefix[:-1] or 'the layer'}: this state_dict was saved by a group-norm layer "
+                f"with gamma_mode='abs' (scale |weight| + eps) and is loaded into a "
+                f"gamma_mode='signed' layer, which uses the weight as it is, so the outputs "
+                f"change. Build the layers with gamma_mode='abs'. Warned once per process.",
+                GammaModeWarning, stacklevel=3,
+            )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def extra_repr(self) -> str:
         text = (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, "
