@@ -397,3 +397,19 @@ def test_compiled_gradients_equal_eager_float64():
         torch.testing.assert_close(c, e, rtol=0, atol=0)
     for e, r in zip(eager, run(reference_model), strict=True):
         torch.testing.assert_close(e, r, rtol=1e-10, atol=1e-11)
+
+    # compiled alone, the layer's input is the graph's input: it works on a copy there
+    layer = model[1]
+    h = torch.randn(2, 8, 6, 6, dtype=torch.float64, requires_grad=True)
+
+    def alone(m):
+        given = h * 1
+        out = m(given)
+        return given, [out, *torch.autograd.grad((out ** 3).sum(), [h, *m.parameters()])]
+
+    _, eager = alone(layer)
+    given, compiled = alone(torch.compile(copy.deepcopy(layer), backend="aot_eager",
+                                          fullgraph=True))
+    for c, e in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+    torch.testing.assert_close(given, h * 1, rtol=0, atol=0)

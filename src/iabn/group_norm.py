@@ -6,7 +6,7 @@ The in-place layer is an ``autograd.Function`` over PyTorch's own group-norm ker
 not go through the ``iabn::`` custom operators, the Triton kernels or :mod:`iabn.compiled` of
 the batch-norm layers: under ``torch.compile`` Dynamo traces the Function as it is (forward and
 backward are ATen calls it can trace), on a copy of the input as for
-:func:`iabn.ops.overwritable`.
+:func:`iabn.ops.overwritable` (so an input from outside the compiled graph is left unchanged).
 
 The math, for one sample ``n`` and one group ``k`` of ``D = (C / G) * HxW`` values, with
 ``mean``, ``rstd = 1 / sqrt(var + eps)`` (biased variance) over the group, per channel ``c``
