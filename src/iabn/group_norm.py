@@ -152,8 +152,8 @@ def _forward_(x: Tensor, weight: Tensor | None, bias: Tensor | None, num_groups:
               eps: float, activation: str, activation_param: float, gamma_mode: str) -> Tensor:
     """Overwrite ``x`` with ``phi(g * xhat + beta)``; return ``rstd``, shape ``(N, G)``.
 
-    ATen's kernel writes a new tensor (it cannot write into its own input), which is copied
-    into ``x`` and freed: one activation-sized temporary during forward, nothing kept."""
+    ATen's kernel writes a new tensor, which is copied into ``x`` and freed: one
+    activation-sized temporary during forward, nothing kept."""
     n, c, hxw = _sizes(x)
     scale = None if weight is None else effective_scale(weight.detach(), eps, gamma_mode)
     source = x.contiguous(memory_format=_layout(x))

@@ -376,14 +376,14 @@ _NEW_MODULE_FILES = {
         "activation", "conv", "pooling", "padding", "upsampling", "pixelshuffle",
         "channelshuffle", "normalization", "batchnorm", "instancenorm")
 }
-_NEW_MODULES = (nn.Linear, nn.Bilinear, nn.LazyLinear, ABN, GroupNormAct)
+_NEW_MODULES = (nn.Linear, nn.Bilinear, nn.LazyLinear, ABN)
 
 
 def _returns_new(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     if node.op == "call_module":
         m = modules[node.target]
-        return isinstance(m, (ABN, GroupNormAct)) or (type(m) in _NEW_MODULES
-                                      or type(m).__module__ in _NEW_MODULE_FILES)
+        return isinstance(m, (ABN, GroupNormAct)) or (
+            type(m) in _NEW_MODULES or type(m).__module__ in _NEW_MODULE_FILES)
     if node.op == "call_function":
         if node.target is getattr:
             return len(node.args) > 1 and node.args[1] in _METADATA
