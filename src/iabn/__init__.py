@@ -7,6 +7,7 @@ segmentation, benchmarks, the ``iabn`` command) live in :mod:`iabn.tools`.
 from . import _moved, debug, functional, memory
 from .blocks import BNActConv
 from .distributed import ABNSync, InPlaceABNSync, convert_local, convert_sync
+from .group_norm import GroupNormAct, InPlaceGroupNormAct
 from .modules import ABN, InPlaceABN
 from .offloading import Offloader, OffloadModel, offload
 
@@ -38,8 +39,10 @@ __all__ = [
     "ABNSync",
     "BNActConv",
     "ConversionReport",
+    "GroupNormAct",
     "InPlaceABN",
     "InPlaceABNSync",
+    "InPlaceGroupNormAct",
     "OffloadModel",
     "Offloader",
     "PlanReport",
