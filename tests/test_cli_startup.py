@@ -105,7 +105,8 @@ def test_import_iabn_loads_torch_only_when_a_name_is_used():
               "from iabn import InPlaceABN; import torch; "
               "assert InPlaceABN is sys.modules['iabn.modules'].InPlaceABN; "
               "assert isinstance(iabn.InPlaceABN(2), torch.nn.Module); "
-              "assert {'InPlaceABN', 'convert', 'debug'} <= set(dir(iabn)); print('ok')")
+              "assert {'InPlaceABN', 'convert', 'debug'} <= set(dir(iabn)); "
+              "assert all(hasattr(iabn, name) for name in iabn.__all__); print('ok')")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             timeout=120)
     assert result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -162,3 +162,43 @@ def test_products_are_the_flop_counters_operations():
     assert is_product(aten.convolution.default) and is_product(aten.mm.default)
     assert not is_product(aten.native_batch_norm.default)
     assert not is_product(aten.relu_.default)
+
+
+def test_backward_twice_with_retain_graph():
+    """A second backward through the same graph recomputes again and adds the same
+    gradients."""
+    torch.manual_seed(0)
+    model = Selective(conv_chain(inplace=False).double()).train()
+    model.module[6].p = 0.0  # dropout off: the two backward passes must agree exactly
+    out = model(torch.randn(2, 3, 8, 8, dtype=torch.float64, requires_grad=True))
+    grad = torch.randn_like(out)
+    out.backward(grad, retain_graph=True)
+    first = [p.grad.clone() for p in model.parameters()]
+    out.backward(grad)
+    for once, twice in zip(first, (p.grad for p in model.parameters()), strict=True):
+        assert torch.equal(2 * once, twice)
+
+
+@pytest.mark.parametrize("make", [conv_chain, lambda: nn.Sequential(
+    nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(8, 4, 3, padding=1),
+    nn.BatchNorm2d(4), nn.LeakyReLU(0.1, inplace=True))], ids=["conv_bn_relu", "relu_on_conv"])
+def test_under_torch_compile(make):
+    """Compiled (``aot_eager``, float64): Dynamo traces no custom dispatch modes, so the segment
+    takes PyTorch's selective checkpointing there; gradients and running statistics equal
+    the plain segment's eager ones, bit for bit."""
+    torch.manual_seed(0)
+    plain = make().double().train()
+    for module in plain:
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0  # eager and compiled code draw different masks
+    planned = Selective(copy.deepcopy(plain)).train()
+    compiled = torch.compile(planned, backend="aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    expected = torch.autograd.grad(plain(xa).square().sum(), [xa, *plain.parameters()])
+    got = torch.autograd.grad(compiled(xb).square().sum(), [xb, *planned.parameters()])
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(plain.buffers(), planned.buffers(), strict=True):
+        assert torch.equal(a, b)
+    torch._dynamo.reset()

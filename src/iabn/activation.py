@@ -82,6 +82,20 @@ def apply_(x: Tensor, activation: str, activation_param: float) -> Tensor:
     raise ValueError(f"unknown activation={activation!r}: use one of {ALL_ACTIVATIONS}")
 
 
+def apply(x: Tensor, activation: str, activation_param: float) -> Tensor:
+    """Return the activation of ``x`` as a new tensor (``x`` is only read); for ``identity``
+    the result *is* ``x``."""
+    if activation == LEAKY_RELU:
+        return F.leaky_relu(x, activation_param)
+    if activation == ELU:
+        return F.elu(x, activation_param)
+    if activation == RELU:
+        return F.relu(x)
+    if activation == IDENTITY:
+        return x
+    raise ValueError(f"unknown activation={activation!r}: use one of {ALL_ACTIVATIONS}")
+
+
 def invert(
     z: Tensor, activation: str, activation_param: float, out: Tensor | None = None
 ) -> Tensor:

@@ -39,6 +39,17 @@ is an intermediate of the graph (no pass is added); where it is a graph input (a
 just before the layer, a layer compiled alone) AOTAutograd writes it back after the graph, one
 pass. Not calling ``ctx.mark_dirty`` also avoids the compiler's loss of it on graph inputs
 (torch 2.13-2.14; :func:`iabn.ops.overwritable`), so no defensive copy is needed here.
+
+**No in-place operation makes the output.** The function's forward computes ``z`` with an
+out-of-place activation (:func:`iabn.activation.apply`). Torch 2.11's Dynamo returns every
+intermediate tensor of an autograd Function's forward as an extra output of the traced
+Function; with the activation written in place into batch norm's output, that output was one
+of them and the same tensor as ``z``, so autograd bound ``z`` to the intermediate's output slot,
+whose gradient the backward ignores: the layer's input, weight and bias gradients were wrong by
+their full size (Dynamo alone shows it, ``backend="eager"``), which is why the compiled
+training step of torch 2.11.0 was off. Torch 2.12.0 onwards leave out the intermediates that
+alias an output; the out-of-place activation is correct on both, at no cost in the compiled
+graph (functionalisation makes every operation out of place there).
 """
 
 from __future__ import annotations
@@ -52,11 +63,11 @@ from .kernels import traceable
 from .layer_config import LayerConfig
 
 #: Whether the compiler is given the traceable layer (else the opaque ``iabn::`` operators of
-#: :mod:`iabn.ops`). Measured: correct on torch 2.14.1; on 2.11.0 the compiled conv -> layer ->
-#: conv training step gave wrong parameter gradients (0.079 off in a layer's bias gradient,
-#: tests/test_compile.py), where the operators are right. 2.12 and 2.13 are not measured, so
-#: they keep the operators.
-TRACEABLE = torch.__version__ >= (2, 14)
+#: :mod:`iabn.ops`). On for every supported torch: tests/test_compile.py passes on 2.11.0,
+#: 2.12.0, 2.13.0 and 2.14.1 (CPU). It was on from 2.14 only while the forward wrote the
+#: activation in place, which gave torch 2.11.0 wrong gradients ("No in-place operation makes
+#: the output" above).
+TRACEABLE = True
 
 
 class TracedInPlaceABNFunction(torch.autograd.Function):

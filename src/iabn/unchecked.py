@@ -48,7 +48,8 @@ def inplace_abn_unchecked(
     if not needs_grad:
         forward_(input, weight, bias, running_mean, running_var, config)
         return input
-    # overwritable: a copy where an older torch compiles the opaque iabn:: operators instead
+    # overwritable: a copy where the compiler is given the opaque iabn:: operators instead
+    # (compiled.TRACEABLE off)
     return InPlaceABNFunction.apply(
         overwritable(input), weight, bias, running_mean, running_var, config
     )

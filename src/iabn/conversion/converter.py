@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
+from ..group_norm import GroupNormAct
 from ..memory import _storage_key, saved_tensor_bytes
 from ..modules import ABN
 from ..trial_runs import preserved, same_randomness
@@ -48,6 +49,9 @@ def convert(
       layer may not absorb there (ReLU under the lossless policy, an input used twice or
       kept outside the graph...);
     - untouched otherwise; the report gives the reason for each layer.
+
+    ``nn.GroupNorm`` follows the same rules, becoming :class:`iabn.InPlaceGroupNormAct` for
+    ``InPlaceABN`` and :class:`iabn.GroupNormAct` for ``ABN``.
 
     The rules are checked on ``torch.fx`` graphs of the forward in training and in eval mode.
     Where every decision can be expressed by swapping modules, the result is ``model``'s own
@@ -224,7 +228,8 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
     result = {}
     for node in graph.nodes:
         if node.op == "call_module" and (is_convertible_norm(modules[node.target])
-                                         or isinstance(modules[node.target], ABN)):
+                                         or isinstance(modules[node.target],
+                                                       (ABN, GroupNormAct))):
             result[node.target] = sizes.get(node.name, 0) + sum(
                 sizes.get(user.name, 0) for user in node.users
                 if node_activation(user, modules) is not None)

@@ -43,6 +43,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.utils._pytree import tree_leaves
 
+from ..group_norm import GroupNormAct
 from ..modules import ABN
 
 #: Python's in-place operators, which fx would otherwise record as their out-of-place forms.
@@ -122,7 +123,7 @@ class Tracer(fx.Tracer):
         return proxy
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, (_BatchNorm, ABN)) or is_norm_act(m):
+        if isinstance(m, (_BatchNorm, ABN, GroupNormAct)) or is_norm_act(m):
             return True
         if self._timm_modules and isinstance(m, self._timm_modules):
             return True
@@ -230,7 +231,9 @@ def trace(model: nn.Module, training: bool) -> Traced:
 # ------------------------------------------------------------------ normalisation layers
 
 #: The norm classes converted, exact types: a subclass may have changed ``forward``.
-NORM_CLASSES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+#: ``nn.GroupNorm`` becomes :class:`iabn.InPlaceGroupNormAct` / :class:`iabn.GroupNormAct`
+#: under the same rules.
+NORM_CLASSES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.GroupNorm)
 
 
 def is_norm_act(m: nn.Module) -> bool:
@@ -379,8 +382,8 @@ _NEW_MODULES = (nn.Linear, nn.Bilinear, nn.LazyLinear, ABN)
 def _returns_new(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     if node.op == "call_module":
         m = modules[node.target]
-        return isinstance(m, ABN) or (type(m) in _NEW_MODULES
-                                      or type(m).__module__ in _NEW_MODULE_FILES)
+        return isinstance(m, (ABN, GroupNormAct)) or (
+            type(m) in _NEW_MODULES or type(m).__module__ in _NEW_MODULE_FILES)
     if node.op == "call_function":
         if node.target is getattr:
             return len(node.args) > 1 and node.args[1] in _METADATA
@@ -412,8 +415,8 @@ def _writes_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool
     if node.op == "call_module":
         m = modules[node.target]
         if getattr(m, "inplace", False) is True or getattr(m, "_in_place", False):
-            return True  # an nn module with inplace=True, or iabn's InPlaceABN
-        if isinstance(m, ABN):
+            return True  # an nn module with inplace=True, or iabn's in-place layers
+        if isinstance(m, (ABN, GroupNormAct)):
             return False
         # PyTorch's own modules write into their input only through ``inplace``
         return False if _is_torch(type(m).__module__) else None

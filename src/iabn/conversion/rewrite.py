@@ -10,14 +10,21 @@ from collections.abc import Callable
 from torch import fx, nn
 
 from ..distributed import ABNSync, InPlaceABNSync
+from ..group_norm import GroupNormAct, InPlaceGroupNormAct
 from ..modules import ABN, InPlaceABN
 from .decide import IN_PLACE, Decision
 from .graph import Site
 
 
-def new_layer(norm: nn.Module, decision: Decision) -> ABN:
+def new_layer(norm: nn.Module, decision: Decision) -> ABN | GroupNormAct:
     """The iabn layer for ``norm``, holding norm's very parameter and buffer tensors (so an
     optimizer built on them and ``requires_grad`` flags carry over)."""
+    if type(norm) is nn.GroupNorm:
+        cls = InPlaceGroupNormAct if decision.layer == IN_PLACE else GroupNormAct
+        layer = cls(norm.num_groups, norm.num_channels, norm.eps, norm.affine,
+                    decision.activation, decision.activation_param, device="meta")
+        layer.weight, layer.bias = norm.weight, norm.bias
+        return layer.train(norm.training)
     sync = type(norm) is nn.SyncBatchNorm
     in_place = decision.layer == IN_PLACE
     cls = (InPlaceABNSync if in_place else ABNSync) if sync else (InPlaceABN if in_place else ABN)

@@ -67,9 +67,11 @@ def forward(
     )
     if not training:
         invstd = running_invstd(running_var, eps, sdtype)
-    # y is batch norm's own new output, which nothing else reads: the activation may overwrite
-    # it (functionalisation makes this out of place again).
-    return act.apply_(y, activation, activation_param), invstd, g
+    # Out of place, though nothing else reads y: inside the autograd Function, torch 2.11's
+    # Dynamo also returns every intermediate of the forward, and an in-place activation made y
+    # the same tensor as z, whose gradient then went to y's unused slot (iabn.compiled). In the
+    # compiled graph functionalisation makes every operation out of place anyway.
+    return act.apply(y, activation, activation_param), invstd, g
 
 
 def forward_(

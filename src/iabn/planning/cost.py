@@ -15,7 +15,12 @@ the fastest of a few runs each), once per process for each device, dtype and CPU
 count. The memory-bound rate is taken from those operations rather than from a copy because
 they are what a recomputation runs: on the 2-core CPU used for development batch norm + ReLU
 moved their counted bytes at 8.3 GB/s where a copy moved 27 (a copy's rate predicted a third
-of their time). On CUDA the host-device copy bandwidth (pinned memory) is
+of their time). A recomputed run also costs host time that no operation's roofline has:
+``torch.utils.checkpoint``'s Python hooks for every saved tensor, the save and restore of the
+run's buffers, and for selective recomputation its dispatch modes; the calibration measures it
+per forward operation on a training step of tiny layers (on the 2-core CPU: 32 us for
+recomputation, 78 us for selective recomputation) and the prediction of a recomputed run adds
+it per operation the run's forward runs. On CUDA the host-device copy bandwidth (pinned memory) is
 measured too, for offloading. Counting needs shapes only, so it works on the ``meta``
 device; the rates come from a real device. The predictions are a model:
 ``benchmarks/plan_anchors.py`` compares them with measured step times.
@@ -27,7 +32,7 @@ import platform
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -36,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .selective import is_product, keeper
+from .selective import is_product
 
 REST = -1  # operations outside every unit
 
@@ -57,9 +62,12 @@ class DeviceSpeed:
     bytes_per_s: float
     op_overhead_s: float
     pcie_bytes_per_s: float | None = None  # CUDA: pinned host <-> device copies
-    #: extra host time of an operation run under a Python dispatch mode (selective
-    #: recomputation runs each of a segment's operations under one in forward and backward)
-    mode_overhead_s: float = 0.0
+    #: extra host time per forward operation of a recomputed run, beyond the operations' own
+    #: time: checkpoint's saved-tensor hooks and the buffers' save and restore
+    recompute_overhead_s: float = 0.0
+    #: the same for a selectively recomputed run, whose operations also run under a Python
+    #: dispatch mode in forward and in the recomputation
+    selective_overhead_s: float = 0.0
 
     def seconds(self, flops: float, nbytes: float) -> float:
         return self.op_overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
@@ -124,7 +132,6 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
 
     overhead = _best_seconds(tiny, device, 15) / count
 
-    in_mode = _mode_overhead(device, dtype)
     pcie = None
     if device.type == "cuda":
         src = torch.ones(64 * 2**20, device=device, dtype=torch.float32)
@@ -132,30 +139,38 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
         pcie = src.numel() * 4 / _best_seconds(
             lambda: host.copy_(src, non_blocking=True), device, 5)
     speed = DeviceSpeed(str(device), _device_name(device), str(dtype).removeprefix("torch."),
-                        threads, flops, bandwidth, overhead, pcie,
-                        in_mode)
+                        threads, flops, bandwidth, overhead, pcie)
+    speed = replace(speed, **_recompute_overheads(speed, device, dtype))
     _SPEEDS[key] = speed
     return speed
 
 
-def _mode_overhead(device: torch.device, dtype: torch.dtype) -> float:
-    """Extra seconds per operation of a layer's tiny operations (batch norm, ReLU in place, an
-    addition) run under selective recomputation's forward dispatch mode."""
-    x = torch.ones(2, 2, 1, 1, device=device, dtype=dtype)
-    weight = torch.ones(2, device=device, dtype=dtype)
-    count = 50
+def _recompute_overheads(speed: DeviceSpeed, device: torch.device,
+                         dtype: torch.dtype) -> dict[str, float]:
+    """``recompute_overhead_s`` and ``selective_overhead_s``: a training step of twelve tiny
+    conv + batch norm + ReLU layers (host cost only) timed plainly, recomputed and recomputed
+    selectively; what each costs beyond the plain step and the roofline's prediction of the
+    operations it runs again, per forward operation."""
+    from .wrappers import recomputed
 
-    def layers() -> None:
-        with torch.no_grad():
-            for _ in range(count):
-                torch.nn.functional.batch_norm(x, None, None, weight, weight, True).relu_().add_(x)
-
-    def layers_in_mode() -> None:
-        with keeper():
-            layers()
-
-    plain = _best_seconds(layers, device, 10)
-    return max(0.0, _best_seconds(layers_in_mode, device, 10) - plain) / (3 * count)
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(*[m for _ in range(12) for m in (
+        torch.nn.Conv2d(4, 4, 1), torch.nn.BatchNorm2d(4), torch.nn.ReLU(inplace=True))])
+    layers = layers.to(device=device, dtype=dtype).train()
+    x = torch.ones(2, 4, 2, 2, device=device, dtype=dtype, requires_grad=True)
+    modules = list(layers)
+    counter = OpCounter()
+    with counter, torch.no_grad():
+        layers(x)
+    ops = counter.counts[REST]
+    steps = {"plain": lambda: layers(x).sum().backward(),
+             "recompute": lambda: recomputed(layers, modules, x).sum().backward(),
+             "selective": lambda: recomputed(layers, modules, x,
+                                             selective=True).sum().backward()}
+    seconds = {name: _best_seconds(step, device, 10) for name, step in steps.items()}
+    again = {"recompute": ops.seconds(speed), "selective": ops.seconds(speed, products=False)}
+    return {f"{name}_overhead_s": max(0.0, (seconds[name] - seconds["plain"] - again[name])
+                                      / len(ops.ops)) for name in again}
 
 
 def _memory_bound_rate(device: torch.device, dtype: torch.dtype) -> float:
@@ -201,11 +216,14 @@ class OpCount:
         """Predicted time of the operations (``products=False``: of all but products)."""
         return sum(speed.seconds(f, b) for f, b, product in self.ops if products or not product)
 
+    def recompute_seconds(self, speed: DeviceSpeed) -> float:
+        """Predicted extra time of recomputing these (forward) operations in backward."""
+        return self.seconds(speed) + len(self.ops) * speed.recompute_overhead_s
+
     def selective_seconds(self, speed: DeviceSpeed) -> float:
-        """Predicted extra time of recomputing these operations selectively: those other than
-        products run again, and every one runs under a dispatch mode twice (the forward and
-        the recomputation)."""
-        return self.seconds(speed, products=False) + 2 * len(self.ops) * speed.mode_overhead_s
+        """Predicted extra time of recomputing them selectively: those other than products
+        run again (:mod:`.selective`)."""
+        return self.seconds(speed, products=False) + len(self.ops) * speed.selective_overhead_s
 
 
 class OpCounter(TorchDispatchMode):

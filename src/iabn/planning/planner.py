@@ -313,10 +313,13 @@ class Planner:
 
     # ------------------------------------------------------------ candidates
 
-    def _forward_seconds(self, unit: int, variant: str) -> float:
+    def _forward_seconds(self, unit: int, variant: str, recompute: bool = False) -> float:
+        """The predicted time of the unit's forward (``recompute``: run again in backward)."""
         run = self.inplace if variant == INPLACE and self.inplace is not None else self.keep
         count = run.forward_ops.get(unit)
-        return count.seconds(self.speed) if count is not None else 0.0
+        if count is None:
+            return 0.0
+        return count.recompute_seconds(self.speed) if recompute else count.seconds(self.speed)
 
     def _candidates(self) -> list[Candidate]:
         found: list[Candidate] = []
@@ -388,7 +391,8 @@ class Planner:
                         continue  # the same as recomputing it as given
                     saved = ends.get(units) or (ends[group[0]] if same
                                                 else self._measure_run(model, units))
-                    seconds = sum(self._forward_seconds(u, variant) for u in units)
+                    seconds = sum(self._forward_seconds(u, variant, recompute=True)
+                                  for u in units)
                     found.append(Candidate(units, choice, saved, seconds))
             found += self._selective_candidates(group)
         return found

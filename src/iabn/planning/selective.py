@@ -23,10 +23,14 @@ the products' outputs (an output that a later operation of the segment writes in
 remembered as a copy taken before the write, so the recomputation sees the value the forward
 used). In backward, :class:`_Replayer` runs the cheap operations again and hands the
 remembered outputs back in place of the products, in the order the forward made them.
+While ``torch.compile`` traces (Dynamo follows no custom dispatch mode),
+:func:`compiled_selectively` hands the same choice to PyTorch's selective checkpointing, whose
+marks the compiler's partitioner honours.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -40,6 +44,7 @@ from torch.utils._pytree import (
     tree_map_only,
     tree_unflatten,
 )
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
 
@@ -62,7 +67,10 @@ def _written(func: Any, args: tuple, kwargs: dict) -> list[Tensor]:
     found = []
     for i, name in where:
         value = args[i] if i < len(args) else kwargs.get(name)
-        found += [t for t in tree_leaves(value) if isinstance(t, Tensor)]
+        if isinstance(value, Tensor):
+            found.append(value)
+        elif value is not None:
+            found += [t for t in tree_leaves(value) if isinstance(t, Tensor)]
     return found
 
 
@@ -108,20 +116,28 @@ class _Keeper(TorchDispatchMode):
     def __init__(self, memory: _Memory) -> None:
         super().__init__()
         self.memory = memory
+        self.storages: set[int] = set()  # of the remembered outputs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.memory.outputs and not func.is_view:
-            written = {_storage(t) for t in _written(func, args, kwargs)}
+        # (host cost matters: this runs for every operation of the segment)
+        if self.storages and not func.is_view:
+            written = {_storage(t) for t in _written(func, args, kwargs)} & self.storages
             if written:
                 self.memory.outputs = [
                     tree_map_only(Tensor, lambda t: t.clone() if _storage(t) in written else t,
                                   out)
                     for out in self.memory.outputs]
+                self.storages = {_storage(t) for out in self.memory.outputs
+                                 for t in tree_leaves(out) if isinstance(t, Tensor)}
         out = func(*args, **kwargs)
         if is_product(func):
+            kept = _detach(out) if isinstance(out, Tensor) else tree_map_only(Tensor, _detach,
+                                                                                 out)
             self.memory.funcs.append(func)
-            self.memory.outputs.append(tree_map_only(Tensor, _detach, out))
+            self.memory.outputs.append(kept)
+            self.storages.update(_storage(t) for t in tree_leaves(kept)
+                                 if isinstance(t, Tensor))
         return out
 
 
@@ -146,7 +162,8 @@ class _Replayer(TorchDispatchMode):
                 f"selective recomputation: the recomputed forward ran {func} as product "
                 f"{index}, which its first run did not: the segment's forward must run the "
                 f"same operations each time")
-        return tree_map_only(Tensor, _detach, restored[index])
+        out = restored[index]
+        return _detach(out) if isinstance(out, Tensor) else tree_map_only(Tensor, _detach, out)
 
 
 class _Hold(torch.autograd.Function):
@@ -171,9 +188,18 @@ class _Hold(torch.autograd.Function):
         return (None, grad) + (None,) * len(kept)
 
 
-def keeper() -> TorchDispatchMode:
-    """The forward's dispatch mode on its own (the planner's calibration times it)."""
-    return _Keeper(_Memory())
+def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if is_product(func) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_selectively(fn: Callable[..., Any], *args: Any) -> Any:
+    """What :func:`selectively_recomputed` is while ``torch.compile`` traces: Dynamo traces no
+    custom ``context_fn``, so PyTorch's own selective checkpointing gives the compiler's
+    partitioner the same marks (keep the products' outputs, recompute the rest), and the
+    compiled graph recomputes inside the backward (buffer updates are not replayed)."""
+    return torch.utils.checkpoint.checkpoint(
+        fn, *args, use_reentrant=False, preserve_rng_state=True,
+        context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
 
 
 def selectively_recomputed(run: Callable[..., Any], *args: Any) -> Any:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .selective import selectively_recomputed
+from .selective import compiled_selectively, selectively_recomputed
 
 #: The choices a plan makes per segment.
 KEEP = "keep"
@@ -71,6 +71,8 @@ def recomputed(fn: Callable[..., Any], modules: Sequence[nn.Module], *args: Any,
     The buffers of ``modules`` (running statistics) are restored after the recomputation:
     they are updated by the forward only, as without recomputation.
     """
+    if selective and torch.compiler.is_compiling():
+        return compiled_selectively(fn, *args)
     calls = [0]
 
     def run(*inputs: Any) -> Any:
