@@ -31,9 +31,6 @@ DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 MARKER = re.compile(r"<!-- snippet: (?P<kind>[\w-]+)(?::\s*(?P<reason>.*?))?\s*-->")
 KINDS = ("needs-cuda", "needs-file", "torchrun")
 FENCE = re.compile(r"^```(?P<info>\S*)")
-#: Sections another change rewrites at the same time as this test was written: a failing block
-#: there is reported as an expected failure, not hidden. Empty this once they have landed.
-PENDING_SECTIONS = ("Planning activation memory",)
 
 
 @dataclass(frozen=True)
@@ -157,8 +154,6 @@ def test_snippet_runs(snippet, tmp_path):
     script.write_text(snippet.code)
     result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                             text=True, timeout=300, env=_environment(snippet))
-    if result.returncode != 0 and snippet.section.startswith(PENDING_SECTIONS):
-        pytest.xfail(f"{snippet.id} in a section being rewritten: {result.stderr[-300:]}")
     assert result.returncode == 0, (
         f"{snippet.id} (section {snippet.section!r}; block line N is document line "
         f"{snippet.line} + N) failed:\n{result.stderr[-3000:]}")
