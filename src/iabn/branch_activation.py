@@ -32,7 +32,6 @@ dtype's resolution of the stored ``z`` (measured over ``y`` in [-80, 30] and wit
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -79,21 +78,35 @@ def derivative(y: Tensor, activation: str) -> Tensor:
     return torch.special.erfc(y * -_SQRT1_2).mul_(0.5).addcmul_(y, density)
 
 
-def _second_derivative(y: Tensor, activation: str) -> Tensor:
-    if activation == act.SILU:
-        s = torch.sigmoid(y)
-        return s * (1 - s) * (2 + y * (1 - 2 * s))
-    return torch.exp(-0.5 * y * y - _LOG_SQRT_2PI) * (2 - y * y)
+#: ``(y*, z*, c)`` per activation: where ``phi' = 0``, ``phi(y*)`` and ``c = phi''(y*)``, by
+#: float64 Newton steps on ``phi'`` (tests/test_branch_activation.py checks them against
+#: torch's own derivatives). Plain floats: the compiler traces them as constants.
+MINIMA = {
+    act.SILU: (-1.278464542761074, -0.27846454276107385, 0.2178117057198001),
+    act.GELU: (-0.7517915246935645, -0.16997120747990363, 0.43149399231404695),
+}
 
 
-@functools.cache
+#: ``phi(y* + u) - z* = sum_k a_k u^k``, ``k = 2..10``: the Taylor coefficients
+#: ``phi^(k)(y*) / k!`` (float64, from torch's own derivatives; checked by the tests). Within
+#: ``|u| <= 0.3`` they give ``phi - z*`` to 1e-9 of itself where float32 evaluation of
+#: ``phi`` leaves an absolute error of ``z*``'s rounding, which the square root near the
+#: minimum turns into errors in ``y`` of sqrt(eps) (measured: 5x the weight-gradient error of
+#: the exact float64 inverse of the stored float32 ``z`` without them, 1.0-1.3x with them).
+TAYLOR = {
+    act.SILU: (0.10890585285990005, 0.04888293233231563, 0.0047187035559455763,
+               -0.0030445310446376062, -0.0011010981897261157, 1.8089630011588907e-05,
+               9.9815235229974976e-05, 2.0634138179096098e-05, -4.0905342374286093e-06),
+    act.GELU: (0.21574699615702347, 0.12942832766351733, -0.0045499190996677596,
+               -0.022801646659444341, -0.0024619203580407241, 0.0027745256911698665,
+               0.00056740354739067702, -0.00024883756311927752, -7.4482683867468184e-05),
+}
+TAYLOR_RADIUS = 0.3
+
+
 def minimum(activation: str) -> tuple[float, float, float]:
-    """``(y*, z*, c)``: where ``phi' = 0``, ``phi(y*)`` and ``c = phi''(y*)``, in float64
-    (SiLU: -1.2784645, -0.2784645, 0.2178; GELU: -0.7517915, -0.1699712, 0.4315)."""
-    y = torch.tensor(-1.0, dtype=torch.float64)
-    for _ in range(50):
-        y = y - derivative(y, activation) / _second_derivative(y, activation)
-    return y.item(), value(y, activation).item(), _second_derivative(y, activation).item()
+    """``(y*, z*, c)`` of ``activation`` (:data:`MINIMA`)."""
+    return MINIMA[activation]
 
 
 def _log_neg(y: Tensor, activation: str) -> Tensor:
@@ -123,21 +136,56 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
     slope_right = math.sqrt(c / 2)
     slope_left = math.sqrt(c / (2 * -z_star))
     log_star = math.log(-z_star)
+    # z* in two parts: z - z_hi is exact near z* (Sterbenz), so z* rounded to z's dtype does
+    # not shift every target near the minimum by the same amount (measured in float32: 8x
+    # the weight-gradient error of the exact inverse, 1.0x with the split)
+    z_hi = float(torch.tensor(z_star, dtype=z.dtype))
+    z_lo = z_star - z_hi
+
+    def above_minimum(f: Tensor) -> Tensor:
+        return (f - z_hi).sub_(z_lo)
+
+    y_hi = float(torch.tensor(y_star, dtype=z.dtype))
+    y_lo = y_star - y_hi
+    series = TAYLOR[activation] if z.dtype == torch.float32 else None
+
+    def phi_above_minimum(y: Tensor) -> tuple[Tensor, Tensor]:
+        """``(phi(y), phi(y) - z*)``, the latter from the Taylor series near y* (float32)."""
+        f = value(y, activation)
+        d = above_minimum(f)
+        if series is None:
+            return f, d
+        u = (y - y_hi).sub_(y_lo)
+        poly = torch.full_like(u, series[-1])
+        for coefficient in series[-2::-1]:
+            poly.mul_(u).add_(coefficient)
+        poly.mul_(u).mul_(u)
+        return f, torch.where(u.abs() <= TAYLOR_RADIUS, poly, d)
+
+    def log_ratio(f: Tensor, d: Tensor, log_f: Tensor | None) -> Tensor:
+        # log(z* / f) for z* <= f < 0: log1p(d / -f) near the minimum, where it is exact;
+        # log(-z*) - log(-f) in the tail, where d / -f grows without bound
+        ratio = d / -f
+        tail = log_star - (torch.log(-f) if log_f is None else log_f)
+        return torch.where(ratio <= 1, torch.log1p(ratio), tail).clamp_(min=0)
+
     # right branch: G(y) = sqrt(phi(y) - z*) = target_r
-    target_r = (z - z_star).clamp_(min=0).sqrt_()
+    target_r = above_minimum(z).clamp_(min=0).sqrt_()
     y_r = torch.maximum(target_r / slope_right + y_star, z)
-    # left branch: H(y) = sqrt(log(-z*) - log(-phi(y))) = target_l
+    # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
     z_left = z.clamp(min=z_star, max=-smallest)
-    target_l = torch.log(-z_left).neg_().add_(log_star).clamp_(min=0).sqrt_()
+    target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
     y_l = y_star - target_l / slope_left
     if activation == act.SILU:
         y_l = torch.minimum(y_l, y_star - target_l.square())
     for _ in range(ITERATIONS[z.dtype]):
-        g = (value(y_r, activation) - z_star).clamp_(min=0).sqrt_()
+        g = phi_above_minimum(y_r)[1].clamp_(min=0).sqrt_()
         g_slope = derivative(y_r, activation) / (2 * g).clamp_(min=info.tiny)
         g_slope = torch.where(g > floor, g_slope, slope_right)
         y_r = (y_r - (g - target_r) / g_slope).clamp_(min=y_star)
-        h = _log_neg(y_l, activation).neg_().add_(log_star).clamp_(min=0).sqrt_()
+        f, d = phi_above_minimum(y_l)
+        f = f.clamp_(max=-info.tiny)
+        h = log_ratio(f, d.clamp_(min=0), _log_neg(y_l, activation)).sqrt_()
         h_slope = _log_neg_derivative(y_l, activation) / (-2 * h).clamp_(max=-info.tiny)
         h_slope = torch.where(h > floor, h_slope, -slope_left)
         y_l = (y_l - (h - target_l) / h_slope).clamp_(max=y_star)
