@@ -52,12 +52,14 @@ ITERATIONS = {torch.float32: 4, torch.float64: 5}
 
 
 def value(y: Tensor, activation: str) -> Tensor:
-    """``phi(y)`` as a new tensor. GELU as ``y * erfc(-y / sqrt 2) / 2``: torch's
-    ``y * (1 + erf(y / sqrt 2)) / 2`` rounds to 0 below y = -5.4 in float32 (-8.3 in float64),
-    which would lose the left branch's ``y``; this form stays exact down to -13 (float32)."""
+    """``phi(y)`` as a new tensor. GELU is torch's ``F.gelu`` for ``y >= 0`` and
+    ``y * erfc(-y / sqrt 2) / 2`` below: torch's ``y * (1 + erf(y / sqrt 2)) / 2`` cancels
+    there and rounds to 0 below y = -5.5 in float32 (-8.3 in float64), which would lose the
+    left branch's ``y``; the erfc form keeps it down to -14.1 (float32)."""
     if activation == act.SILU:
         return F.silu(y)
-    return torch.special.erfc(y * -_SQRT1_2).mul_(0.5).mul_(y)
+    left = torch.special.erfc(y * -_SQRT1_2).mul_(0.5).mul_(y)
+    return torch.where(y < 0, left, F.gelu(y))
 
 
 def apply_(x: Tensor, activation: str) -> Tensor:
