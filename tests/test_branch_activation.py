@@ -365,6 +365,21 @@ def test_layers_without_the_bit_refuse(activation):
         iabn.functional.inplace_abn_sync(x, None, None, training=True, activation=activation)
 
 
+def test_training_tools_take_them_where_the_layer_does():
+    from iabn.models.norm_act import activation_module
+    from iabn.tools.training.config import ConfigError
+    from iabn.tools.training.networks import check_norm_act
+
+    assert type(activation_module("silu", 0.0)) is nn.SiLU
+    assert type(activation_module("gelu", 0.0)) is nn.GELU
+    for norm_act in ("bn", "iabn"):
+        check_norm_act({"norm_act": norm_act, "activation": "silu", "activation_param": 0.0},
+                       "config")
+    with pytest.raises(ConfigError, match="activation='silu' is not invertible"):
+        check_norm_act({"norm_act": "iabn_sync", "activation": "silu", "activation_param": 0.0},
+                       "config")
+
+
 def test_triton_backend_refuses_before_writing(monkeypatch):
     monkeypatch.setenv("IABN_BACKEND", "triton")
     layer = iabn.InPlaceABN(4, activation="silu")
