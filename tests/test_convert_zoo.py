@@ -174,18 +174,22 @@ def test_timm_batchnormact_by_activation():
         def __init__(self):
             super().__init__()
             self.conv1, self.conv2 = nn.Conv2d(3, 8, 3), nn.Conv2d(8, 8, 3)
+            self.conv3 = nn.Conv2d(8, 8, 3)
             self.bn1 = BatchNormAct2d(8, act_layer=nn.LeakyReLU)
             self.bn2 = BatchNormAct2d(8, act_layer=nn.SiLU)
+            self.bn3 = BatchNormAct2d(8, act_layer=nn.Hardswish)
 
         def forward(self, x):
-            return self.bn2(self.conv2(self.bn1(self.conv1(x))))
+            return self.bn3(self.conv3(self.bn2(self.conv2(self.bn1(self.conv1(x))))))
 
     model = Net().double()
-    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    x = torch.randn(2, 3, 11, 11, dtype=torch.float64)
     converted, report = iabn.convert(model, x)
     assert [(r.pattern, r.decision) for r in report.rows] == [
-        ("BatchNormAct2d(LeakyReLU)", "InPlaceABN"), ("BatchNormAct2d(SiLU)", "untouched")]
-    assert "SiLU is not one iabn's layers compute" in report.rows[1].reason
+        ("BatchNormAct2d(LeakyReLU)", "InPlaceABN"), ("BatchNormAct2d(SiLU)", "InPlaceABN"),
+        ("BatchNormAct2d(Hardswish)", "untouched")]
+    assert "Hardswish is not one iabn's layers compute" in report.rows[2].reason
+    assert type(converted.bn2) is iabn.InPlaceABN and converted.bn2.activation == "silu"
     assert type(converted.bn1) is iabn.InPlaceABN and converted.bn1.activation_param == 0.01
     # float64; tests/test_convert.py measures at most 5.7e-14 on such models
     assert report.max_difference_train <= 1e-12 and report.max_difference_eval <= 1e-12

@@ -149,7 +149,7 @@ def test_mixed_parameter_dtypes():
     "kwargs,message",
     [
         ({"activation": "relu"}, "use activation='leaky_relu'.*non-in-place ABN for relu"),
-        ({"activation": "gelu"}, "unknown activation='gelu'"),
+        ({"activation": "swish"}, "unknown activation='swish'"),
         ({"activation_param": 0.0}, "a zero slope is relu"),
         ({"activation_param": -0.1}, "must be a finite number > 0"),
         ({"activation_param": math.nan}, "must be a finite number > 0"),

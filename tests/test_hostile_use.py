@@ -220,7 +220,7 @@ def test_inference_tensor_outside_inference_mode_is_refused_before_counting():
 # ---- options assigned after construction -----------------------------------------------------
 
 BAD_OPTIONS = [
-    ("activation", "relu"), ("activation", "gelu"), ("activation_param", 0),
+    ("activation", "relu"), ("activation", "swish"), ("activation_param", 0),
     ("activation_param", -1.0), ("activation_param", "a"), ("eps", 0), ("eps", -1e-5),
     ("momentum", "0.1"), ("gamma_mode", "absolute"), ("variant", 3), ("variant", 0),
     ("variant", True), ("num_features", 0),

@@ -6,6 +6,10 @@ An in-place layer stores only its output ``z = phi(y)``; backward recovers ``y``
 
 All functions here run PyTorch's own vectorised kernels (``leaky_relu``, ``elu`` and their
 ``*_backward`` ops evaluated from the output), never per-element Python.
+
+``silu`` and ``gelu`` are not invertible (each has one minimum, so an output above it comes
+from two inputs); the in-place layer takes them with one saved bit per element that names the
+branch (:mod:`iabn.branch_activation`). The synchronised layers do not.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ LEAKY_RELU = "leaky_relu"
 ELU = "elu"
 IDENTITY = "identity"
 RELU = "relu"
+SILU = "silu"
+GELU = "gelu"
 
 # Resolved overloads: calling an OpOverload skips the packet's overload resolution (~0.3 µs).
 _LEAKY_RELU_BACKWARD = torch.ops.aten.leaky_relu_backward.default
@@ -27,18 +33,38 @@ _LEAKY_RELU_BACKWARD_OUT = torch.ops.aten.leaky_relu_backward.grad_input
 
 #: Activations the in-place layer can invert.
 INVERTIBLE_ACTIVATIONS = (LEAKY_RELU, ELU, IDENTITY)
+#: Activations the in-place layer inverts with a saved branch bit (iabn.branch_activation).
+BRANCH_ACTIVATIONS = (SILU, GELU)
+#: Activations of the in-place layer.
+IN_PLACE_ACTIVATIONS = INVERTIBLE_ACTIVATIONS + BRANCH_ACTIVATIONS
 #: Activations of the non-in-place :class:`iabn.ABN`.
-ALL_ACTIVATIONS = (LEAKY_RELU, ELU, IDENTITY, RELU)
+ALL_ACTIVATIONS = (LEAKY_RELU, ELU, IDENTITY, RELU, SILU, GELU)
 
 
-def check_activation(activation: str, activation_param: float, *, in_place: bool) -> None:
+def check_activation(activation: str, activation_param: float, *, in_place: bool,
+                     branch: bool = False) -> None:
     """Raise a ``ValueError`` naming the fix when ``activation`` cannot be used.
+
+    ``branch``: the in-place layer keeps a branch bit (``iabn.InPlaceABN`` and
+    ``iabn.functional.inplace_abn``), so it takes ``silu`` and ``gelu``; the other in-place
+    layers (synchronised, group norm) invert from the output alone and refuse them.
 
     ``activation_param`` is the negative slope of ``leaky_relu`` and ``alpha`` of ``elu``; both
     must be positive so that the function is invertible. It is ignored by ``identity`` and
     ``relu``.
     """
-    allowed = INVERTIBLE_ACTIVATIONS if in_place else ALL_ACTIVATIONS
+    if not in_place:
+        allowed = ALL_ACTIVATIONS
+    else:
+        allowed = IN_PLACE_ACTIVATIONS if branch else INVERTIBLE_ACTIVATIONS
+    if in_place and not branch and activation in BRANCH_ACTIVATIONS:
+        raise ValueError(
+            f"activation={activation!r} is not invertible, and this layer recovers its input "
+            f"from its output alone: only iabn.InPlaceABN and iabn.functional.inplace_abn keep "
+            f"the branch bit {activation} needs (not the synchronised or group-norm layers); "
+            f"use the not-in-place layer (iabn.ABN, iabn.GroupNormAct) or an invertible "
+            f"activation ('leaky_relu', 'elu', 'identity')"
+        )
     if activation == RELU and in_place:
         raise ValueError(
             "activation='relu' is not invertible, so the in-place layer cannot recover its "
@@ -79,6 +105,11 @@ def apply_(x: Tensor, activation: str, activation_param: float) -> Tensor:
         return F.relu_(x)
     if activation == IDENTITY:
         return x
+    if activation == SILU:
+        return F.silu(x, inplace=True)
+    if activation == GELU:
+        # torch's own exact GELU (the not-in-place layers compute what nn.GELU computes)
+        return x.copy_(F.gelu(x))
     raise ValueError(f"unknown activation={activation!r}: use one of {ALL_ACTIVATIONS}")
 
 
@@ -93,6 +124,10 @@ def apply(x: Tensor, activation: str, activation_param: float) -> Tensor:
         return F.relu(x)
     if activation == IDENTITY:
         return x
+    if activation == SILU:
+        return F.silu(x)
+    if activation == GELU:
+        return F.gelu(x)
     raise ValueError(f"unknown activation={activation!r}: use one of {ALL_ACTIVATIONS}")
 
 

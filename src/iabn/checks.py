@@ -24,7 +24,7 @@ _STRIDED = torch.strided
 
 def check_options(
     activation: str, activation_param: float, gamma_mode: str, *, in_place: bool,
-    variant: int = 2, eps: float = 1e-5, momentum: float | None = 0.1,
+    variant: int = 2, eps: float = 1e-5, momentum: float | None = 0.1, branch: bool = False,
 ) -> None:
     """Validate the layer's configuration: at construction, on assignment of an option to a
     built layer, and by the functionals on every call.
@@ -35,15 +35,16 @@ def check_options(
     """
     try:
         _check_options_cached(activation, activation_param, gamma_mode, in_place, variant, eps,
-                              momentum)
+                              momentum, branch)
     except TypeError:
-        _check_options(activation, activation_param, gamma_mode, in_place, variant, eps, momentum)
+        _check_options(activation, activation_param, gamma_mode, in_place, variant, eps, momentum,
+                       branch)
         raise
 
 
 def _check_options(
     activation: str, activation_param: float, gamma_mode: str, in_place: bool, variant: int,
-    eps: float, momentum: float | None,
+    eps: float, momentum: float | None, branch: bool = False,
 ) -> None:
     check_eps(eps)
     if momentum is not None and not _is_real(momentum):
@@ -51,7 +52,7 @@ def _check_options(
             f"momentum={momentum!r}: must be a number (the running-statistics factor, e.g. "
             f"0.1) or None (a cumulative average)"
         )
-    check_activation(activation, activation_param, in_place=in_place)
+    check_activation(activation, activation_param, in_place=in_place, branch=branch)
     check_gamma_mode(gamma_mode)
     if variant not in (1, 2) or isinstance(variant, bool):
         raise ValueError(

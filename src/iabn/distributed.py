@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import debug
+from .activation import BRANCH_ACTIVATIONS
 from .checks import check_inputs, check_options
 from .layer_config import LayerConfig
 from .modules import ABN, InPlaceABN
@@ -88,8 +89,11 @@ class InPlaceABNSync(_Synchronised, InPlaceABN):
     ``torch.distributed`` process group, ``None`` for the whole world, looked up at every
     training step. Eval mode uses the running statistics (or, without them, this rank's batch)
     and communicates nothing, like ``nn.SyncBatchNorm``. The first synchronised step checks
-    once that all ranks agree on channel count, rank and dtype.
+    once that all ranks agree on channel count, rank and dtype. Not ``silu``/``gelu``: the
+    synchronised backward inverts from the output alone, without a branch bit.
     """
+
+    _branch_bit = False
 
     def __init__(
         self,
@@ -192,6 +196,12 @@ def _target_class(module: nn.Module, sync: bool) -> type[ABN] | None:
         if isinstance(module, (InPlaceABNSync, ABNSync)):
             return None
         if isinstance(module, InPlaceABN):
+            if module.activation in BRANCH_ACTIVATIONS:
+                raise ValueError(
+                    f"an InPlaceABN with activation={module.activation!r} has no synchronised "
+                    f"form (InPlaceABNSync inverts without the branch bit it needs): keep it "
+                    f"local, or use torch.nn.SyncBatchNorm + the activation for that layer"
+                )
             return InPlaceABNSync
         if isinstance(module, ABN):
             if module.activation == "relu":

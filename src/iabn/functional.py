@@ -49,14 +49,15 @@ def inplace_abn(
         training: normalise with batch statistics (``True``) or running statistics.
         momentum: running-statistics update factor.
         eps: added to the variance; also the smallest ``|scale(weight)|``.
-        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (must be invertible).
+        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (invertible), or
+            ``"silu"``/``"gelu"`` (a saved branch bit per element; docs/design.md).
         activation_param: leaky_relu's negative slope or elu's alpha (> 0).
         variant: backward variant of the paper, 2 (default) or 1.
         gamma_mode: ``"signed"`` (default, portable to ``nn.BatchNorm``) or ``"abs"``
             (``|gamma| + eps``, the original package); see :mod:`iabn.scale`.
     """
     check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant,
-                  eps=eps, momentum=momentum)
+                  eps=eps, momentum=momentum, branch=True)
     check_argument_order("inplace_abn", running_mean, running_var)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True)
     config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode,
@@ -80,7 +81,8 @@ def abn(
 ) -> Tensor:
     """Activated batch norm without the in-place trick (stores ``input`` and the output).
 
-    Same arguments as :func:`inplace_abn`; ``activation`` may also be ``"relu"``. ``input``
+    Same arguments as :func:`inplace_abn`; ``activation`` may also be ``"relu"``
+    (``"silu"`` and ``"gelu"`` are torch's ``F.silu`` and exact ``F.gelu``). ``input``
     is not modified. In ``"signed"`` mode the weight is used as it is, without the
     ``|weight| >= eps`` clamp that the in-place backward needs: ``abn`` is exactly
     ``F.batch_norm`` followed by the activation.

@@ -68,7 +68,8 @@ class ABN(_NormBase):
         num_features: C of an ``(N, C, *spatial)`` input.
         eps, momentum, affine, track_running_stats, device, dtype: as ``nn.BatchNorm2d``
             (``momentum=None`` is a cumulative average).
-        activation: ``"leaky_relu"`` (default), ``"elu"``, ``"identity"`` or ``"relu"``.
+        activation: ``"leaky_relu"`` (default), ``"elu"``, ``"identity"``, ``"relu"``,
+            ``"silu"`` or ``"gelu"`` (exact, erf form: ``nn.GELU()``).
         activation_param: leaky_relu's negative slope (default 0.01) or elu's alpha.
         gamma_mode: ``"signed"`` (default; ``nn.BatchNorm`` weights load unchanged) or
             ``"abs"`` (``|weight| + eps``, for checkpoints of the original package).
@@ -77,6 +78,9 @@ class ABN(_NormBase):
     _in_place = False
     #: Whether backward inverts the activation (so it must be invertible).
     _needs_inverse = False
+    #: Whether the in-place computation keeps a branch bit, so it takes silu and gelu
+    #: (iabn.branch_activation); the synchronised layers do not.
+    _branch_bit = False
 
     def __init__(
         self,
@@ -94,7 +98,7 @@ class ABN(_NormBase):
     ) -> None:
         check_num_features(num_features)
         check_options(activation, activation_param, gamma_mode, in_place=self._needs_inverse,
-                      eps=eps, momentum=momentum)
+                      eps=eps, momentum=momentum, branch=self._branch_bit)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.activation = activation
         self.activation_param = float(activation_param)
@@ -114,7 +118,7 @@ class ABN(_NormBase):
                     options["activation"], options["activation_param"], options["gamma_mode"],
                     in_place=self._needs_inverse,
                     variant=2 if options["variant"] is None else options["variant"],
-                    eps=options["eps"], momentum=options["momentum"],
+                    eps=options["eps"], momentum=options["momentum"], branch=self._branch_bit,
                 )
             if name == "activation_param":
                 value = float(value)
@@ -264,12 +268,15 @@ class InPlaceABN(ABN):
 
     Same arguments as :class:`ABN` plus ``variant`` (2, the default, or 1: the paper's two
     backward passes). ``activation`` must be invertible: ``"leaky_relu"``, ``"elu"`` or
-    ``"identity"``. The returned tensor *is* the input tensor, so the input must not be needed
+    ``"identity"``, or ``"silu"``/``"gelu"``, which keep one bit per element saying which of
+    the two inputs of an output it was (docs/design.md, "SiLU and GELU in place"). The
+    returned tensor *is* the input tensor, so the input must not be needed
     elsewhere afterwards (e.g. a residual shortcut); see the README's in-place contract.
     """
 
     _in_place = True
     _needs_inverse = True
+    _branch_bit = True
 
     def __init__(
         self,
@@ -287,7 +294,7 @@ class InPlaceABN(ABN):
         variant: int = 2,
     ) -> None:
         check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant,
-                      eps=eps, momentum=momentum)
+                      eps=eps, momentum=momentum, branch=self._branch_bit)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
             activation_param, device=device, dtype=dtype, gamma_mode=gamma_mode,

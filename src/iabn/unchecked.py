@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from . import activation as act
-from . import compiled, debug
+from . import branch_activation, compiled, debug
 from .checks import functorch_active
 from .layer_config import LayerConfig
 from .ops import InPlaceABNFunction, forward_, overwritable
@@ -36,6 +36,11 @@ def inplace_abn_unchecked(
         )
     if _transformed():
         return _inplace_abn_composed(input, running_mean, running_var, weight, bias, config)
+    if config.activation in act.BRANCH_ACTIVATIONS:
+        # silu, gelu: their own autograd Function, with a branch bit per element
+        return branch_activation.inplace_abn(
+            input, running_mean, running_var, weight, bias, config
+        )
     if torch.compiler.is_compiling() and compiled.TRACEABLE:
         # ATen operations the compiler sees (iabn.compiled)
         return compiled.inplace_abn(input, running_mean, running_var, weight, bias, config)

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..activation import check_activation
+from ..activation import BRANCH_ACTIVATIONS, check_activation
 from .graph import Site, is_norm_act
 
 LOSSLESS = "lossless"
 LEAKY_RELU = "leaky_relu"
 POLICIES = (LOSSLESS, LEAKY_RELU)
+#: Activations without a synchronised layer (ABNSync inverts from the output alone).
+NOT_SYNCHRONISED = ("relu", *BRANCH_ACTIVATIONS)
 #: The slope that replaces ReLU under ``policy="leaky_relu"`` (the paper's and timm's choice).
 RELU_SLOPE = 0.01
 
@@ -46,9 +48,9 @@ def pattern(norm: nn.Module, site: Site | None) -> str:
     return f"{name} (no single consumer)" if len(site.node.users) > 1 else name
 
 
-def _usable(activation: str, param: float, in_place: bool) -> bool:
+def _usable(activation: str, param: float, in_place: bool, branch: bool = False) -> bool:
     try:
-        check_activation(activation, param, in_place=in_place)
+        check_activation(activation, param, in_place=in_place, branch=branch)
     except ValueError:
         return False
     return True
@@ -73,7 +75,7 @@ def decide(norm: nn.Module, sites: list[Site], policy: str) -> Decision:
     found = site.activation
     if found is not None and not found.supported:
         return Decision(UNTOUCHED, f"its activation {found.written_as} is not one iabn's layers "
-                        f"compute (leaky_relu, elu, identity, relu)")
+                        f"compute (leaky_relu, elu, identity, relu, silu, gelu)")
     name = found.name if found is not None else "identity"
     param = found.param if found is not None else 0.0
     changes_model = False
@@ -96,7 +98,7 @@ def decide(norm: nn.Module, sites: list[Site], policy: str) -> Decision:
                             f"for backward")
         if written is not None:
             return Decision(UNTOUCHED, f"{why}; and {written}, which ABN's saved output forbids")
-        if not _usable(name, param, in_place=False) or (sync and name == "relu"):
+        if not _usable(name, param, in_place=False) or (sync and name in NOT_SYNCHRONISED):
             return Decision(UNTOUCHED, f"{why}; and ABN{'Sync' * sync} cannot compute "
                             f"{found.written_as} with parameter {param}")
         return Decision(NOT_IN_PLACE, why, name, param, changes_model)
@@ -104,7 +106,10 @@ def decide(norm: nn.Module, sites: list[Site], policy: str) -> Decision:
     if name == "relu":
         return fallback("relu is not invertible (policy='leaky_relu' swaps it for "
                         f"LeakyReLU({RELU_SLOPE}) and goes in place)")
-    if not _usable(name, param, in_place=True):
+    if name in BRANCH_ACTIVATIONS and (sync or type(norm) is nn.GroupNorm):
+        return fallback(f"{found.written_as} is not invertible: it needs the branch bit that "
+                        f"only InPlaceABN keeps (not the synchronised or group-norm layers)")
+    if not _usable(name, param, in_place=True, branch=True):
         return fallback(f"{found.written_as} with parameter {param} is not invertible")
     if not_fresh is not None:
         return fallback(not_fresh)

@@ -252,7 +252,8 @@ def is_convertible_norm(m: nn.Module) -> bool:
 class Activation:
     """An activation as iabn's layers name it, and how the model wrote it."""
 
-    name: str           # "relu", "leaky_relu", "elu", "identity", or the unsupported one's
+    name: str           # "relu", "leaky_relu", "elu", "identity", "silu", "gelu", or the
+                        # unsupported one's
     param: float        # leaky_relu's slope, elu's alpha, else 0.0
     written_as: str     # e.g. "ReLU", "F.relu", ".relu_()" (for the report)
     supported: bool = True
@@ -276,11 +277,12 @@ _FUNCTIONAL = {
     F.leaky_relu: ("leaky_relu", "negative_slope", 0.01),
     F.leaky_relu_: ("leaky_relu", "negative_slope", 0.01),
     F.elu: ("elu", "alpha", 1.0), F.elu_: ("elu", "alpha", 1.0),
+    F.silu: ("silu", None, 0.0), F.gelu: ("gelu", None, 0.0),
 }
 _FUNCTION_NAMES = {
     F.relu: "F.relu", F.relu_: "F.relu_", torch.relu: "torch.relu", torch.relu_: "torch.relu_",
     F.leaky_relu: "F.leaky_relu", F.leaky_relu_: "F.leaky_relu_", F.elu: "F.elu",
-    F.elu_: "F.elu_",
+    F.elu_: "F.elu_", F.silu: "F.silu", F.gelu: "F.gelu",
 }
 
 
@@ -295,6 +297,11 @@ def module_activation(m: nn.Module) -> Activation | None:
         return Activation("elu", float(m.alpha), "ELU")
     if kind is nn.Identity:
         return Activation("identity", 0.0, "Identity")
+    if kind is nn.SiLU:
+        return Activation("silu", 0.0, "SiLU")
+    if kind is nn.GELU and m.approximate == "none":
+        # the exact (erf) form only: the tanh approximation is another function
+        return Activation("gelu", 0.0, "GELU")
     return None
 
 
@@ -304,7 +311,17 @@ def node_activation(node: fx.Node, modules: dict[str, nn.Module]) -> Activation 
         return module_activation(modules[node.target])
     if node.op == "call_function" and node.target in _FUNCTIONAL:
         name, param_name, default = _FUNCTIONAL[node.target]
-        arguments = _bound(node.target, node)
+        if node.target is F.gelu:
+            # a builtin without a Python signature: gelu(input, approximate="none")
+            extra = dict(node.kwargs)
+            if len(node.args) == 2:
+                extra.setdefault("approximate", node.args[1])
+            if (len(node.args) > 2 or set(extra) - {"approximate"}
+                    or extra.get("approximate", "none") != "none"):
+                return None  # the tanh approximation is another function
+            arguments = {}
+        else:
+            arguments = _bound(node.target, node)
         if arguments is None:
             return None
         param = _number(arguments.get(param_name, default)) if param_name else 0.0

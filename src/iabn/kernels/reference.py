@@ -188,7 +188,7 @@ def backward(
     """
     if z.numel() == 0:
         return empty_grads(z, weight, bias, output_mask)
-    training, _, eps, activation, activation_param, gamma_mode, variant = config
+    training, _, _, activation, activation_param, _, variant = config
     want_dx, want_dgamma, want_dbeta = output_mask
     # The batch-norm reductions (over y and dy) give the parameter gradients and, in training,
     # dx. Eval-mode dx scales dy alone: a frozen layer (eval mode, parameters without
@@ -199,6 +199,21 @@ def backward(
     if dtype in LOW_PRECISION:
         dtype = full_dtype(dtype, activation, variant)
     y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param, dtype, sums)
+    return grads_from_y(y, dy, g, beta, invstd, z, weight, bias, config, output_mask)
+
+
+def grads_from_y(
+    y: Tensor | None, dy: Tensor, g: Tensor, beta: Tensor, invstd: Tensor, z: Tensor,
+    weight: Tensor | None, bias: Tensor | None, config: LayerConfig, output_mask: list[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The second half of :func:`backward`: the gradients from the recovered ``y`` (``None``
+    where no reduction needs it: eval-mode ``dx`` alone), ``dy = phi'(y) dz`` and ``(g, beta)``
+    in the compute dtype, as :func:`recover` gives them (also what
+    :mod:`iabn.branch_activation` gives). ``z`` only sets the dtype of ``dx``."""
+    training, _, eps, _, _, gamma_mode, variant = config
+    want_dx, want_dgamma, want_dbeta = output_mask
+    train_dx = want_dx and training
+    sums = train_dx or want_dgamma or want_dbeta
     invstd = _cast(invstd, g.dtype)
     if sums:
         inv_g = g.reciprocal()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ..activation import ELU, IDENTITY, LEAKY_RELU, RELU
+from ..activation import ELU, GELU, IDENTITY, LEAKY_RELU, RELU, SILU
 from ..distributed import InPlaceABNSync
 from ..modules import ABN, InPlaceABN
 
@@ -33,6 +33,10 @@ def activation_module(activation: str, activation_param: float) -> nn.Module:
         return nn.ReLU(inplace=True)
     if activation == IDENTITY:
         return nn.Identity()
+    if activation == SILU:
+        return nn.SiLU(inplace=True)
+    if activation == GELU:
+        return nn.GELU()
     raise ValueError(f"unknown activation={activation!r}")
 
 

@@ -15,7 +15,8 @@ def check_norm_act(network: dict[str, Any], source: str) -> None:
         return
     try:
         check_activation(network["activation"], network["activation_param"],
-                         in_place=network["norm_act"] in ("iabn", "iabn_sync"))
+                         in_place=network["norm_act"] in ("iabn", "iabn_sync"),
+                         branch=network["norm_act"] == "iabn")
     except ValueError as error:
         raise ConfigError(f"{source}: network.activation with network.norm_act="
                           f"{network['norm_act']!r}: {error}") from None

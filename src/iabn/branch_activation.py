@@ -1,0 +1,310 @@
+"""SiLU and GELU in the in-place layer, with one saved bit per element (docs/design.md, "SiLU
+and GELU in place").
+
+``silu(y) = y * sigmoid(y)`` and ``gelu(y) = y * Phi(y)`` (exact, erf form) are not
+invertible: each falls to one minimum ``z* = phi(y*)`` and rises again, so every output
+``z* < z < 0`` comes from two inputs. Forward keeps, besides ``z``, the bit ``y < y*`` of every
+element, packed eight to a byte (``uint8``, 1/32 of a float32 activation); backward recovers
+``y`` on that branch by a fixed number of Newton steps in the compute dtype (float32 for half
+inputs), takes ``dy = phi'(y) dz`` and the batch-norm gradients from ``y`` exactly as the
+reference kernels do (:func:`iabn.kernels.reference.grads_from_y`).
+
+An ``autograd.Function`` on ATen operations of its own, like :mod:`iabn.group_norm`: the
+``iabn::`` operators, the Triton kernels and the synchronised layers carry no bits and refuse
+these activations (the Triton backend with an error here, before anything is written).
+
+The Newton steps. Near the minimum ``phi(y) - z* ~ c (y - y*)^2 / 2`` (``c = phi''(y*)``), so
+Newton on ``phi`` itself stalls there; it runs on functions that are close to linear across
+the minimum instead:
+
+- right branch (``y >= y*``): ``G(y) = sqrt(phi(y) - z*) = sqrt(z - z*)``, from
+  ``y0 = max(y* + sqrt(2 (z - z*) / c), z)``;
+- left branch (``y < y*``, ``z* < z < 0``): ``H(y) = sqrt(log(z* / phi(y))) = sqrt(log(z* / z))``
+  with ``log(-phi(y))`` formed as ``log(-y) + log sigmoid(y)`` (``log Phi(y)``), exact in the
+  tail where ``z`` is tiny, from ``y0 = y* - H / |H'(y*)|`` (SiLU: or ``y* - H^2`` where that
+  is further out: its tail is ``H^2 ~ -y``).
+
+Each step is clamped to its branch; ``invert`` has the details that make float32 exact near
+the minimum (``z*`` in two parts, ``log1p``, a Taylor series of ``phi - z*``). Four steps in
+float32 and five in float64 reach the float64 inverse of the stored ``z`` (measured over ``y``
+in [-80, 30] and 1e-9 .. 1 from ``y*``: at most 3.7e-7 relative in float32, 2.9e-8 within
+0.05 of ``y*``; 4e-15 in float64 away from the minimum).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import activation as act
+from .kernels import reference
+from .kernels.dispatch import ENV, requested_backend
+from .layer_config import LayerConfig
+from .ops import overwritable, refuse_double_backward
+
+_SQRT1_2 = math.sqrt(0.5)
+_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+#: Newton steps per compute dtype (float32 also for half inputs); measured, see above.
+ITERATIONS = {torch.float32: 4, torch.float64: 5}
+
+
+def value(y: Tensor, activation: str) -> Tensor:
+    """``phi(y)`` as a new tensor. GELU is torch's ``F.gelu`` for ``y >= 0`` and
+    ``y * erfc(-y / sqrt 2) / 2`` below: torch's ``y * (1 + erf(y / sqrt 2)) / 2`` cancels
+    there and rounds to 0 below y = -5.5 in float32 (-8.3 in float64), which would lose the
+    left branch's ``y``; the erfc form keeps it down to -14.1 (float32)."""
+    if activation == act.SILU:
+        return F.silu(y)
+    left = torch.special.erfc(y * -_SQRT1_2).mul_(0.5).mul_(y)
+    return torch.where(y < 0, left, F.gelu(y))
+
+
+def apply_(x: Tensor, activation: str) -> Tensor:
+    """``x <- phi(x)``; half inputs are computed in float32 and rounded once."""
+    if activation == act.SILU:
+        return F.silu(x, inplace=True)
+    if x.dtype in reference.LOW_PRECISION:
+        return x.copy_(value(x.float(), activation))
+    return x.copy_(value(x, activation))
+
+
+def derivative(y: Tensor, activation: str) -> Tensor:
+    """``phi'(y)``: ``s (1 + y (1 - s))`` with ``s = sigmoid(y)``; ``Phi(y) + y phi_N(y)``."""
+    if activation == act.SILU:
+        s = torch.sigmoid(y)
+        return (1 - s).mul_(y).add_(1).mul_(s)
+    density = torch.exp(y.square().mul_(-0.5).sub_(_LOG_SQRT_2PI))
+    return torch.special.erfc(y * -_SQRT1_2).mul_(0.5).addcmul_(y, density)
+
+
+#: ``(y*, z*, c)`` per activation: where ``phi' = 0``, ``phi(y*)`` and ``c = phi''(y*)``, by
+#: float64 Newton steps on ``phi'`` (tests/test_branch_activation.py checks them against
+#: torch's own derivatives). Plain floats: the compiler traces them as constants.
+MINIMA = {
+    act.SILU: (-1.278464542761074, -0.27846454276107385, 0.2178117057198001),
+    act.GELU: (-0.7517915246935645, -0.16997120747990363, 0.43149399231404695),
+}
+
+
+#: ``phi(y* + u) - z* = sum_k a_k u^k``, ``k = 2..10``: the Taylor coefficients
+#: ``phi^(k)(y*) / k!`` (float64, from torch's own derivatives; checked by the tests). Within
+#: ``|u| <= 0.3`` they give ``phi - z*`` to 1e-9 of itself where float32 evaluation of
+#: ``phi`` leaves an absolute error of ``z*``'s rounding, which the square root near the
+#: minimum turns into errors in ``y`` of sqrt(eps) (measured: 5x the weight-gradient error of
+#: the exact float64 inverse of the stored float32 ``z`` without them, 1.0-1.3x with them).
+TAYLOR = {
+    act.SILU: (0.10890585285990005, 0.04888293233231563, 0.0047187035559455763,
+               -0.0030445310446376062, -0.0011010981897261157, 1.8089630011588907e-05,
+               9.9815235229974976e-05, 2.0634138179096098e-05, -4.0905342374286093e-06),
+    act.GELU: (0.21574699615702347, 0.12942832766351733, -0.0045499190996677596,
+               -0.022801646659444341, -0.0024619203580407241, 0.0027745256911698665,
+               0.00056740354739067702, -0.00024883756311927752, -7.4482683867468184e-05),
+}
+TAYLOR_RADIUS = 0.3
+
+
+def minimum(activation: str) -> tuple[float, float, float]:
+    """``(y*, z*, c)`` of ``activation`` (:data:`MINIMA`)."""
+    return MINIMA[activation]
+
+
+def _log_neg(y: Tensor, activation: str) -> Tensor:
+    """``log(-phi(y))`` for ``y < 0``, exact where ``phi(y)`` is tiny."""
+    tail = F.logsigmoid(y) if activation == act.SILU else torch.special.log_ndtr(y)
+    return torch.log(-y).add_(tail)
+
+
+def _log_neg_derivative(y: Tensor, activation: str) -> Tensor:
+    if activation == act.SILU:
+        return torch.sigmoid(-y).add_(y.reciprocal())
+    ratio = torch.exp(y.square().mul_(-0.5).sub_(_LOG_SQRT_2PI).sub_(torch.special.log_ndtr(y)))
+    return ratio.add_(y.reciprocal())
+
+
+def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Tensor:
+    """``y`` with ``phi(y) = z`` on the branch ``left`` (``y < y*``) names, in ``z``'s dtype.
+
+    ``stored``: the dtype ``z`` was rounded to. A left-branch ``z`` that underflowed to 0 is
+    taken as the smallest subnormal of that dtype: ``y`` then is the point below which every
+    output rounds to 0 (docs/design.md: the bound)."""
+    y_star, z_star, c = minimum(activation)
+    info = torch.finfo(z.dtype)
+    # below this, G and H are dominated by the rounding of z: use their slope at y*
+    floor = 4 * math.sqrt(info.eps)
+    smallest = torch.finfo(stored).tiny * torch.finfo(stored).eps
+    slope_right = math.sqrt(c / 2)
+    slope_left = math.sqrt(c / (2 * -z_star))
+    log_star = math.log(-z_star)
+    # z* in two parts: z - z_hi is exact near z* (Sterbenz), so z* rounded to z's dtype does
+    # not shift every target near the minimum by the same amount (measured in float32: 8x
+    # the weight-gradient error of the exact inverse, 1.0x with the split)
+    z_hi = float(torch.tensor(z_star, dtype=z.dtype))
+    z_lo = z_star - z_hi
+
+    def above_minimum(f: Tensor) -> Tensor:
+        return (f - z_hi).sub_(z_lo)
+
+    y_hi = float(torch.tensor(y_star, dtype=z.dtype))
+    y_lo = y_star - y_hi
+    series = TAYLOR[activation] if z.dtype == torch.float32 else None
+
+    def phi_above_minimum(y: Tensor) -> tuple[Tensor, Tensor]:
+        """``(phi(y), phi(y) - z*)``, the latter from the Taylor series near y* (float32)."""
+        f = value(y, activation)
+        d = above_minimum(f)
+        if series is None:
+            return f, d
+        u = (y - y_hi).sub_(y_lo)
+        poly = torch.full_like(u, series[-1])
+        for coefficient in series[-2::-1]:
+            poly.mul_(u).add_(coefficient)
+        poly.mul_(u).mul_(u)
+        return f, torch.where(u.abs() <= TAYLOR_RADIUS, poly, d)
+
+    def log_ratio(f: Tensor, d: Tensor, log_f: Tensor | None) -> Tensor:
+        # log(z* / f) for z* <= f < 0: log1p(d / -f) near the minimum, where it is exact;
+        # log(-z*) - log(-f) in the tail, where d / -f grows without bound
+        ratio = d / -f
+        tail = log_star - (torch.log(-f) if log_f is None else log_f)
+        return torch.where(ratio <= 1, torch.log1p(ratio), tail).clamp_(min=0)
+
+    # right branch: G(y) = sqrt(phi(y) - z*) = target_r
+    target_r = above_minimum(z).clamp_(min=0).sqrt_()
+    y_r = torch.maximum(target_r / slope_right + y_star, z)
+    # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
+    z_left = z.clamp(min=z_star, max=-smallest)
+    target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
+    y_l = y_star - target_l / slope_left
+    if activation == act.SILU:
+        y_l = torch.minimum(y_l, y_star - target_l.square())
+    for _ in range(ITERATIONS[z.dtype]):
+        g = phi_above_minimum(y_r)[1].clamp_(min=0).sqrt_()
+        g_slope = derivative(y_r, activation) / (2 * g).clamp_(min=info.tiny)
+        g_slope = torch.where(g > floor, g_slope, slope_right)
+        y_r = (y_r - (g - target_r) / g_slope).clamp_(min=y_star)
+        f, d = phi_above_minimum(y_l)
+        f = f.clamp_(max=-info.tiny)
+        h = log_ratio(f, d.clamp_(min=0), _log_neg(y_l, activation)).sqrt_()
+        h_slope = _log_neg_derivative(y_l, activation) / (-2 * h).clamp_(max=-info.tiny)
+        h_slope = torch.where(h > floor, h_slope, -slope_left)
+        y_l = (y_l - (h - target_l) / h_slope).clamp_(max=y_star)
+    return torch.where(left, y_l, y_r)
+
+
+# ------------------------------------------------------------------ the branch bits
+
+def _bit_weights(device: torch.device) -> Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """A bool tensor as ``uint8`` bytes, eight elements each in its logical (contiguous)
+    order, the last byte padded with zeros: ``ceil(numel / 8)`` bytes."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    return flat.view(-1, 8).mul_(_bit_weights(mask.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
+    """The inverse of :func:`pack_bits`: a contiguous bool tensor of ``shape``."""
+    bits = packed.unsqueeze(-1).bitwise_and(_bit_weights(packed.device)).ne(0)
+    return bits.reshape(-1)[: math.prod(shape)].view(shape)
+
+
+# ------------------------------------------------------------------ the layer
+
+def forward_(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+    running_var: Tensor | None, config: LayerConfig, bits: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Overwrite ``x`` with ``phi(y)``; return ``(invstd, g, packed bits or None)``. The
+    normalisation (and running statistics) is the reference kernels'; ``y`` is compared with
+    ``y*`` in ``x``'s dtype, as the activation then reads it."""
+    invstd, g = reference.forward_(
+        x, weight, bias, running_mean, running_var, config._replace(activation=act.IDENTITY)
+    )
+    packed = pack_bits(x < minimum(config.activation)[0]) if bits else None
+    apply_(x, config.activation)
+    return invstd, g, packed
+
+
+def backward(
+    z: Tensor, packed: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
+    invstd: Tensor, g: Tensor, config: LayerConfig, output_mask: list[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dx, dgamma, dbeta)`` from ``z``, its branch bits and ``dz``."""
+    if z.numel() == 0:
+        return reference.empty_grads(z, weight, bias, output_mask)
+    compute = reference.compute_dtype(z.dtype)
+    zc = z.to(compute)
+    y = invert(zc, unpack_bits(packed, z.shape), config.activation, z.dtype)
+    del zc
+    dy = derivative(y, config.activation).mul_(dz.to(compute))
+    g = g.to(compute)
+    beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
+    return reference.grads_from_y(y, dy, g, beta, invstd, z, weight, bias, config, output_mask)
+
+
+class BranchABNFunction(torch.autograd.Function):
+    """Autograd of the in-place layer with ``silu``/``gelu``: the output is ``x`` itself,
+    saved as ``z`` with the packed branch bits and ``(C,)`` tensors."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None,
+        running_mean: Tensor | None, running_var: Tensor | None, config: LayerConfig,
+    ) -> Tensor:
+        invstd, g, packed = forward_(x, weight, bias, running_mean, running_var, config, True)
+        ctx.mark_dirty(x)
+        ctx.save_for_backward(x, packed, weight, bias, invstd, g)
+        ctx.config = config
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            refuse_double_backward("InPlaceABN")
+        z, packed, weight, bias, invstd, g = ctx.saved_tensors
+        want_dx, want_dweight, want_dbias = ctx.needs_input_grad[:3]
+        mask = [want_dx, want_dweight and weight is not None, want_dbias and bias is not None]
+        dx, dgamma, dbeta = backward(z, packed, dz, weight, bias, invstd, g, ctx.config, mask)
+        return (dx if mask[0] else None, dgamma if mask[1] else None,
+                dbeta if mask[2] else None, None, None, None)
+
+
+def check_backend(activation: str) -> None:
+    """Refuse ``IABN_BACKEND=triton``: its kernels keep no branch bits."""
+    if requested_backend() == "triton":
+        raise RuntimeError(
+            f"{ENV}=triton does not support activation={activation!r} (the Triton kernels keep "
+            f"no branch bit); set {ENV}=reference or auto for layers with silu or gelu"
+        )
+
+
+def inplace_abn(
+    input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+    weight: Tensor | None, bias: Tensor | None, config: LayerConfig,
+) -> Tensor:
+    """The in-place layer with ``silu``/``gelu`` (no validation but the backend's)."""
+    check_backend(config.activation)
+    needs_grad = torch.is_grad_enabled() and (
+        input.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    )
+    if not needs_grad:
+        with torch.no_grad():
+            forward_(input, weight, bias, running_mean, running_var, config, False)
+        return input
+    return BranchABNFunction.apply(
+        overwritable(input), weight, bias, running_mean, running_var, config
+    )
+
+
+__all__ = ["BranchABNFunction", "invert", "minimum", "pack_bits", "unpack_bits"]
