@@ -214,4 +214,4 @@ def selectively_recomputed(run: Callable[..., Any], *args: Any) -> Any:
     return _Hold.apply(memory, out, *memory.hand_over())
 
 
-__all__ = ["is_product", "selectively_recomputed"]
+__all__ = ["compiled_selectively", "is_product", "selectively_recomputed"]
