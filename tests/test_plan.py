@@ -19,7 +19,7 @@ from torch import nn
 import iabn
 from iabn.conversion import TrainEvalGraphModule
 from iabn.memory import saved_tensor_bytes
-from iabn.planning import PlannedSequential, PlanReport, module_plan
+from iabn.planning import PlannedSequential, PlanReport, module_plan, traced_plan
 from iabn.planning.planner import Planner
 from iabn.planning.solver import Option, solve
 from iabn.planning.wrappers import INPLACE, INPLACE_RECOMPUTE, KEEP, OFFLOAD, RECOMPUTE
@@ -101,8 +101,27 @@ class TinyDense(nn.Module):
         return self.head(torch.relu(self.norm(x)).mean((2, 3)))
 
 
+class StagedNet(nn.Module):
+    """A stem chain and two stage chains called one after the other in forward, pooling, a
+    flatten (a function) and a head: a traced chain runs from the stem to the pool."""
+
+    def __init__(self, act=nn.LeakyReLU):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
+                                  act())
+        self.stage1 = nn.Sequential(Block(8, 8, act=act), Block(8, 8, act=act))
+        self.stage2 = nn.Sequential(Block(8, 16, 2, act=act))
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.pool(self.stage2(self.stage1(self.stem(x))))
+        return self.head(torch.flatten(x, 1))
+
+
 MODELS = {
     "resnet": (TinyResNet, (2, 3, 8, 8)),
+    "staged": (StagedNet, (2, 3, 8, 8)),
     "resnet_relu": (lambda: TinyResNet(nn.ReLU), (2, 3, 8, 8)),
     "vgg": (tiny_vgg, (2, 3, 8, 8)),
     "vgg_leaky": (lambda: tiny_vgg(nn.LeakyReLU), (2, 3, 8, 8)),
@@ -168,7 +187,8 @@ def planner_for(name, policy="leaky_relu"):
 # ---------------------------------------------------------------- exact bytes
 
 
-@pytest.mark.parametrize("name", ["resnet", "resnet_relu", "vgg", "vgg_leaky", "dense"])
+@pytest.mark.parametrize("name", ["resnet", "resnet_relu", "staged", "vgg", "vgg_leaky",
+                                  "dense"])
 def test_predicted_bytes_equal_measured_for_every_plan(name):
     planner, _, plans, counted = planner_for(name)
     problem = planner.problem()
@@ -179,6 +199,9 @@ def test_predicted_bytes_equal_measured_for_every_plan(name):
         assert {INPLACE, INPLACE_RECOMPUTE} <= choices
         assert any(len(planner.candidates[i].units) > 1 for plan in plans for i in plan)
     assert len(plans) > 50
+    if name == "staged":  # runs across the stage chains, through the traced forward
+        assert any(planner._crosses(planner.candidates[i].units) for plan in plans
+                   for i in plan if planner.candidates[i].choice != KEEP)
     for plan, count in zip(plans, counted, strict=True):
         assert problem.saved_bytes(plan) == count, [
             (planner.candidates[i].units, planner.candidates[i].choice) for i in plan]
@@ -396,7 +419,7 @@ def _largest_difference(reference, planned, x, steps=2):
 IN_PLACE_BOUND = 1e-14
 
 
-@pytest.mark.parametrize("name", ["resnet", "vgg", "vgg_leaky", "dense"])
+@pytest.mark.parametrize("name", ["resnet", "staged", "vgg", "vgg_leaky", "dense"])
 @pytest.mark.parametrize("budget", ["smallest", 0.7])
 def test_training_a_planned_model_is_exact(name, budget):
     """float64, lossless: outputs, every gradient and the running statistics of two
@@ -429,6 +452,117 @@ def test_every_choice_trains_exactly():
         [planner.candidates.index(by_choice[b]) for b in blocks]) == measured(planned, x)
     worst, counted = _largest_difference(copy.deepcopy(model), planned, x, steps=3)
     assert counted and 0.0 < worst <= IN_PLACE_BOUND
+
+
+def _staged_planner(dtype=torch.float64):
+    model, x = build("staged", dtype)
+    planner = Planner(model, (x,), "lossless", ("recompute",))
+    units = {u.name: u.index for u in planner.units}
+    return model, x, planner, units
+
+
+def test_a_run_across_stage_chains_trains_exactly_and_keeps_the_model():
+    """stem..stage2.0 recomputed as one segment (it crosses three Sequential chains): the
+    model runs its traced forward, keeps its class, keys, parameter names and module paths,
+    its bytes are the prediction and training is bit for bit the model's as given."""
+    model, x, planner, units = _staged_planner()
+    assert [planner.units[u].name for u in planner.segmentation.traced.units] == [
+        "stem.0-2", "stage1.0", "stage1.1", "stage2.0", "pool"]
+    run = tuple(units[n] for n in ("stem.0-2", "stage1.0", "stage1.1", "stage2.0"))
+    chosen = [i for i, c in enumerate(planner.candidates)
+              if (c.units, c.choice) in ((run, RECOMPUTE), ((units["pool"],), RECOMPUTE),
+                                         ((units["head"],), KEEP))]
+    assert len(chosen) == 3, sorted((c.units, c.choice) for c in planner.candidates)
+    planned = planner.assemble([(planner.candidates[i].units, planner.candidates[i].choice)
+                                for i in chosen], real=True)
+    assert planner.problem().saved_bytes(chosen) == measured(planned, x) < planner.as_given
+    assert type(planned) is StagedNet and traced_plan(planned) is not None
+    assert not any(isinstance(m, PlannedSequential) for m in planned.modules())
+    assert list(planned.state_dict()) == list(model.state_dict())
+    assert [(n, type(m)) for n, m in planned.named_modules()] == [
+        (n, type(m)) for n, m in model.named_modules()]
+    assert [n for n, _ in planned.named_parameters()] == [n for n, _ in model.named_parameters()]
+    # copies and pickles run the same plan, with their own modules
+    with torch.no_grad():
+        expected = copy.deepcopy(model).eval()(x)
+        for clone in (copy.deepcopy(planned), pickle.loads(pickle.dumps(planned))):
+            assert traced_plan(clone) is not traced_plan(planned)
+            clone.eval()
+            assert torch.equal(clone(x), expected)
+            clone.stage1[0].conv1.weight.zero_()
+            assert not torch.equal(clone(x), expected)
+    worst, counted = _largest_difference(copy.deepcopy(model), planned, x, steps=3)
+    assert counted and worst == 0.0
+
+
+def test_a_plan_without_a_run_across_containers_is_built_as_before():
+    """A run inside one stage: the stages' own forwards run (no traced forward)."""
+    model, x, planner, units = _staged_planner()
+    run = (units["stage1.0"], units["stage1.1"])
+    planned = planner.assemble([(run, RECOMPUTE)], real=True)
+    assert traced_plan(planned) is None and "forward" not in planned.__dict__
+    assert isinstance(planned.stage1, PlannedSequential)
+    planned_full, report = iabn.plan(model, x, 1.0)
+    assert traced_plan(planned_full) is None
+    assert not any("crosses containers" in n for n in report.notes)
+
+
+def test_the_smallest_plan_of_a_staged_model_crosses_and_says_so():
+    model, x, _, _ = _staged_planner(torch.float32)
+    planned, report = iabn.plan(model, x, report_smallest(model, x), allow=("recompute",))
+    assert traced_plan(planned) is not None
+    assert any(".." in row.segment for row in report.rows), report.table()
+    assert any("crosses containers" in n and "stem, stage1, stage2" in n
+               for n in report.notes), report.notes
+    assert report.predicted == report.measured == measured(planned, x)
+
+
+class _Branching(StagedNet):
+    """Control flow on a tensor's value: fx cannot trace it."""
+
+    def forward(self, x):
+        x = self.stage1(self.stem(x))
+        if x.sum() > 0:
+            x = x * 2
+        return self.head(torch.flatten(self.pool(self.stage2(x)), 1))
+
+
+class _ModeDependent(StagedNet):
+    """A branch on the training mode: the traced graph would freeze one branch."""
+
+    def forward(self, x):
+        x = self.stage1(self.stem(x))
+        if not self.training:
+            x = x * 2
+        return self.head(torch.flatten(self.pool(self.stage2(x)), 1))
+
+
+class _Reused(StagedNet):
+    """Each stage's output has another user (or goes through a function): no path of unit
+    calls crosses from one container into the next."""
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = self.stage1(x) + x.mean()
+        y = self.stage2(x)
+        return self.head(torch.flatten(self.pool(y) + y.mean(), 1))
+
+
+@pytest.mark.parametrize("cls, why", [(_Branching, "does not trace with torch.fx"),
+                                      (_ModeDependent, "differs between training and eval"),
+                                      (_Reused, "no path of unit calls across containers")])
+def test_forwards_that_do_not_give_a_traced_chain_plan_as_before(cls, why):
+    torch.manual_seed(0)
+    model, x = cls(), torch.randn(2, 3, 8, 8)
+    planner = Planner(model, (x,), "lossless", ("recompute",))
+    assert planner.segmentation.traced is None
+    assert why in planner.segmentation.traced_note
+    assert not any(planner._crosses(c.units) for c in planner.candidates)
+    planned, report = iabn.plan(model, x, report_smallest(model, x), allow=("recompute",))
+    assert traced_plan(planned) is None
+    assert any(n.startswith("runs do not cross containers") and why in n
+               for n in report.notes), report.notes
+    assert report.predicted == report.measured == measured(planned, x)
 
 
 def report_smallest(model, x):

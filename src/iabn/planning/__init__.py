@@ -6,7 +6,7 @@ SciPy (``scipy.optimize.milp``) solves the plan; it is imported when a plan is s
 
 from .planner import ALLOWED, POLICIES, plan
 from .report import DecisionRow, PlanReport
-from .wrappers import PlannedSequential, module_plan
+from .wrappers import PlannedSequential, module_plan, traced_plan
 
 __all__ = ["ALLOWED", "POLICIES", "DecisionRow", "PlanReport", "PlannedSequential",
-           "module_plan", "plan"]
+           "module_plan", "plan", "traced_plan"]

@@ -23,6 +23,7 @@ from .report import DecisionRow, PlanReport
 from .segments import (
     Segmentation,
     Unit,
+    _join,
     as_args,
     find_units,
     shares_tensors,
@@ -41,6 +42,8 @@ from .wrappers import (
     Observer,
     PlannedSequential,
     plan_module,
+    plan_traced,
+    traced_plan,
 )
 
 #: What ``allow`` may name.
@@ -211,7 +214,13 @@ class Planner:
                         for name, module in zip(unit.children, copy.deepcopy(converted[u]),
                                                 strict=True):
                             setattr(container, name, module)
+        traced = self.segmentation.traced
+        crossing = (traced is not None and not observe
+                    and any(self._crosses(units) for units, _ in blocks))
+        on_trace = set(traced.units) if crossing and traced is not None else set()
         for index, chain in enumerate(self.segmentation.chains):
+            if chain.units and chain.units[0] in on_trace:
+                continue  # the traced forward calls its children itself
             mine = [(units, choice) for units, choice in blocks
                     if self.units[units[0]].chain == index]
             covered = {u for units, _ in mine for u in units}
@@ -227,7 +236,7 @@ class Planner:
                 planned.units = [units[0] for units, _ in mine]
             model = _put(model, chain.path, planned)
         for unit in self.units:
-            if not unit.single:
+            if not unit.single or unit.index in on_trace:
                 continue
             choice = choice_of.get(unit.index, KEEP)
             if not observe and choice not in (*RECOMPUTED, OFFLOAD):
@@ -235,7 +244,19 @@ class Planner:
             planned = plan_module(model.get_submodule(unit.path), choice)
             if observe:
                 planned.unit = unit.index
+        if on_trace:
+            plan_traced(model, [_join(u.container, name) for u in self.units
+                                for name in u.children],
+                        [(tuple(_join(self.units[u].container, name) for u in units
+                                for name in self.units[u].children), choice)
+                         for units, choice in blocks
+                         if units[0] in on_trace and choice in (*RECOMPUTED, OFFLOAD)])
         return model
+
+    def _crosses(self, units: tuple[int, ...]) -> bool:
+        """Whether a run spans more than one container (runs only the traced chain has)."""
+        chains = {self.units[u].chain for u in units}
+        return len(units) > 1 and (len(chains) > 1 or None in chains)
 
     def _modules(self, model: nn.Module, unit: Unit) -> list[nn.Module]:
         return unit_modules(model, unit)
@@ -346,11 +367,15 @@ class Planner:
         return found
 
     def _runs(self) -> list[tuple[int, ...]]:
-        runs = [(u.index,) for u in self.units if u.single]
-        for chain in self.segmentation.chains:
-            for i in range(len(chain.units)):
-                for j in range(i, len(chain.units)):
-                    runs.append(tuple(chain.units[i:j + 1]))
+        traced = self.segmentation.traced
+        on_trace = set(traced.units) if traced is not None else set()
+        runs = [(u.index,) for u in self.units if u.single and u.index not in on_trace]
+        chains = [chain.units for chain in self.segmentation.chains
+                  if not (chain.units and chain.units[0] in on_trace)]
+        for units in ([traced.units] if traced is not None else []) + chains:
+            for i in range(len(units)):
+                for j in range(i, len(units)):
+                    runs.append(tuple(units[i:j + 1]))
         return runs
 
     def _recompute_candidates(self) -> list[Candidate]:
@@ -394,7 +419,9 @@ class Planner:
                     seconds = sum(self._forward_seconds(u, variant, recompute=True)
                                   for u in units)
                     found.append(Candidate(units, choice, saved, seconds))
-            found += self._selective_candidates(group)
+            # selective runs within a container only: each is measured (O(n^2) recordings on
+            # a traced chain as long as ResNet-50's) and a long one keeps every product anyway
+            found += self._selective_candidates([u for u in group if not self._crosses(u)])
         return found
 
     def _selective_candidates(self, group: list[tuple[int, ...]]) -> list[Candidate]:
@@ -634,6 +661,15 @@ def _plan(model: nn.Module, args: tuple, budget: int | float, policy: str,
                      "docs/design.md, \"Planning memory\"); the model is returned as given")
     for path, why in planner.segmentation.skipped:
         notes.append(f"{path}: not a unit: {why}")
+    segmentation = planner.segmentation
+    if segmentation.traced_note is not None:
+        notes.append(f"runs do not cross containers: {segmentation.traced_note}")
+    if traced_plan(planned) is not None and segmentation.traced is not None:
+        crossed = [c.path for c in segmentation.chains
+                   if c.units and c.units[0] in segmentation.traced.units]
+        notes.append(f"a run crosses containers: the model runs its forward as traced by "
+                     f"torch.fx, which calls the modules of {', '.join(crossed)} itself (their "
+                     f"own forward and hooks do not run)")
     step = (sum(c.seconds(planner.speed) for c in planner.keep.forward_ops.values())
             + (planner.keep.backward_ops.seconds(planner.speed)
                if planner.keep.backward_ops is not None else 0.0)) * 1e3

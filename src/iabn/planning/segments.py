@@ -13,6 +13,16 @@ its only (positional) arguments and a tensor as its output (a ResNet's ``conv1``
 ``maxpool``). Modules that forward calls more than once (a shared activation), with other
 arguments, or never, are not units; containers that are never called themselves (an
 ``nn.ModuleList``) are looked into.
+
+A *traced chain* crosses those containers: when the model's own ``forward`` (not a
+``Sequential``) traces with ``torch.fx`` (every unit's modules leaves) to the same graph in
+training and in evaluation mode, and its graph holds a path of unit calls in which each call's
+only argument is the previous call's output and that output has no other user (ResNet:
+``conv1, bn1, relu, maxpool, layer1.0, ..., layer4.2, avgpool``), those units form one more
+chain, :attr:`Segmentation.traced`, whose runs may span several containers. Every
+``Sequential`` chain on the path is covered whole or not at all (the path is cut at a chain
+covered in part). Units keep their own chain (``chain``) as well: a plan without a run across
+containers is built as before.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
@@ -61,10 +72,23 @@ class Chain:
 
 
 @dataclass
+class Traced:
+    """A chain through the model's traced forward: ``units`` in call order, ``graph`` the
+    traced graph (module calls by path), ``nodes[i]`` the names of unit ``units[i]``'s
+    call nodes there."""
+
+    units: list[int]
+    graph: Any
+    nodes: list[tuple[str, ...]]
+
+
+@dataclass
 class Segmentation:
     chains: list[Chain]
     units: list[Unit]
     skipped: list[tuple[str, str]]  # (module path, why it is not a unit)
+    traced: Traced | None = None
+    traced_note: str | None = None  # why no traced chain was found (when there are chains)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -170,7 +194,122 @@ def find_units(model: nn.Module, args: tuple) -> Segmentation:
         add_chain("", model)
     else:
         walk("", model)
+        if result.chains:
+            try:
+                result.traced = _traced_chain(model, result)
+            except Exception as error:  # fx cannot trace it: the chains as they are
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                result.traced_note = (f"forward does not trace with torch.fx "
+                                      f"({type(error).__name__}: {first[:120]})")
     return result
+
+
+class _Leaves(torch.fx.Tracer):
+    """fx's tracer with the units' modules as leaves (besides fx's own: torch.nn layers)."""
+
+    def __init__(self, leaves: set[int]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+        return id(m) in self.leaves or (super().is_leaf_module(m, qualified_name)
+                                        and not isinstance(m, nn.Sequential))
+
+
+def _trace(model: nn.Module, leaves: set[int], training: bool) -> Any:
+    modes = {m: m.training for m in model.modules()}
+    try:
+        model.train(training)
+        return _Leaves(leaves).trace(model)
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+
+
+def _traced_chain(model: nn.Module, result: Segmentation) -> Traced | None:
+    """The longest path of unit calls in ``model``'s traced forward that crosses a container
+    (see the module's docstring); ``None`` (and ``result.traced_note``) where there is none."""
+    leaves = {id(m) for u in result.units for m in unit_modules(model, u)}
+    graph = _trace(model, leaves, True)
+    if graph.python_code("self").src != _trace(model, leaves, False).python_code("self").src:
+        result.traced_note = "its traced forward differs between training and evaluation"
+        return None
+    of_path: dict[str, tuple[int, int]] = {}  # module path -> (unit, position in the unit)
+    for u in result.units:
+        for position, name in enumerate(u.children):
+            of_path[_join(u.container, name)] = (u.index, position)
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target in of_path]
+    if len({n.target for n in calls}) != len(calls):
+        result.traced_note = "its traced forward calls a unit's module twice"
+        return None
+    best: list[tuple[int, list[str]]] = []
+    current: list[tuple[int, list[str]]] = []  # (unit, its nodes) along the current path
+
+    def close() -> None:
+        nonlocal best, current
+        whole = _whole_chains(current, result)
+        if len(whole) > len(best):
+            best = whole
+        current = []
+
+    previous = None
+    for node in calls:
+        linked = (previous is not None and node.args == (previous,) and not node.kwargs
+                  and list(previous.users) == [node])
+        simple = (len(node.args) == 1 and isinstance(node.args[0], torch.fx.Node)
+                  and not node.kwargs)
+        unit, position = of_path[node.target]
+        if not linked:
+            close()
+        if not simple:
+            previous = None
+            continue
+        if current and current[-1][0] == unit and position == len(current[-1][1]):
+            current[-1][1].append(node.name)
+        elif position == 0:
+            if current and len(current[-1][1]) != len(result.units[current[-1][0]].children):
+                current.pop()  # a unit called in part: the path stops before it
+                close()
+            current.append((unit, [node.name]))
+        else:
+            close()
+            previous = None
+            continue
+        previous = node
+    close()
+    if len({result.units[u].chain if result.units[u].chain is not None else ("single", u)
+            for u, _ in best}) < 2:
+        result.traced_note = "its traced forward has no path of unit calls across containers"
+        return None
+    return Traced([u for u, _ in best], graph, [tuple(nodes) for _, nodes in best])
+
+
+def _whole_chains(path: list[tuple[int, list[str]]],
+                  result: Segmentation) -> list[tuple[int, list[str]]]:
+    """The longest part of ``path`` whose units are whole and whose Sequential chains are
+    covered whole."""
+    pieces: list[list[tuple[int, list[str]]]] = [[]]
+    i = 0
+    while i < len(path):
+        unit = result.units[path[i][0]]
+        if len(path[i][1]) != len(unit.children):
+            pieces.append([])
+            i += 1
+            continue
+        if unit.chain is None:
+            pieces[-1].append(path[i])
+            i += 1
+            continue
+        members = result.chains[unit.chain].units
+        span = [u for u, _ in path[i:i + len(members)]]
+        if span == members and all(len(nodes) == len(result.units[u].children)
+                                   for u, nodes in path[i:i + len(members)]):
+            pieces[-1].extend(path[i:i + len(members)])
+            i += len(members)
+        else:
+            pieces.append([])
+            i += 1
+    return max(pieces, key=len)
 
 
 def unit_modules(model: nn.Module, unit: Unit) -> list[nn.Module]:
@@ -201,5 +340,5 @@ def as_args(example_input: Any) -> tuple:
     return example_input if isinstance(example_input, tuple) else (example_input,)
 
 
-__all__ = ["Chain", "Segmentation", "Unit", "as_args", "find_units", "is_plain_sequential",
-           "shares_tensors", "tensor_leaves", "unit_modules"]
+__all__ = ["Chain", "Segmentation", "Traced", "Unit", "as_args", "find_units",
+           "is_plain_sequential", "shares_tensors", "tensor_leaves", "unit_modules"]

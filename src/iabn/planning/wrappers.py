@@ -6,7 +6,12 @@ The model keeps its ``state_dict`` keys, parameter names, module paths and class
   children under the same names, which runs groups of them (blocks) with their choice;
 - a single module keeps its class: :func:`plan_module` gives it an instance ``forward`` that
   runs the class's ``forward`` recomputed or offloaded (its hooks still run once, around it),
-  so ``isinstance`` checks (an optimizer's norm-layer groups, weight initialisation) see it.
+  so ``isinstance`` checks (an optimizer's norm-layer groups, weight initialisation) see it;
+- a model with a run across containers (a traced chain, :mod:`.segments`) keeps its class
+  too: :func:`plan_traced` gives it an instance ``forward`` that runs the code of its own
+  forward traced by ``torch.fx`` (every unit's module a leaf), in which each recomputed or
+  offloaded block's calls are one call of :func:`_traced_block`. The containers the chain
+  crosses (``layer1``) are no longer called themselves: their hooks do not run.
 
 Recomputation is ``torch.utils.checkpoint`` (non-reentrant, RNG state preserved, so dropout
 draws the same mask again); selective recomputation keeps the outputs of the segment's
@@ -206,6 +211,74 @@ def plan_module(module: nn.Module, choice: str) -> ModulePlan:
     return plan
 
 
+class TracedPlan:
+    """How a model runs its traced chain: ``leaves`` the paths of the modules traced as
+    leaves, ``blocks`` the module paths called by each recomputed or offloaded block (in
+    call order) and its choice. The generated code is made when the plan is (and again after
+    unpickling, on first use: code made by ``exec`` does not pickle); copies share it (it
+    reads the model and the plan from its arguments)."""
+
+    def __init__(self, module: nn.Module, leaves: Sequence[str],
+                 blocks: Sequence[tuple[tuple[str, ...], str]]) -> None:
+        self.leaves = tuple(leaves)
+        self.blocks = [(tuple(paths), choice) for paths, choice in blocks]
+        self.offloaders = Offloaders()
+        self.code: Callable[..., Any] | None = None
+        self.code = self.generate(module)
+
+    def generate(self, module: nn.Module) -> Callable[..., Any]:
+        from .segments import _Leaves
+
+        graph = _Leaves({id(module.get_submodule(p)) for p in self.leaves}).trace(module)
+        by_target = {n.target: n for n in graph.nodes if n.op == "call_module"}
+        first = next(iter(graph.nodes))
+        with graph.inserting_before(first):
+            plan = graph.placeholder("iabn_plan")
+        for index, (paths, _) in enumerate(self.blocks):
+            nodes = [by_target[p] for p in paths]
+            with graph.inserting_before(nodes[0]):
+                modules = [graph.get_attr(p) for p in paths]
+                call = graph.call_function(_traced_block, (plan, index, nodes[0].args[0],
+                                                           *modules))
+            nodes[-1].replace_all_uses_with(call)
+            for node in reversed(nodes):
+                graph.erase_node(node)
+        code = graph.python_code("self")
+        scope = dict(code.globals)
+        exec(compile(code.src, "<iabn.plan traced forward>", "exec"), scope)
+        return scope["forward"]
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "code": None, "offloaders": Offloaders()}
+
+
+def _traced_block(plan: TracedPlan, index: int, x: Any, *modules: nn.Module) -> Any:
+    fn = modules[0] if len(modules) == 1 else _chain(modules)
+    return _run(plan.blocks[index][1], fn, modules, plan.offloaders, index, x)
+
+
+def _traced_forward(module: nn.Module, plan: TracedPlan, *args: Any, **kwargs: Any) -> Any:
+    if plan.code is None:
+        plan.code = plan.generate(module)
+    return plan.code(module, plan, *args, **kwargs)
+
+
+def plan_traced(module: nn.Module, leaves: Sequence[str],
+                blocks: Sequence[tuple[tuple[str, ...], str]]) -> TracedPlan:
+    """Make ``module`` run its traced forward with ``blocks`` (see :class:`TracedPlan`)."""
+    plan = TracedPlan(module, leaves, blocks)
+    module.forward = functools.partial(_traced_forward, module, plan)
+    return plan
+
+
+def traced_plan(module: nn.Module) -> TracedPlan | None:
+    """The plan :func:`plan_traced` gave ``module``, if any."""
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, functools.partial) and forward.func is _traced_forward:
+        return forward.args[1]
+    return None
+
+
 def module_plan(module: nn.Module) -> ModulePlan | None:
     """The plan :func:`plan_module` gave ``module``, if any."""
     forward = module.__dict__.get("forward")
@@ -216,4 +289,5 @@ def module_plan(module: nn.Module) -> ModulePlan | None:
 
 __all__ = ["CHOICES", "INPLACE", "INPLACE_RECOMPUTE", "KEEP", "OFFLOAD", "RECOMPUTE",
            "RECOMPUTED", "SELECTIVE", "ModulePlan", "Offloaders", "PlannedSequential",
-           "module_plan", "offloaded", "plan_module", "recomputed"]
+           "TracedPlan", "module_plan", "offloaded", "plan_module", "plan_traced",
+           "recomputed", "traced_plan"]
