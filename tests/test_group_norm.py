@@ -251,7 +251,7 @@ def test_state_dict_round_trip_with_group_norm():
 def test_abs_state_into_signed_layer_warns(monkeypatch):
     import iabn.group_norm
 
-    monkeypatch.setattr(iabn.group_norm, "_warned_abs_into_signed", False)
+    monkeypatch.setattr(iabn.modules, "_warned_abs_into_signed", False)
     trained = nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceGroupNormAct(2, 4, gamma_mode="abs"))
     state = trained.state_dict()
     with pytest.warns(iabn.modules.GammaModeWarning, match=r"^1: .*gamma_mode='abs'"):

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from typing import Any
 
 import torch
@@ -56,7 +55,7 @@ from .checks import (
     check_per_call,
 )
 from .kernels.reference import LOW_PRECISION
-from .modules import GammaModeWarning
+from .modules import check_loaded_gamma_mode, note_gamma_mode
 from .ops import overwritable
 from .scale import ABS, SIGNED, abs_sign, effective_scale, gamma_grad
 from .unchecked import _transformed
@@ -64,7 +63,6 @@ from .unchecked import _transformed
 _NATIVE_GROUP_NORM = torch.ops.aten.native_group_norm.default
 _NATIVE_GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
 
-_warned_abs_into_signed = False
 
 #: Options read on every call; assigning one to a built layer validates it.
 _OPTIONS = ("num_groups", "num_channels", "eps", "activation", "activation_param",
@@ -366,24 +364,10 @@ class GroupNormAct(nn.Module):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        # as ABN: record the parametrisation, so that loading abs-trained weights into a
-        # signed layer (same keys and shapes) can be noticed
-        metadata = getattr(destination, "_metadata", None)
-        if self.gamma_mode == ABS and metadata is not None and prefix[:-1] in metadata:
-            metadata[prefix[:-1]]["gamma_mode"] = ABS
+        note_gamma_mode(self.gamma_mode, destination, prefix)  # as ABN
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
-        global _warned_abs_into_signed
-        if (local_metadata.get("gamma_mode") == ABS and self.gamma_mode != ABS
-                and not _warned_abs_into_signed):
-            _warned_abs_into_signed = True
-            warnings.warn(
-                f"{prefix[:-1] or 'the layer'}: this state_dict was saved by a group-norm layer "
-                f"with gamma_mode='abs' (scale |weight| + eps) and is loaded into a "
-                f"gamma_mode='signed' layer, which uses the weight as it is, so the outputs "
-                f"change. Build the layers with gamma_mode='abs'. Warned once per process.",
-                GammaModeWarning, stacklevel=3,
-            )
+        check_loaded_gamma_mode(self.gamma_mode, local_metadata, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def extra_repr(self) -> str:

@@ -13,6 +13,7 @@ Any input rank from ``(N, C)`` to ``(N, C, D, H, W)`` is accepted, like the orig
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
@@ -52,9 +53,24 @@ def _warn_abs_into_signed(prefix: str) -> None:
         f"uses the weight as it is, so the outputs change. Build the layers with "
         f"gamma_mode='abs' (or use iabn.compat's), or convert the weights exactly first: "
         f"iabn.compat.to_signed(model) on the abs model, or "
-        f"iabn.compat.to_signed_state_dict(state_dict). Warned once per process.",
+        f"iabn.compat.to_signed_state_dict(state_dict) (any layer; to_signed covers the "
+        f"batch-norm layers). Warned once per process.",
         GammaModeWarning, stacklevel=4,
     )
+
+
+def note_gamma_mode(gamma_mode: str, destination: Any, prefix: str) -> None:
+    """Record an abs layer's parametrisation in its state_dict metadata (next to the version),
+    so that loading its weights into a signed layer (same keys and shapes) can be noticed."""
+    metadata = getattr(destination, "_metadata", None)
+    if gamma_mode == ABS and metadata is not None and prefix[:-1] in metadata:
+        metadata[prefix[:-1]]["gamma_mode"] = ABS
+
+
+def check_loaded_gamma_mode(gamma_mode: str, local_metadata: dict, prefix: str) -> None:
+    """Warn (once per process) when abs-trained weights are loaded into a signed layer."""
+    if local_metadata.get("gamma_mode") == ABS and gamma_mode != ABS:
+        _warn_abs_into_signed(prefix)
 
 
 class ABN(_NormBase):
@@ -239,15 +255,10 @@ class ABN(_NormBase):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        # Record the parametrisation next to the version, so that loading abs-trained weights
-        # into a signed layer can be noticed (the keys and shapes are the same).
-        metadata = getattr(destination, "_metadata", None)
-        if self.gamma_mode == ABS and metadata is not None and prefix[:-1] in metadata:
-            metadata[prefix[:-1]]["gamma_mode"] = ABS
+        note_gamma_mode(self.gamma_mode, destination, prefix)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs) -> None:
-        if local_metadata.get("gamma_mode") == ABS and self.gamma_mode != ABS:
-            _warn_abs_into_signed(prefix)
+        check_loaded_gamma_mode(self.gamma_mode, local_metadata, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     def extra_repr(self) -> str:
