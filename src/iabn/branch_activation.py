@@ -44,6 +44,7 @@ from . import activation as act
 from .kernels import reference
 from .kernels.dispatch import ENV, requested_backend
 from .layer_config import LayerConfig
+from .ops import needs_grad as layer_needs_grad
 from .ops import overwritable, refuse_double_backward
 
 _SQRT1_2 = math.sqrt(0.5)
@@ -293,11 +294,7 @@ def inplace_abn(
 ) -> Tensor:
     """The in-place layer with ``silu``/``gelu`` (no validation but the backend's)."""
     check_backend(config.activation)
-    needs_grad = torch.is_grad_enabled() and (
-        input.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    )
+    needs_grad = layer_needs_grad(input, weight, bias)
     if not needs_grad:
         with torch.no_grad():
             forward_(input, weight, bias, running_mean, running_var, config, False)

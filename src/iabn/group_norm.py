@@ -56,6 +56,7 @@ from .checks import (
 )
 from .kernels.reference import LOW_PRECISION
 from .modules import check_loaded_gamma_mode, note_gamma_mode
+from .ops import needs_grad as layer_needs_grad
 from .ops import overwritable
 from .scale import ABS, SIGNED, abs_sign, effective_scale, gamma_grad
 from .unchecked import _transformed
@@ -261,11 +262,7 @@ def inplace_group_norm_act(input: Tensor, weight: Tensor | None, bias: Tensor | 
         )
     if _transformed():
         return _composed(input, weight, bias, *options)
-    needs_grad = torch.is_grad_enabled() and (
-        input.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    )
+    needs_grad = layer_needs_grad(input, weight, bias)
     if not needs_grad:
         with torch.no_grad():
             _forward_(input, weight, bias, *options)

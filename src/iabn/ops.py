@@ -173,6 +173,16 @@ def overwritable(x: Tensor) -> Tensor:
     return x.clone() if torch.compiler.is_compiling() else x
 
 
+def needs_grad(input: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
+    """Whether a group-norm or branch-bit layer call (the batch-norm path spells it out inline:
+    its host cost is measured) must record an autograd node."""
+    return torch.is_grad_enabled() and (
+        input.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    )
+
+
 def refuse_double_backward(layer: str) -> None:
     """Raise under ``create_graph=True``, the only case in which backward runs with grad mode
     on. (A check instead of ``@once_differentiable``: its wrapper adds ~2.5 µs per layer and
