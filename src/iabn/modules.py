@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
@@ -221,8 +222,12 @@ class ABN(_NormBase):
                 input, running_mean, running_var, weight, bias, use_batch_stats,
                 in_place=self._in_place, num_features=self.num_features,
             )
-            # Set through __dict__: nn.Module.__setattr__ costs a microsecond per call.
-            self.__dict__["_valid_signature"] = signature
+            # Set through __dict__: nn.Module.__setattr__ costs a microsecond per call. Not
+            # while compiling: the cache is state outside the traced call, which Dynamo
+            # refuses to write inside a region it traces as one operation
+            # (torch.utils.checkpoint), and compiled code runs no check per call anyway.
+            if not torch.compiler.is_compiling():
+                self.__dict__["_valid_signature"] = signature
 
     def _layer_config(self, use_batch_stats: bool, momentum: float) -> LayerConfig:
         """This call's settings, built from the options and kept (``_call_config`` in
@@ -231,7 +236,8 @@ class ABN(_NormBase):
         config = LayerConfig(use_batch_stats, momentum, self.eps, self.activation,
                              self.activation_param, self.gamma_mode,
                              self.__dict__.get("variant", 2))
-        self.__dict__["_call_config"] = config
+        if not torch.compiler.is_compiling():  # (see _check)
+            self.__dict__["_call_config"] = config
         return config
 
     def forward(self, input: Tensor) -> Tensor:

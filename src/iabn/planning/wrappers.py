@@ -25,6 +25,7 @@ statistics in training mode, so its outputs do not depend on the running statist
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -76,8 +77,10 @@ def recomputed(fn: Callable[..., Any], modules: Sequence[nn.Module], *args: Any,
     The buffers of ``modules`` (running statistics) are restored after the recomputation:
     they are updated by the forward only, as without recomputation.
     """
-    if selective and torch.compiler.is_compiling():
-        return compiled_selectively(fn, *args)
+    if torch.compiler.is_compiling():
+        if selective:
+            return compiled_selectively(fn, *args)
+        return compiled_recomputed(fn, *args)
     calls = [0]
 
     def run(*inputs: Any) -> Any:
@@ -97,6 +100,14 @@ def recomputed(fn: Callable[..., Any], modules: Sequence[nn.Module], *args: Any,
     if selective:
         return selectively_recomputed(run, *args)
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
+
+
+def compiled_recomputed(fn: Callable[..., Any], *args: Any) -> Any:
+    """What :func:`recomputed` is while ``torch.compile`` traces: ``torch.utils.checkpoint``
+    of ``fn`` itself. Dynamo refuses the eager wrapper (its call counter is state outside the
+    checkpointed region); it needs none, since the compiled backward recomputes what it needs
+    inside its graph and replays no buffer update."""
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
 
 
 class Offloaders:
@@ -215,8 +226,8 @@ class TracedPlan:
     """How a model runs its traced chain: ``leaves`` the paths of the modules traced as
     leaves, ``blocks`` the module paths called by each recomputed or offloaded block (in
     call order) and its choice. The generated code is made when the plan is (and again after
-    unpickling, on first use: code made by ``exec`` does not pickle); copies share it (it
-    reads the model and the plan from its arguments)."""
+    unpickling, on first use: code made by ``exec`` does not pickle); copies, deep copies
+    included, share it (it reads the model and the plan from its arguments)."""
 
     def __init__(self, module: nn.Module, leaves: Sequence[str],
                  blocks: Sequence[tuple[tuple[str, ...], str]]) -> None:
@@ -251,6 +262,23 @@ class TracedPlan:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "code": None, "offloaders": Offloaders()}
 
+    def __deepcopy__(self, memo: dict) -> TracedPlan:
+        # the code, not None as from __getstate__: a deep copy of the model is often what is
+        # compiled, and torch.compile cannot trace the code's generation (torch.fx's tracer)
+        copied = TracedPlan.__new__(TracedPlan)
+        copied.__dict__.update(self.__getstate__())
+        copied.blocks = copy.deepcopy(self.blocks, memo)
+        copied.code = self.code
+        return copied
+
+
+@torch.compiler.disable
+def _generated(plan: TracedPlan, module: nn.Module) -> Callable[..., Any]:
+    # run eagerly (a graph break) when the first call of an unpickled plan is compiled
+    if plan.code is None:
+        plan.code = plan.generate(module)
+    return plan.code
+
 
 def _traced_block(plan: TracedPlan, index: int, x: Any, *modules: nn.Module) -> Any:
     fn = modules[0] if len(modules) == 1 else _chain(modules)
@@ -258,9 +286,8 @@ def _traced_block(plan: TracedPlan, index: int, x: Any, *modules: nn.Module) -> 
 
 
 def _traced_forward(module: nn.Module, plan: TracedPlan, *args: Any, **kwargs: Any) -> Any:
-    if plan.code is None:
-        plan.code = plan.generate(module)
-    return plan.code(module, plan, *args, **kwargs)
+    code = plan.code if plan.code is not None else _generated(plan, module)
+    return code(module, plan, *args, **kwargs)
 
 
 def plan_traced(module: nn.Module, leaves: Sequence[str],
