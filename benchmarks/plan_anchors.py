@@ -11,18 +11,27 @@ by default, float32, training mode) and strategy:
 ``plan_B``            ``iabn.plan(model, x, B)`` (lossless; in place where exact, recompute;
                       offload is not a candidate on CPU)
 ``compile_B``         ``torch.compile`` with ``activation_memory_budget=B``
+``plan_compiled_at_compile_B``  ``torch.compile`` of a plan (``--compiled-plan``, on by default
+                      with compile budgets): like against like with ``compile_B``, both over
+                      ``compile_1``. The compiled graphs save what AOTAutograd's partitioner
+                      chooses, not what the eager plan saves, so the plan is made at
+                      ``compile_B``'s bytes and, while its compiled bytes are above them,
+                      again at a budget smaller by their ratio (at most 4 plans)
 
-Activation bytes are exact (:func:`iabn.memory.saved_tensor_bytes`; for ``compile_B``
-:func:`iabn.memory.compiled_saved_bytes`). A training step (forward, cross-entropy, backward)
-of every strategy of one model is timed side by side, round-robin over the strategies: the
-median of ``--repeats`` and, since other jobs on a shared machine only ever add time, the
-fastest (:func:`iabn.tools.bench.time_interleaved`); the plan's predicted overhead (its cost
-model) is reported next to the measured one. CPU figures only: the GPU figures of
-the same comparison are unmeasured.
+Activation bytes are exact (:func:`iabn.memory.saved_tensor_bytes`; for ``compile_B`` and
+the compiled plans :func:`iabn.memory.compiled_saved_bytes`, which compiles with
+``fullgraph=True``: a compiled plan measured there has no graph break; the timed ones use
+``fullgraph=False``, and ``first_step_s`` is the compilation and the first step). A training
+step (forward, cross-entropy, backward) of every strategy of one model is timed side by side,
+round-robin over the strategies: the median of ``--repeats`` and, since other jobs on a
+shared machine only ever add time, the fastest (:func:`iabn.tools.bench.time_interleaved`);
+the plan's predicted overhead (its cost model) is reported next to the measured one. CPU
+figures only: the GPU figures of the same comparison are unmeasured.
 
 Usage::
 
     python benchmarks/plan_anchors.py [--batch 4] [--size 64] [--repeats 15] [--json PATH]
+        [--no-compiled-plan] [--compile-backend inductor]
 """
 
 from __future__ import annotations
@@ -100,10 +109,10 @@ def checkpointed(name: str, model: nn.Module) -> tuple[Trainable, int, int]:
             segments, len(body))
 
 
-def compiled(model: nn.Module, budget: float) -> Trainable:
+def compiled(model: nn.Module, budget: float, backend: str = "inductor") -> Trainable:
     from torch._functorch import config as functorch_config
 
-    compiled_model = torch.compile(model)
+    compiled_model = torch.compile(model, backend=backend)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         with functorch_config.patch(activation_memory_budget=budget):
@@ -131,7 +140,8 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
         try:
             rows[f"compile_{budget:g}"] = {"bytes": compiled_saved_bytes(
                 copy.deepcopy(model).train(), x, activation_memory_budget=budget)}
-            forwards[f"compile_{budget:g}"] = compiled(copy.deepcopy(model).train(), budget)
+            forwards[f"compile_{budget:g}"] = compiled(copy.deepcopy(model).train(), budget,
+                                                       args.compile_backend)
         except Exception as error:  # no C++ compiler, an unsupported operation
             rows[f"compile_{budget:g}"] = {"failed": f"{type(error).__name__}: {error}"[:300]}
     # the plans: at the fixed fractions, and at each anchor's bytes (the same memory)
@@ -161,7 +171,21 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
         forwards[key] = planned
         say(f"{name}: {key}: {report.measured / MIB:.2f} MiB, predicted +"
             f"{100 * report.overhead:.1f} % ({seconds:.0f} s)")
+    if args.compiled_plan:
+        for key, row in list(rows.items()):
+            if key.startswith("compile_") and "bytes" in row and row["bytes"] < as_given:
+                say(f"{name}: plan_compiled_at_{key} (slow)")
+                rows[f"plan_compiled_at_{key}"], forward = compiled_plan(
+                    model, x, row["bytes"], args, say)
+                if forward is not None:
+                    forwards[f"plan_compiled_at_{key}"] = forward
     steps = {key: _step(forward, x, target) for key, forward in forwards.items()}
+    for key in steps:  # the compilation, untimed but reported
+        if key.startswith(("compile_", "plan_compiled_")):
+            start = time.perf_counter()
+            steps[key]()
+            rows[key]["first_step_s"] = round(time.perf_counter() - start, 1)
+            say(f"{name}: {key}: compiled, first step {rows[key]['first_step_s']} s")
     say(f"{name}: timing {len(steps)} strategies, {args.repeats} repeats")
     times = time_interleaved(steps, repeats=args.repeats, iters=1, warmup=args.warmup)
     eager_ms, eager_min = statistics.median(times["eager"]), min(times["eager"])
@@ -178,10 +202,46 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
             "at_the_same_bytes": same_bytes(rows)}
 
 
+def compiled_plan(model: nn.Module, x: torch.Tensor, anchor_bytes: int,
+                  args: argparse.Namespace, say: Callable[[str], None]
+                  ) -> tuple[dict, Trainable | None]:
+    """The plan whose compiled graphs save at most ``anchor_bytes``, and its compiled forward
+    (``None`` if out of reach or if it does not compile)."""
+    budget, tried = anchor_bytes, []
+    for _ in range(4):
+        start = time.perf_counter()
+        try:
+            planned, report = iabn.plan(model, x, budget, allow=args.allow,
+                                        time_limit=args.time_limit)
+        except ValueError as error:
+            return {"out_of_reach": str(error), "tried": tried}, None
+        planning_s = time.perf_counter() - start
+        try:
+            # fullgraph=True: it raises where the plan has a graph break
+            got = compiled_saved_bytes(copy.deepcopy(planned).train(), x)
+        except Exception as error:
+            return {"failed": f"{type(error).__name__}: {error}"[:300], "tried": tried}, None
+        tried.append({"budget": budget, "eager_bytes": saved(planned, x), "bytes": got,
+                      "counts": report.counts, "planning_s": round(planning_s, 1)})
+        say(f"  plan at {budget / MIB:.2f} MiB: eager {tried[-1]['eager_bytes'] / MIB:.2f} "
+            f"MiB, compiled {got / MIB:.2f} MiB")
+        if got <= anchor_bytes:
+            break
+        budget = min(budget - 1, int(budget * anchor_bytes / got))
+    else:
+        return {"out_of_reach": f"compiled bytes above {anchor_bytes} after 4 plans",
+                "tried": tried}, None
+    row = {**tried[-1], "predicted_bytes": report.predicted,
+           "predicted_overhead": report.overhead, "solver": report.solver_status,
+           "graph_breaks": 0, "tried": tried[:-1],
+           "segments": [[r.segment, r.choice] for r in report.rows if r.choice != "keep"]}
+    return row, Trainable(torch.compile(planned, backend=args.compile_backend), planned)
+
+
 def same_bytes(rows: dict[str, dict]) -> list[dict]:
     """Each anchor against the plan made at its bytes: extra step time over each one's own
     baseline (the eager model for checkpointing and the plan, ``compile_1`` for a compiled
-    budget), median and fastest of the repeats."""
+    budget and the compiled plan), median and fastest of the repeats."""
     found = []
     for key, row in rows.items():
         plan = rows.get(f"plan_at_{key}")
@@ -200,6 +260,15 @@ def same_bytes(rows: dict[str, dict]) -> list[dict]:
             entry[f"anchor_overhead{suffix}"] = round(anchor, 4)
             entry[f"plan_overhead{suffix}"] = round(planned, 4)
         entry["plan_no_slower"] = entry["plan_overhead"] <= entry["anchor_overhead"]
+        compiled_at = rows.get(f"plan_compiled_at_{key}", {})
+        if "step_ms" in compiled_at:
+            entry["compiled_plan_bytes"] = compiled_at["bytes"]
+            entry["compiled_plan_eager_bytes"] = compiled_at["eager_bytes"]
+            for stat, suffix in (("step_ms", ""), ("step_ms_min", "_min")):
+                entry[f"compiled_plan_overhead{suffix}"] = round(
+                    compiled_at[stat] / base[stat] - 1, 4)
+            entry["compiled_plan_no_slower"] = (entry["compiled_plan_overhead"]
+                                                <= entry["anchor_overhead"])
         found.append(entry)
     return found
 
@@ -216,18 +285,18 @@ def table(results: list[dict]) -> str:
     for result in results:
         lines.append(f"{result['model']}: activation memory as given "
                      f"{result['as_given_bytes'] / MIB:.2f} MiB")
-        lines.append(f"  {'strategy':<24}{'MiB':>9}{'ratio':>8}{'median ms':>11}{'x eager':>9}"
+        lines.append(f"  {'strategy':<30}{'MiB':>9}{'ratio':>8}{'median ms':>11}{'x eager':>9}"
                      f"{'min ms':>9}{'x eager':>9}{'predicted':>11}")
         for key, row in result["rows"].items():
             if "bytes" not in row:
-                lines.append(f"  {key:<24}  {row.get('out_of_reach') or row.get('failed')}")
+                lines.append(f"  {key:<30}  {row.get('out_of_reach') or row.get('failed')}")
                 continue
             predicted = (f"{1 + row['predicted_overhead']:.3f}" if "predicted_overhead" in row
                          else "")
             step = (f"{row['step_ms']:>11.1f}{row['step_ratio']:>9.3f}"
                     f"{row['step_ms_min']:>9.1f}{row['step_ratio_min']:>9.3f}"
                     if "step_ms" in row else f"{'':>38}")
-            lines.append(f"  {key:<24}{row['bytes'] / MIB:>9.2f}{row['ratio']:>8.3f}{step}"
+            lines.append(f"  {key:<30}{row['bytes'] / MIB:>9.2f}{row['ratio']:>8.3f}{step}"
                          f"{predicted:>11}")
         for entry in result.get("at_the_same_bytes", []):
             lines.append(
@@ -237,6 +306,14 @@ def table(results: list[dict]) -> str:
                 f"{100 * entry['plan_predicted_overhead']:+.1f} %; fastest of the repeats: "
                 f"{100 * entry['anchor_overhead_min']:+.1f} % and "
                 f"{100 * entry['plan_overhead_min']:+.1f} %)")
+            if "compiled_plan_overhead" in entry:
+                lines.append(
+                    f"    compiled, both over compile_1: {entry['anchor']} "
+                    f"{100 * entry['anchor_overhead']:+.1f} %, the compiled plan "
+                    f"({entry['compiled_plan_bytes'] / MIB:.2f} MiB) "
+                    f"{100 * entry['compiled_plan_overhead']:+.1f} % (fastest: "
+                    f"{100 * entry['anchor_overhead_min']:+.1f} % and "
+                    f"{100 * entry['compiled_plan_overhead_min']:+.1f} %)")
     return "\n".join(lines)
 
 
@@ -260,6 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan-budgets", type=_floats, default=PLAN_BUDGETS)
     parser.add_argument("--compile-budgets", type=_floats, default=COMPILE_BUDGETS,
                         help="torch.compile activation_memory_budget values ('' for none)")
+    parser.add_argument("--compiled-plan", action=argparse.BooleanOptionalAction, default=True,
+                        help="also compile the plan at each compile budget's bytes")
+    parser.add_argument("--compile-backend", default="inductor",
+                        help="torch.compile backend of the timed compiled rows (aot_eager: "
+                             "no code generation, for a quick check of the script)")
     parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]

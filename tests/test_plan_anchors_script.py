@@ -1,5 +1,6 @@
 """Smoke run of benchmarks/plan_anchors.py on a small input: every strategy it compares is
-measured and timed, and the plan rows' bytes are iabn.memory's counts within the budget."""
+measured and timed, and the plan rows' bytes are iabn.memory's counts within the budget. The
+compiled rows compile with ``aot_eager`` (the graphs, without Inductor's code generation)."""
 
 import json
 import subprocess
@@ -17,12 +18,15 @@ def test_small_run_measures_and_times_every_strategy(tmp_path):
     out = tmp_path / "anchors.json"
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--models", "vgg19_bn", "--size", "32", "--batch", "2",
-         "--repeats", "1", "--warmup", "0", "--compile-budgets", "", "--plan-budgets", "0.5",
-         "--allow", "recompute", "--json", str(out)], capture_output=True, text=True, timeout=300)
+         "--repeats", "1", "--warmup", "0", "--compile-budgets", "1,0.5", "--plan-budgets",
+         "0.5", "--allow", "recompute", "--compile-backend", "aot_eager", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())["results"][0]
     rows = result["rows"]
-    assert list(rows) == ["eager", "checkpoint_sqrt", "plan_0.5", "plan_at_checkpoint_sqrt"]
+    assert list(rows) == ["eager", "checkpoint_sqrt", "compile_1", "compile_0.5", "plan_0.5",
+                          "plan_at_checkpoint_sqrt", "plan_at_compile_0.5",
+                          "plan_compiled_at_compile_0.5"]
     assert all(r["step_ms"] > 0 for r in rows.values())
     assert rows["eager"]["bytes"] == result["as_given_bytes"]
     assert rows["plan_0.5"]["bytes"] == rows["plan_0.5"]["predicted_bytes"]
@@ -31,8 +35,22 @@ def test_small_run_measures_and_times_every_strategy(tmp_path):
     # the plan at checkpointing's bytes, and the comparison at the same memory
     at_sqrt = rows["plan_at_checkpoint_sqrt"]
     assert at_sqrt["bytes"] <= rows["checkpoint_sqrt"]["bytes"] == at_sqrt["budget"]
-    [entry] = result["at_the_same_bytes"]
-    assert entry["anchor"] == "checkpoint_sqrt" and entry["anchor_baseline"] == "eager"
+    entries = {e["anchor"]: e for e in result["at_the_same_bytes"]}
+    assert list(entries) == ["checkpoint_sqrt", "compile_0.5"]
+    entry = entries["checkpoint_sqrt"]
+    assert entry["anchor_baseline"] == "eager" and "compiled_plan_overhead" not in entry
     eager = rows["eager"]["step_ms"]
     assert entry["plan_overhead"] == round(at_sqrt["step_ms"] / eager - 1, 4)
     assert entry["anchor_overhead"] == round(rows["checkpoint_sqrt"]["step_ms"] / eager - 1, 4)
+    # the compiled plan: its compiled graphs save at most the compile anchor's bytes, and its
+    # overhead is over compile_1, as the anchor's
+    compiled_plan, anchor = rows["plan_compiled_at_compile_0.5"], rows["compile_0.5"]
+    assert 0 < compiled_plan["bytes"] <= anchor["bytes"] < rows["compile_1"]["bytes"]
+    assert compiled_plan["graph_breaks"] == 0 and compiled_plan["first_step_s"] >= 0
+    assert compiled_plan["eager_bytes"] <= compiled_plan["budget"]
+    entry = entries["compile_0.5"]
+    assert entry["anchor_baseline"] == "compile_1"
+    assert entry["compiled_plan_bytes"] == compiled_plan["bytes"]
+    base = rows["compile_1"]["step_ms"]
+    assert entry["compiled_plan_overhead"] == round(compiled_plan["step_ms"] / base - 1, 4)
+    assert entry["anchor_overhead"] == round(anchor["step_ms"] / base - 1, 4)
