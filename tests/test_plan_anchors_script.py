@@ -54,3 +54,27 @@ def test_small_run_measures_and_times_every_strategy(tmp_path):
     base = rows["compile_1"]["step_ms"]
     assert entry["compiled_plan_overhead"] == round(compiled_plan["step_ms"] / base - 1, 4)
     assert entry["anchor_overhead"] == round(anchor["step_ms"] / base - 1, 4)
+
+
+def test_each_compiled_row_compiles_its_own_graphs():
+    """Dynamo reuses a graph compiled for another instance of the same class when the backend
+    is the same: each compiled anchor must compile its own, under its own budget."""
+    import importlib.util
+
+    import torch
+    from torch import nn
+    from torch._dynamo.utils import counters
+
+    spec = importlib.util.spec_from_file_location("plan_anchors", SCRIPT)
+    anchors = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(anchors)
+    x = torch.randn(2, 3, 8, 8)
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        for budget in (1.0, 0.5):
+            model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).train()
+            anchors.compiled(model, budget, "aot_eager")(x).sum().backward()
+        assert counters["stats"]["unique_graphs"] == 2
+    finally:
+        torch._dynamo.reset()
