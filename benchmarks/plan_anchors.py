@@ -20,8 +20,9 @@ by default, float32, training mode) and strategy:
 
 Activation bytes are exact (:func:`iabn.memory.saved_tensor_bytes`; for ``compile_B`` and
 the compiled plans :func:`iabn.memory.compiled_saved_bytes`, which compiles with
-``fullgraph=True``: a compiled plan measured there has no graph break; the timed ones use
-``fullgraph=False``, and ``first_step_s`` is the compilation and the first step). A training
+``fullgraph=True``: a compiled plan measured there has no graph break). The timed compiled
+rows use ``fullgraph=False``; ``first_step_s`` is their compilation and first step, ``graphs``
+and ``graph_breaks`` what Dynamo counted while it ran. A training
 step (forward, cross-entropy, backward) of every strategy of one model is timed side by side,
 round-robin over the strategies: the median of ``--repeats`` and, since other jobs on a
 shared machine only ever add time, the fastest (:func:`iabn.tools.bench.time_interleaved`);
@@ -199,10 +200,18 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
     steps = {key: _step(forward, x, target) for key, forward in forwards.items()}
     for key in steps:  # the compilation, untimed but reported
         if key.startswith(("compile_", "plan_compiled_")):
+            from torch._dynamo.utils import counters
+
+            counters.clear()
             start = time.perf_counter()
             steps[key]()
             rows[key]["first_step_s"] = round(time.perf_counter() - start, 1)
-            say(f"{name}: {key}: compiled, first step {rows[key]['first_step_s']} s")
+            # what this compilation made: Dynamo's graphs and its graph breaks (a graph break
+            # runs the code between two graphs in Python)
+            rows[key]["graphs"] = counters["stats"]["unique_graphs"]
+            rows[key]["graph_breaks"] = sum(counters["graph_break"].values())
+            say(f"{name}: {key}: compiled, first step {rows[key]['first_step_s']} s, "
+                f"{rows[key]['graphs']} graph(s), {rows[key]['graph_breaks']} graph break(s)")
     say(f"{name}: timing {len(steps)} strategies, {args.repeats} repeats")
     times = time_interleaved(steps, repeats=args.repeats, iters=1, warmup=args.warmup)
     eager_ms, eager_min = statistics.median(times["eager"]), min(times["eager"])
@@ -250,7 +259,7 @@ def compiled_plan(model: nn.Module, x: torch.Tensor, anchor_bytes: int,
                 "tried": tried}, None
     row = {**tried[-1], "predicted_bytes": report.predicted,
            "predicted_overhead": report.overhead, "solver": report.solver_status,
-           "graph_breaks": 0, "tried": tried[:-1],
+           "tried": tried[:-1],
            "segments": [[r.segment, r.choice] for r in report.rows if r.choice != "keep"]}
     return row, Trainable(torch.compile(planned, backend=own_backend(args.compile_backend)),
                           planned)
