@@ -114,6 +114,21 @@ def test_memory_peak_and_dtypes_of_allocations():
     ]
 
 
+def test_peak_of_every_allocation():
+    """peak_all_bytes counts tensors of any size (slices of an activation, per-channel ones),
+    peak_bytes and the traffic only full-size ones."""
+    x = torch.randn(SHAPE)
+    piece = x[:1, 2:5]   # 3 x 30 of 960 elements
+    with traffic.TrafficCounter(x.numel()) as counter:
+        p = piece.double()           # +720 bytes, not full-size
+        q = torch.randn(8).mul(2)    # +32 bytes
+        r = x * 2                    # +3840 bytes, full-size
+        del p, q, r
+    assert counter.peak_all_bytes == 720 + 32 + 3840 and counter.live_all_bytes == 0
+    assert counter.peak_bytes == 3840 and counter.moved == 2 * 3840
+    assert [(t.op, t.nbytes) for t in counter.allocations] == [("aten.mul", 3840)]
+
+
 # ---- exact counts of whole steps -------------------------------------------------------------
 
 
@@ -179,6 +194,40 @@ def test_in_place_triton_step(channels_last):
 
 def _moved(step):
     return step.forward.moved + step.backward.moved
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("activation,variant", [("elu", 2), ("leaky_relu", 1)])
+@pytest.mark.parametrize("shape", [SHAPE, (32, 8, 3, 3), (40, 5)], ids=["n4", "n32", "2d"])
+def test_float32_backward_of_half_inputs_works_in_pieces(
+    dtype, training, channels_last, activation, variant, shape,
+):
+    """elu and variant I compute a half input's y and dy in float32 (reference.full_dtype):
+    no full-size float32 tensor is made, and the backward holds at most one activation (in
+    the input's dtype) more than BatchNorm + the activation's, counting every allocation (the
+    float32 slices it works on included)."""
+    if channels_last and len(shape) != 4:
+        pytest.skip("channels_last needs 4 dims")
+    bn = randomise_(nn.BatchNorm2d(shape[1]) if len(shape) == 4 else nn.BatchNorm1d(shape[1]))
+    act = nn.ELU(1.0, inplace=True) if activation == "elu" else nn.LeakyReLU(SLOPE, True)
+    layer = iabn.InPlaceABN(shape[1], activation=activation,
+                            activation_param=1.0 if activation == "elu" else SLOPE,
+                            variant=variant)
+    layer.load_state_dict(bn.state_dict())
+    steps = {}
+    for name, module in (("bn", nn.Sequential(bn, act)), ("iabn", layer)):
+        module.train(training)
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        leaf = torch.randn(shape).to(dtype).contiguous(memory_format=fmt).requires_grad_()
+        grad = torch.randn(shape).to(dtype).contiguous(memory_format=fmt)
+        with use_backend("reference"):
+            steps[name] = traffic.count_step(module, leaf, grad)
+    a = leaf.numel() * leaf.element_size()
+    backward = steps["iabn"].backward
+    assert all(t.dtype == dtype for t in backward.allocations), backward.allocations
+    assert backward.peak_all_bytes <= steps["bn"].backward.peak_all_bytes + a
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
