@@ -128,6 +128,8 @@ def decide(norm: nn.Module, sites: list[Site], policy: str,
         reason = f"{not_fresh}: not overwritten; only its new output is kept for backward"
         if small:
             reason += f"; |weight| < eps={norm.eps} is clamped to eps"
+        if changes_model:
+            reason += f"; ReLU becomes LeakyReLU({RELU_SLOPE})"
         return Decision(OUTPUT_ONLY, reason, name, param, changes_model or small)
     if written is not None:
         return fallback(written)
