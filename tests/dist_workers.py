@@ -238,7 +238,9 @@ def half_inputs_in_pieces(rank: int, world: int) -> None:
     a backward that makes no float32 tensor of a whole rank's activation (it works on float32
     slices: kernels/reference.pieces)."""
     from iabn import traffic
+    from iabn.kernels import reference
 
+    reference.MIN_PIECE = 1  # slices at this tiny size (a process of its own)
     sizes = [20, 13][:world] + [7] * max(0, world - 2)
     for dtype in (torch.bfloat16, torch.float16):
         for activation in ("leaky_relu", "elu"):

@@ -14,6 +14,7 @@ from torch import nn
 
 import iabn
 from iabn import traffic
+from iabn.kernels import reference as kernels_reference
 from iabn.memory import saved_tensor_bytes
 
 from helpers import torch_activation
@@ -190,12 +191,13 @@ def test_bfloat16_input_with_float32_parameters():
 @pytest.mark.parametrize("case", [CASES[0], PARTS_CASES[0], ((2, 32, 4, 4), 16, "elu", 1.0,
                                                              True)],
                          ids=lambda c: f"{c[0]}-G{c[1]}-{c[2]}")
-def test_half_backward_makes_no_float32_activation(case, dtype):
+def test_half_backward_makes_no_float32_activation(case, dtype, monkeypatch):
     """A half input (float32 parameters) with 16 or more (sample, group) pairs: the backward
     computes in float32 parts, none the size of the activation, and holds at most one
     activation (in the input's dtype) more than nn.GroupNorm + activation's backward,
     counting every allocation (iabn.traffic)."""
     shape, groups, activation, param, affine = case
+    monkeypatch.setattr(kernels_reference, "MIN_PIECE", 1)  # parts at these tiny shapes
     torch.manual_seed(4)
     ref = reference(groups, shape[1], activation, param, affine, torch.float32)
     layer = layer_like(ref, groups, activation, param, True)

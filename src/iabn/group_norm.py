@@ -55,6 +55,7 @@ from .checks import (
     check_options,
     check_per_call,
 )
+from .kernels import reference
 from .kernels.reference import LOW_PRECISION, PIECES, at_most
 from .modules import OverwriteInputOption, check_loaded_gamma_mode, note_gamma_mode
 from .ops import needs_grad as layer_needs_grad
@@ -264,11 +265,12 @@ def _grads_in_parts(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | 
     xhat and dx, hold 6 x 4 bytes an element of it: as in :data:`.kernels.reference.PIECES`.)"""
     n, c = z.shape[:2]
     per = c // num_groups
-    if n >= PIECES:
-        parts = [(slice(a, b), 0, num_groups) for a, b in at_most(n, PIECES)]
+    count = max(1, min(PIECES, z.numel() // reference.MIN_PIECE))  # as reference.pieces
+    if n >= count:
+        parts = [(slice(a, b), 0, num_groups) for a, b in at_most(n, count)]
     else:
         parts = [(slice(i, i + 1), a, b)
-                 for i in range(n) for a, b in at_most(num_groups, -(-PIECES // n))]
+                 for i in range(n) for a, b in at_most(num_groups, -(-count // n))]
     dx = torch.empty_like(z) if mask[0] else None
     sums = [torch.zeros(c, dtype=torch.float32, device=z.device) if want else None
             for want in mask[1:]]
