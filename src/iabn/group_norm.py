@@ -56,7 +56,7 @@ from .checks import (
     check_per_call,
 )
 from .kernels.reference import LOW_PRECISION, PIECES, at_most
-from .modules import check_loaded_gamma_mode, note_gamma_mode
+from .modules import OverwriteInputOption, check_loaded_gamma_mode, note_gamma_mode
 from .ops import needs_grad as layer_needs_grad
 from .ops import overwritable
 from .scale import ABS, SIGNED, abs_sign, effective_scale, gamma_grad
@@ -425,7 +425,7 @@ class GroupNormAct(nn.Module):
         return text
 
 
-class InPlaceGroupNormAct(GroupNormAct):
+class InPlaceGroupNormAct(OverwriteInputOption, GroupNormAct):
     """In-place group norm + activation: overwrites its input and keeps only its output and
     ``rstd`` of shape ``(N, G)`` for backward.
 
@@ -434,17 +434,42 @@ class InPlaceGroupNormAct(GroupNormAct):
     so the input must not be needed elsewhere afterwards: the README's in-place contract, with
     the checks of :class:`iabn.InPlaceABN` (a leaf that requires grad, an inference tensor or
     one whose elements share memory is refused; ``iabn.debug.poison_overwritten`` finds later
-    reads). Double backward is refused.
+    reads). Double backward is refused. ``overwrite_input=False`` (keyword): the output-only
+    mode of :class:`iabn.modules.OverwriteInputOption`, for an input that is needed again.
     """
 
     _in_place = True
     _needs_inverse = True
 
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+        device=None,
+        dtype=None,
+        *,
+        gamma_mode: str = SIGNED,
+        overwrite_input: bool = True,
+    ) -> None:
+        super().__init__(num_groups, num_channels, eps, affine, activation, activation_param,
+                         device, dtype, gamma_mode=gamma_mode)
+        self.overwrite_input = overwrite_input
+
     def forward(self, input: Tensor) -> Tensor:
         weight, bias = self.weight, self.bias
+        in_place = self._in_place
         check_group_norm_inputs(input, weight, bias, self.num_groups, self.num_channels,
-                                in_place=True)
+                                in_place=in_place)
+        if not in_place:  # overwrite_input=False
+            input = input.clone()
         return inplace_group_norm_act(input, weight, bias, *self._options())
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.overwrite_input else ", overwrite_input=False")
 
 
 __all__ = ["GroupNormAct", "InPlaceGroupNormAct", "InPlaceGroupNormFunction"]
