@@ -119,7 +119,8 @@ IN_PLACE = {
 
 def _layer_kinds(model):
     """How many layers of each kind ``model`` has: ``InPlaceABN`` counted by activation
-    (``silu``/``gelu`` are the branch-bit layers), the not-in-place layers by class."""
+    (``silu``/``gelu`` are the branch-bit layers), the other layers by class; a layer in the
+    output-only mode (``overwrite_input=False``: not in place) gets `` output-only`` added."""
     kinds = {}
     for module in model.modules():
         if type(module) is iabn.InPlaceABN:
@@ -128,6 +129,8 @@ def _layer_kinds(model):
             kind = type(module).__name__
         else:
             continue
+        if not getattr(module, "overwrite_input", True):
+            kind += " output-only"
         kinds[kind] = kinds.get(kind, 0) + 1
     return kinds
 
