@@ -8,7 +8,7 @@ Usage::
         [--count 4] [--scale 3] [--canvases DIR]
 
 ``--canvases DIR`` also writes the input canvases as ``DIR/canvas_N.png``, e.g. to try
-``iabn segment`` on them (README).
+``iabn segment`` on them (docs/usage/segmentation.md).
 """
 
 from __future__ import annotations

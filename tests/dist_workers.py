@@ -232,7 +232,48 @@ def no_host_sync(rank: int, world: int) -> None:
     assert model[1].num_batches_tracked.item() == 2
 
 
+def half_inputs_in_pieces(rank: int, world: int) -> None:
+    """bfloat16 and float16 inputs (float32 parameters, as under autocast): the input
+    gradient within twice PyTorch's own error of a float64 reference on the whole batch, and
+    a backward that makes no float32 tensor of a whole rank's activation (it works on float32
+    slices: kernels/reference.pieces)."""
+    from iabn import traffic
+    from iabn.kernels import reference
+
+    reference.MIN_PIECE = 1  # slices at this tiny size (a process of its own)
+    sizes = [20, 13][:world] + [7] * max(0, world - 2)
+    for dtype in (torch.bfloat16, torch.float16):
+        for activation in ("leaky_relu", "elu"):
+            param = ACTIVATION_PARAMS[activation] or 0.01
+            torch.manual_seed(3)
+            bn = randomise_(torch.nn.BatchNorm2d(6))
+            layer = iabn.InPlaceABNSync(6, activation=activation, activation_param=param)
+            layer.load_state_dict(bn.state_dict())
+            act = torch_activation(activation, param)
+            full = (torch.randn(sum(sizes), 6, 5, 4) * 2 + 0.5).to(dtype)
+            upstream = torch.randn(sum(sizes), 6, 5, 4).to(dtype)
+            grads = {}
+            for name, module, cast in (("float64", bn, torch.float64), ("torch", bn, None)):
+                ref = (torch.nn.Sequential(module, act).double() if cast else
+                       torch.nn.Sequential(module, act))
+                x = full.to(cast or dtype).clone().requires_grad_()
+                ref(x).backward(upstream.to(cast or dtype))
+                grads[name] = _slice(x.grad.double(), sizes, rank)
+                bn.float()
+            leaf = _slice(full, sizes, rank).clone().requires_grad_()
+            out = layer(leaf.clone())
+            with traffic.TrafficCounter(leaf.numel()) as counter:
+                out.backward(_slice(upstream, sizes, rank))
+            assert all(t.dtype == dtype for t in counter.allocations), counter.allocations
+            # dx and the float32 slices: under two activations in the input's dtype
+            assert counter.peak_all_bytes < 2 * leaf.numel() * leaf.element_size()
+            torch_error = (grads["torch"] - grads["float64"]).abs().max().item()
+            error = (leaf.grad.double() - grads["float64"]).abs().max().item()
+            assert error <= 2 * torch_error + 1e-6, (dtype, activation, error, torch_error)
+
+
 SCENARIOS = {
+    "half_inputs_in_pieces": half_inputs_in_pieces,
     "no_host_sync": no_host_sync,
     "abn_sync_matches_single_process": abn_sync_matches_single_process,
     "debug_poisons": debug_poisons,

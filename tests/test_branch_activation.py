@@ -322,6 +322,35 @@ def test_saved_bytes_are_z_and_the_bits(activation, shape, dtype):
     assert torch_saved >= 2 * numel * x.element_size()
 
 
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype,extra", [(torch.bfloat16, 1), (torch.float16, 1),
+                                         (torch.float32, 2)], ids=str)
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_backward_memory_is_bounded(activation, dtype, extra, training, monkeypatch):
+    """Newton's float32 temporaries (up to 19 at once) are those of slices of the activation
+    (reference.pieces): the backward holds at most ``extra`` activations (in the input's
+    dtype; float32: y, dy and dx as the leaky_relu layer) more than BatchNorm + the
+    activation's, counting every allocation (iabn.traffic); half inputs make no float32
+    tensor of the activation's size."""
+    from iabn import traffic
+    from iabn.kernels import reference
+
+    monkeypatch.setattr(reference, "MIN_PIECE", 1)  # slices at this small shape
+    shape = (4, 8, 6, 5)
+    bn = nn.BatchNorm2d(shape[1])
+    layer = iabn.InPlaceABN(shape[1], activation=activation)
+    steps = {}
+    for name, module in (("torch", nn.Sequential(bn, torch_act(activation))), ("iabn", layer)):
+        module.train(training)
+        leaf = torch.randn(shape).to(dtype).requires_grad_()
+        steps[name] = traffic.count_step(module, leaf, torch.randn(shape).to(dtype))
+    backward = steps["iabn"].backward
+    if dtype != torch.float32:  # (full-size: dx, and the unpacked bits as bytes)
+        assert all(t.dtype != torch.float32 for t in backward.allocations), backward.allocations
+    a = leaf.numel() * leaf.element_size()
+    assert backward.peak_all_bytes <= steps["torch"].backward.peak_all_bytes + extra * a
+
+
 def test_no_grad_forward_keeps_nothing_and_equals_torch():
     x, _ = _data((4, 6, 5, 5), torch.float32)
     for activation in ACTIVATIONS:

@@ -374,17 +374,17 @@ def test_to_signed_converts_abs_weights_exactly():
                                rtol=0, atol=1e-6)
 
 
-# ---- item 3: the README's porting advice, run -------------------------------------------------
+# ---- item 3: the documentation's porting advice, run -------------------------------------------
 
-def test_readme_porting_examples_run(tmp_path):
-    """The checked examples (those with asserts) of the README's porting sections run against
+def test_documented_porting_examples_run(tmp_path):
+    """The checked examples (those with asserts) of the porting sections of the documentation
+    (docs/usage/conversion.md, where the README's porting sections moved) run against
     PyTorch's own BatchNorm, in one fresh process: from the original InPlaceABN (|w| + eps),
     from the original ABN (signed), leaving compat mode, timm's InplaceAbn."""
     import re
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("### Porting from `nn.BatchNorm2d` + activation")
-    section = readme[start:readme.index("### Models", start)]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "usage" / "conversion.md").read_text()
+    section = page[page.index("## Porting from `nn.BatchNorm2d` + activation"):]  # to the end
     blocks = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "assert" in b]
     assert len(blocks) >= 3, "the porting sections lost their checked examples"
     assert 'ABN(16, activation="relu")' in section and "never `gamma_mode=\"abs\"`" in section

@@ -153,15 +153,39 @@ class Residual(nn.Module):
         return self.act(self.bn(h)) + h
 
 
-@pytest.mark.parametrize("model_class", [TwoBranches, Residual])
-def test_a_norm_input_used_again_gets_abn_not_in_place(model_class):
-    model = _randomise(model_class())
+def test_a_norm_input_saved_by_another_branch_gets_abn():
+    """h feeds the norm and a convolution, which saves h for backward: a layer that keeps only
+    its output would save nothing, so the norm gets ABN (which does not invert)."""
+    model = _randomise(TwoBranches())
     x = _x()
     converted, report = iabn.convert(model, x)
     (row,) = report.rows
     assert row.decision == "ABN" and "also used by 1 other operation" in row.reason
+    assert "'side' also saves it for backward" in row.reason
     assert type(converted.bn) is iabn.ABN
     assert row.saved_after == row.saved_before
+    assert_same_model(model, converted, x)
+
+
+@pytest.mark.parametrize("activation", [nn.ELU(0.5), nn.LeakyReLU(0.2), nn.SiLU()],
+                         ids=["elu", "leaky_relu", "silu"])
+def test_a_norm_input_read_again_by_an_addition_gets_the_output_only_layer(activation):
+    """layer(h) + h: the addition saves nothing, so the output-only layer (a new output, only
+    it kept) frees h, which ABN (and BatchNorm + activation) keep: one activation less."""
+    model = _randomise(Residual())
+    model.act = activation
+    x = _x()
+    converted, report = iabn.convert(model, x)
+    (row,) = report.rows
+    assert row.decision == "InPlaceABN(overwrite_input=False)", row
+    assert "also used by 1 other operation" in row.reason
+    assert type(converted.bn) is iabn.InPlaceABN and not converted.bn.overwrite_input
+    # before: h, two statistics vectors, the activation's input (SiLU: its input too);
+    # after: the output and the vectors (SiLU: and the branch bits, one per element packed
+    # eight to a byte: 1/64 of a float64 activation)
+    bits = ACT // 64 if isinstance(activation, nn.SiLU) else 0
+    assert (row.saved_before, row.saved_after) == (2 * ACT + 2 * VEC, ACT + 2 * VEC + bits)
+    assert report.saved_after == saved_tensor_bytes(copy.deepcopy(converted).train(), x)
     assert_same_model(model, converted, x)
 
 

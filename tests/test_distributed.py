@@ -34,6 +34,10 @@ def test_matches_single_process_on_the_whole_batch(world, kernels, monkeypatch):
     _spawn(world, "matches_single_process")
 
 
+def test_half_inputs_work_in_float32_pieces():
+    _spawn(2, "half_inputs_in_pieces")
+
+
 def test_one_collective_each_way_and_none_in_eval():
     _spawn(2, "counts_collectives")
 

@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import iabn
+from iabn import traffic
+from iabn.kernels import reference as kernels_reference
 from iabn.memory import saved_tensor_bytes
 
 from helpers import torch_activation
@@ -136,8 +138,14 @@ def test_signed_mode_clamps_tiny_weights_like_in_place_abn():
 BOUND = {torch.float32: 4.0, torch.bfloat16: 4.0}
 
 
+#: Half-precision backward works on parts of whole samples (N >= 16) or of whole groups of a
+#: sample (iabn.group_norm._grads_in_parts): these cut along samples, and into one-sample parts.
+PARTS_CASES = [((20, 6, 5), 3, "elu", 1.0, True), CASES[5]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", CASES[:5], ids=lambda c: f"{c[0]}-G{c[1]}-{c[2]}")
+@pytest.mark.parametrize("case", CASES[:5] + PARTS_CASES,
+                         ids=lambda c: f"{c[0]}-G{c[1]}-{c[2]}")
 def test_low_precision_error_within_a_multiple_of_group_norm(case, dtype):
     """Outputs and gradients of both in ``dtype`` (parameters too), each compared with the
     float64 reference; the in-place layer's error is at most BOUND times nn.GroupNorm's (or
@@ -177,6 +185,30 @@ def test_bfloat16_input_with_float32_parameters():
     h = x.to(torch.bfloat16).requires_grad_()
     layer32(h * 1).float().sum().backward()
     assert layer32.weight.grad.dtype == torch.float32 and h.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], PARTS_CASES[0], ((2, 32, 4, 4), 16, "elu", 1.0,
+                                                             True)],
+                         ids=lambda c: f"{c[0]}-G{c[1]}-{c[2]}")
+def test_half_backward_makes_no_float32_activation(case, dtype, monkeypatch):
+    """A half input (float32 parameters) with 16 or more (sample, group) pairs: the backward
+    computes in float32 parts, none the size of the activation, and holds at most one
+    activation (in the input's dtype) more than nn.GroupNorm + activation's backward,
+    counting every allocation (iabn.traffic)."""
+    shape, groups, activation, param, affine = case
+    monkeypatch.setattr(kernels_reference, "MIN_PIECE", 1)  # parts at these tiny shapes
+    torch.manual_seed(4)
+    ref = reference(groups, shape[1], activation, param, affine, torch.float32)
+    layer = layer_like(ref, groups, activation, param, True)
+    steps = {}
+    for name, module in (("torch", ref), ("iabn", layer)):
+        leaf = torch.randn(shape).to(dtype).requires_grad_()
+        steps[name] = traffic.count_step(module, leaf, torch.randn(shape).to(dtype))
+    backward = steps["iabn"].backward
+    assert all(t.dtype == dtype for t in backward.allocations), backward.allocations
+    a = leaf.numel() * leaf.element_size()
+    assert backward.peak_all_bytes <= steps["torch"].backward.peak_all_bytes + a
 
 
 def test_strided_and_empty_inputs():

@@ -71,9 +71,10 @@ def test_plan_loads_on_first_use():
 
 
 def test_compat_and_models_are_reachable_after_import_iabn():
-    """``iabn.compat.to_signed_state_dict`` and ``iabn.models.create``, as the README writes
-    them, work after ``import iabn`` alone; they load on first use, and loading iabn.compat
-    registers no ``inplace_abn`` alias (only iabn.compat.enable or install() does)."""
+    """``iabn.compat.to_signed_state_dict`` and ``iabn.models.create``, as the documentation
+    (docs/usage/conversion.md, models.md) writes them, work after ``import iabn`` alone; they
+    load on first use, and loading iabn.compat registers no ``inplace_abn`` alias (only
+    iabn.compat.enable or install() does)."""
     script = ("import sys, iabn; assert 'iabn.compat' not in sys.modules; "
               "assert 'iabn.models' not in sys.modules; "
               "assert iabn.compat.to_signed_state_dict is "

@@ -9,12 +9,15 @@ activation; nothing is taken from the counter itself. The step is
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 import iabn
 from iabn import traffic
+from iabn.kernels import reference
 from iabn.kernels.dispatch import use_backend
 
 from helpers import INTERPRET, randomise_
@@ -114,6 +117,21 @@ def test_memory_peak_and_dtypes_of_allocations():
     ]
 
 
+def test_peak_of_every_allocation():
+    """peak_all_bytes counts tensors of any size (slices of an activation, per-channel ones),
+    peak_bytes and the traffic only full-size ones."""
+    x = torch.randn(SHAPE)
+    piece = x[:1, 2:5]   # 3 x 30 of 960 elements
+    with traffic.TrafficCounter(x.numel()) as counter:
+        p = piece.double()           # +720 bytes, not full-size
+        q = torch.randn(8).mul(2)    # +32 bytes
+        r = x * 2                    # +3840 bytes, full-size
+        del p, q, r
+    assert counter.peak_all_bytes == 720 + 32 + 3840 and counter.live_all_bytes == 0
+    assert counter.peak_bytes == 3840 and counter.moved == 2 * 3840
+    assert [(t.op, t.nbytes) for t in counter.allocations] == [("aten.mul", 3840)]
+
+
 # ---- exact counts of whole steps -------------------------------------------------------------
 
 
@@ -179,6 +197,69 @@ def test_in_place_triton_step(channels_last):
 
 def _moved(step):
     return step.forward.moved + step.backward.moved
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("activation,variant", [("elu", 2), ("leaky_relu", 1)])
+@pytest.mark.parametrize("shape", [SHAPE, (32, 8, 3, 3), (40, 5)], ids=["n4", "n32", "2d"])
+def test_float32_backward_of_half_inputs_works_in_pieces(
+    dtype, training, channels_last, activation, variant, shape, monkeypatch,
+):
+    """elu and variant I compute a half input's y and dy in float32 (reference.full_dtype):
+    no full-size float32 tensor is made, and the backward holds at most one activation (in
+    the input's dtype) more than BatchNorm + the activation's, counting every allocation (the
+    float32 slices it works on included)."""
+    if channels_last and len(shape) != 4:
+        pytest.skip("channels_last needs 4 dims")
+    monkeypatch.setattr(reference, "MIN_PIECE", 1)  # pieces at this tiny shape
+    bn = randomise_(nn.BatchNorm2d(shape[1]) if len(shape) == 4 else nn.BatchNorm1d(shape[1]))
+    act = nn.ELU(1.0, inplace=True) if activation == "elu" else nn.LeakyReLU(SLOPE, True)
+    layer = iabn.InPlaceABN(shape[1], activation=activation,
+                            activation_param=1.0 if activation == "elu" else SLOPE,
+                            variant=variant)
+    layer.load_state_dict(bn.state_dict())
+    steps = {}
+    for name, module in (("bn", nn.Sequential(bn, act)), ("iabn", layer)):
+        module.train(training)
+        fmt = torch.channels_last if channels_last else torch.contiguous_format
+        leaf = torch.randn(shape).to(dtype).contiguous(memory_format=fmt).requires_grad_()
+        grad = torch.randn(shape).to(dtype).contiguous(memory_format=fmt)
+        with use_backend("reference"):
+            steps[name] = traffic.count_step(module, leaf, grad)
+    a = leaf.numel() * leaf.element_size()
+    backward = steps["iabn"].backward
+    assert all(t.dtype == dtype for t in backward.allocations), backward.allocations
+    assert backward.peak_all_bytes <= steps["bn"].backward.peak_all_bytes + a
+
+
+@pytest.mark.parametrize("shape,parts,expected", [
+    ((40, 3, 5), 16, [(slice(a, a + 2),) for a in range(0, 40, 2)]),      # along N, 2 each
+    ((2, 3, 4, 5), 8, [(slice(i, i + 1), slice(None), slice(a, a + 5))   # N < parts: and L
+                       for i in range(2) for a in range(0, 20, 5)]),
+    ((3, 2, 2), 16, [(slice(i, i + 1), slice(None), slice(a, a + 1))     # 1 position each
+                     for i in range(3) for a in range(2)]),
+])
+def test_pieces_cut_whole_channels_into_at_most_one_part_in(shape, parts, expected,
+                                                             monkeypatch):
+    monkeypatch.setattr(reference, "MIN_PIECE", 1)
+    x = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    (view,), index = reference.pieces(x, parts=parts)
+    assert index == expected
+    assert all(view[at].numel() <= max(x.numel() // parts, shape[1]) for at in index)
+    covered = torch.zeros_like(view)
+    for at in index:
+        covered[at] += 1
+    assert torch.equal(covered, torch.ones_like(view))   # every element once
+
+
+def test_pieces_leave_small_activations_whole():
+    """Each part repeats its operations' launches: below PIECES * MIN_PIECE elements fewer
+    parts, one below twice MIN_PIECE (the layer's launches stay those of one pass)."""
+    small = torch.empty(2 * reference.MIN_PIECE - 1, 1)
+    assert len(reference.pieces(small)[1]) == 1
+    assert len(reference.pieces(torch.empty(5 * reference.MIN_PIECE, 1))[1]) == 5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

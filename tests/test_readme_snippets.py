@@ -1,4 +1,5 @@
-"""Every ```python block of README.md and docs/*.md runs as written, each in a fresh Python
+"""Every ```python block of README.md and of every Markdown page under docs/ (the documentation
+site's pages, docs/usage/ included) runs as written, each in a fresh Python
 process (a fresh namespace, and no state such as ``import iabn.compat.enable`` shared between
 blocks), from an empty temporary folder.
 
@@ -12,6 +13,10 @@ with a marker this test reads and the reason, which the reader sees in the Markd
 
 Any other ``<!-- snippet: ... -->`` line is an error, so a typo cannot turn a check off.
 Shell blocks (```bash, plain ```) are not run.
+
+The README's own links (to the site's pages, and headings in them) must lead somewhere too:
+`mkdocs build --strict` checks the links between the pages, not those of the README, which is
+not one of them.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")))
+DOCUMENTS = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
 MARKER = re.compile(r"<!-- snippet: (?P<kind>[\w-]+)(?::\s*(?P<reason>.*?))?\s*-->")
 KINDS = ("needs-cuda", "needs-file", "torchrun")
 FENCE = re.compile(r"^```(?P<info>\S*)")
@@ -44,7 +49,7 @@ class Snippet:
 
     @property
     def id(self) -> str:
-        return f"{self.document.name}:{self.line}"
+        return f"{self.document.relative_to(ROOT).as_posix()}:{self.line}"
 
 
 def markdown_blocks(document: Path) -> tuple[list[Snippet], list[str]]:
@@ -98,8 +103,9 @@ def test_the_documents_have_checked_blocks_and_well_formed_markers():
     problems = [p for document in DOCUMENTS for p in markdown_blocks(document)[1]]
     assert not problems, problems
     snippets = all_snippets()
-    # the README's examples: usage, functional, debug mode, convert, porting (3), timm,
-    # models, planning, distributed, offloading, memory; at most a few may not run here
+    # the examples of the README (the tour) and of the pages: usage, functional, debug mode,
+    # convert, porting (3), timm, models, planning, distributed, offloading, memory; at most a
+    # few may not run here
     assert len(snippets) >= 12, [s.id for s in snippets]
     assert sum(s.kind in ("needs-file", "needs-cuda") for s in snippets) <= 2
 
@@ -157,3 +163,61 @@ def test_snippet_runs(snippet, tmp_path):
     assert result.returncode == 0, (
         f"{snippet.id} (section {snippet.section!r}; block line N is document line "
         f"{snippet.line} + N) failed:\n{result.stderr[-3000:]}")
+
+
+LINK = re.compile(r"\]\((?P<target>[^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs (Python-Markdown's toc) and GitHub give a heading: lower case, code
+    marks and punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def broken_links(document: Path) -> list[str]:
+    """The relative links of ``document`` whose file, or heading (``#anchor``), is missing."""
+    problems, fence = [], False
+    for number, line in enumerate(document.read_text(encoding="utf-8").splitlines(), 1):
+        if line.startswith("```"):
+            fence = not fence
+        if fence:
+            continue
+        for found in LINK.finditer(line):
+            target = found["target"]
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            page = (document.parent / path).resolve() if path else document
+            if not page.is_file():
+                problems.append(f"{document.name}:{number}: {target}: no such file")
+            elif anchor and anchor not in {
+                    _slug(heading.lstrip("#")) for heading in markdown_headings(page)}:
+                problems.append(f"{document.name}:{number}: {target}: no such heading")
+    return problems
+
+
+def markdown_headings(document: Path) -> list[str]:
+    headings, fence = [], False
+    for line in document.read_text(encoding="utf-8").splitlines():
+        if line.startswith("```"):
+            fence = not fence
+        elif not fence and line.startswith("#"):
+            headings.append(line)
+    return headings
+
+
+def test_the_readme_links_lead_to_pages_and_headings():
+    assert _slug("## Accuracy after `iabn.convert(..., policy=\"leaky_relu\")` "
+                 "(`benchmarks/convert_accuracy.py`)".lstrip("#")) == (
+        "accuracy-after-iabnconvert-policyleaky_relu-benchmarksconvert_accuracypy")
+    assert not broken_links(ROOT / "README.md")
+
+
+def test_the_link_check_finds_missing_pages_and_headings(tmp_path):
+    (tmp_path / "page.md").write_text("# Page\n\n## A `b` (c.py)\n```bash\n# not a heading\n```\n")
+    document = tmp_path / "doc.md"
+    document.write_text("[ok](page.md#a-b-cpy) [gone](nope.md) [wrong](page.md#not-a-heading)\n"
+                        "[web](https://example.org/x.md) [here](#doc)\n# Doc\n")
+    assert broken_links(document) == ["doc.md:1: nope.md: no such file",
+                                       "doc.md:1: page.md#not-a-heading: no such heading"]

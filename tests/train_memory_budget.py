@@ -7,7 +7,8 @@ keeps for backward, training mode) the activation memory of ``nn.BatchNorm2d`` +
 ``--batch`` images of ``--size`` pixels (the budget), then finds the largest batch each layer
 trains within that budget. Saved bytes are affine in the batch (activations scale with it,
 per-channel statistics do not), so two measurements give the answer and a third at that batch
-(and one more image) confirms it. Prints a markdown table (the README's real-check figures).
+(and one more image) confirms it. Prints a markdown table (the real-check figures of
+docs/usage/training.md).
 """
 
 from __future__ import annotations

@@ -131,8 +131,8 @@ class BNActConv(nn.Module):
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias: as
             ``nn.Conv2d`` (numeric padding; ``padding_mode="zeros"``).
         strategy: one of :data:`STRATEGIES` (default ``"inplace_II"``).
-        eps, momentum, affine, track_running_stats, activation, activation_param,
-            gamma_mode: of the norm layer, as :class:`iabn.InPlaceABN` (``relu`` only with the
+        eps, momentum, affine, track_running_stats, activation, activation_param, gamma_mode:
+            of the norm layer, as :class:`iabn.InPlaceABN` (``relu`` only with the
             ``standard`` and checkpoint strategies).
 
     The parameters are ``norm.*`` (the keys of ``nn.BatchNorm2d``) and ``conv.*``, the same for

@@ -242,11 +242,26 @@ def backward(
     """``(dx, dgamma, dbeta)`` from ``z``, its branch bits and ``dz``."""
     if z.numel() == 0:
         return reference.empty_grads(z, weight, bias, output_mask)
-    compute = reference.compute_dtype(z.dtype)
-    zc = z.to(compute)
-    y = invert(zc, unpack_bits(packed, z.shape), config.activation, z.dtype)
-    del zc
-    dy = derivative(y, config.activation).mul_(dz.to(compute))
+    compute, activation = reference.compute_dtype(z.dtype), config.activation
+    # Newton's temporaries (up to 19 float32 tensors at once) are a piece's, not the
+    # activation's: 1/64 of it for large activations (reference.pieces)
+    (zv, dzv, leftv), index = reference.pieces(z, dz, unpack_bits(packed, z.shape),
+                                               parts=4 * reference.PIECES)
+
+    def recover_piece(at: tuple, with_y: bool) -> tuple[Tensor, Tensor]:
+        y = invert(zv[at].to(compute), leftv[at], activation, z.dtype)
+        return y, derivative(y, activation).mul_(dzv[at].to(compute))
+
+    if compute != z.dtype:  # half inputs: nothing of the activation's size in float32
+        return reference.grads_over_pieces(z, weight, bias, invstd, g, config, output_mask,
+                                           index, recover_piece)
+    y, dy = torch.empty_like(z), torch.empty_like(z)
+    (yv, dyv), _ = reference.pieces(y, dy)
+    for at in index:
+        y_piece, dy_piece = recover_piece(at, True)
+        yv[at].copy_(y_piece)
+        dyv[at].copy_(dy_piece)
+    del y_piece, dy_piece
     g = g.to(compute)
     beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
     return reference.grads_from_y(y, dy, g, beta, invstd, z, weight, bias, config, output_mask)

@@ -85,7 +85,8 @@ class _Synchronised:
 class InPlaceABNSync(_Synchronised, InPlaceABN):
     """:class:`iabn.InPlaceABN` whose training-mode statistics span all ranks of ``group``.
 
-    Same arguments as :class:`iabn.InPlaceABN` (backward variant II) plus ``group``: a
+    Same arguments as :class:`iabn.InPlaceABN` (backward variant II; ``overwrite_input``
+    included) plus ``group``: a
     ``torch.distributed`` process group, ``None`` for the whole world, looked up at every
     training step. Eval mode uses the running statistics (or, without them, this rank's batch)
     and communicates nothing, like ``nn.SyncBatchNorm``. The first synchronised step checks
@@ -109,13 +110,18 @@ class InPlaceABNSync(_Synchronised, InPlaceABN):
         *,
         gamma_mode: str = SIGNED,
         group: Any = None,
+        overwrite_input: bool = True,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
             activation_param, device, dtype, gamma_mode=gamma_mode,
+            overwrite_input=overwrite_input,
         )
         self.group = group
         self._ranks_checked = False
+
+    def _to_overwrite(self, input: Tensor) -> Tensor:
+        return input if self._in_place else input.clone()  # overwrite_input=False: a copy
 
 
 class ABNSync(_Synchronised, ABN):

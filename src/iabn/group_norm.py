@@ -29,7 +29,8 @@ is not needed). Backward recovers ``y = phi^-1(z)``, ``dy = phi'(y) * dz`` (from
 
 float16 and bfloat16 inputs are normalised by the same kernel as ``nn.GroupNorm`` (forward
 outputs equal its outputs); backward recovers ``xhat`` and runs the backward kernel in
-float32, casting ``dx`` to the input's dtype. The output always has the input's dtype (it is
+float32 on parts of the activation (:func:`_grads_in_parts`), writing ``dx`` in the input's
+dtype. The output always has the input's dtype (it is
 the input): under CUDA autocast, whose float32 list holds ``group_norm``, ``nn.GroupNorm``
 returns float32 instead (CPU autocast leaves it in the input's dtype, as here).
 """
@@ -54,8 +55,9 @@ from .checks import (
     check_options,
     check_per_call,
 )
-from .kernels.reference import LOW_PRECISION
-from .modules import check_loaded_gamma_mode, note_gamma_mode
+from .kernels import reference
+from .kernels.reference import LOW_PRECISION, PIECES, at_most
+from .modules import OverwriteInputOption, check_loaded_gamma_mode, note_gamma_mode
 from .ops import needs_grad as layer_needs_grad
 from .ops import overwritable
 from .scale import ABS, SIGNED, abs_sign, effective_scale, gamma_grad
@@ -191,32 +193,14 @@ class InPlaceGroupNormFunction(torch.autograd.Function):
         num_groups, eps, activation, activation_param, gamma_mode = ctx.options
         want_dx, want_dweight, want_dbias = ctx.needs_input_grad[:3]
         mask = [want_dx, want_dweight and weight is not None, want_dbias and bias is not None]
-        # Low precision: recover xhat and run the backward kernel in float32.
-        compute = torch.float32 if z.dtype in LOW_PRECISION else z.dtype
-        layout = _layout(z)
-        zc = z.to(compute).contiguous(memory_format=layout)
-        dzc = dz.to(compute).contiguous(memory_format=layout)
-        dy = act.grad_from_output(dzc, zc, activation, activation_param)
-        y = act.invert(zc, activation, activation_param)
-        # xhat = (y - beta) / g; a new tensor (invert returns z itself for identity)
-        xhat = y - _per_channel(bias.to(compute), zc) if bias is not None else y.clone()
-        if weight is not None:
-            scale = effective_scale(weight.detach(), eps, gamma_mode).to(compute)
-            xhat.div_(_per_channel(scale, zc))
+        scale = None if weight is None else effective_scale(weight.detach(), eps, gamma_mode)
+        if z.dtype in LOW_PRECISION and not torch.compiler.is_compiling():
+            # in float32, a part at a time (Inductor fuses the casts into its kernels)
+            dx, dscale, dbias = _grads_in_parts(z, dz, scale, bias, rstd, num_groups,
+                                                activation, activation_param, mask)
         else:
-            scale = None
-        del y
-        n, c, hxw = _sizes(z)
-        zeros = rstd.new_zeros(rstd.shape, dtype=compute)
-        ones = rstd.new_ones(rstd.shape, dtype=compute)
-        dx, dscale, dbias = _NATIVE_GROUP_NORM_BACKWARD(
-            dy, xhat, zeros, ones, scale, n, c, hxw, num_groups, mask)
-        if dx is not None:
-            # the kernel's dx is for rstd = 1: scale each (sample, group) by its own rstd
-            # (broadcast per channel, so any memory layout of dx is written in place)
-            factor = rstd.to(compute).repeat_interleave(c // num_groups, dim=1)
-            dx.mul_(factor.view((n, c) + (1,) * (z.dim() - 2)))
-            dx = dx.to(z.dtype)
+            dx, dscale, dbias = _grads(z, dz, scale, bias, rstd, num_groups, activation,
+                                       activation_param, mask)
         dweight = None
         if mask[1] and dscale is not None:
             dweight = gamma_grad(dscale, weight.detach(), gamma_mode).to(weight.dtype)
@@ -236,6 +220,72 @@ def _composed(input: Tensor, weight: Tensor | None, bias: Tensor | None, num_gro
     out = group_norm_act(input.clone(), weight, bias, num_groups, eps, activation,
                          activation_param, gamma_mode)
     return input.copy_(out)
+
+
+def _grads(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | None, rstd: Tensor,
+           num_groups: int, activation: str, activation_param: float, mask: list[bool],
+           ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dx, dscale, dbias)`` of the layer from its output ``z`` (``(N, C, *)``, the
+    ``num_groups`` groups of its channels) and ``rstd`` ``(N, G)``; computed in float32 for
+    half inputs, ``dx`` in ``z``'s dtype. See the module docstring for the math."""
+    compute = torch.float32 if z.dtype in LOW_PRECISION else z.dtype
+    layout = _layout(z)
+    zc = z.to(compute).contiguous(memory_format=layout)
+    dzc = dz.to(compute).contiguous(memory_format=layout)
+    dy = act.grad_from_output(dzc, zc, activation, activation_param)
+    y = act.invert(zc, activation, activation_param)
+    # xhat = (y - beta) / g; a new tensor (invert returns z itself for identity)
+    xhat = y - _per_channel(bias.to(compute), zc) if bias is not None else y.clone()
+    if scale is not None:
+        scale = scale.to(compute)
+        xhat.div_(_per_channel(scale, zc))
+    del y
+    n, c, hxw = _sizes(z)
+    zeros = rstd.new_zeros(rstd.shape, dtype=compute)
+    ones = rstd.new_ones(rstd.shape, dtype=compute)
+    dx, dscale, dbias = _NATIVE_GROUP_NORM_BACKWARD(
+        dy, xhat, zeros, ones, scale, n, c, hxw, num_groups, mask)
+    if dx is not None:
+        # the kernel's dx is for rstd = 1: scale each (sample, group) by its own rstd
+        # (broadcast per channel, so any memory layout of dx is written in place)
+        factor = rstd.to(compute).repeat_interleave(c // num_groups, dim=1)
+        dx.mul_(factor.view((n, c) + (1,) * (z.dim() - 2)))
+        dx = dx.to(z.dtype)
+    return dx, dscale, dbias
+
+
+def _grads_in_parts(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | None,
+                    rstd: Tensor, num_groups: int, activation: str, activation_param: float,
+                    mask: list[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`_grads` for half inputs without a float32 tensor of the whole activation: each
+    (sample, group) is normalised on its own, so the backward splits exactly into parts of
+    whole samples (``N >= PIECES``) or of whole groups of one sample; ``dx`` is written part by
+    part, the parameter gradients are summed over them. With fewer than ``PIECES`` (sample,
+    group) pairs the parts are those pairs. (The float32 temporaries of a part, z, dz, dy, y,
+    xhat and dx, hold 6 x 4 bytes an element of it: as in :data:`.kernels.reference.PIECES`.)"""
+    n, c = z.shape[:2]
+    per = c // num_groups
+    count = max(1, min(PIECES, z.numel() // reference.MIN_PIECE))  # as reference.pieces
+    if n >= count:
+        parts = [(slice(a, b), 0, num_groups) for a, b in at_most(n, count)]
+    else:
+        parts = [(slice(i, i + 1), a, b)
+                 for i in range(n) for a, b in at_most(num_groups, -(-count // n))]
+    dx = torch.empty_like(z) if mask[0] else None
+    sums = [torch.zeros(c, dtype=torch.float32, device=z.device) if want else None
+            for want in mask[1:]]
+    for samples, g0, g1 in parts:
+        channels = slice(g0 * per, g1 * per)
+        at = (samples, channels)
+        part = _grads(z[at], dz[at], None if scale is None else scale[channels],
+                      None if bias is None else bias[channels], rstd[samples, g0:g1],
+                      g1 - g0, activation, activation_param, mask)
+        if dx is not None:
+            dx[at].copy_(part[0])
+        for total, value in zip(sums, part[1:], strict=True):
+            if total is not None and value is not None:
+                total[channels] += value
+    return dx, *sums
 
 
 def group_norm_act(input: Tensor, weight: Tensor | None, bias: Tensor | None, num_groups: int,
@@ -377,7 +427,7 @@ class GroupNormAct(nn.Module):
         return text
 
 
-class InPlaceGroupNormAct(GroupNormAct):
+class InPlaceGroupNormAct(OverwriteInputOption, GroupNormAct):
     """In-place group norm + activation: overwrites its input and keeps only its output and
     ``rstd`` of shape ``(N, G)`` for backward.
 
@@ -386,17 +436,42 @@ class InPlaceGroupNormAct(GroupNormAct):
     so the input must not be needed elsewhere afterwards: the README's in-place contract, with
     the checks of :class:`iabn.InPlaceABN` (a leaf that requires grad, an inference tensor or
     one whose elements share memory is refused; ``iabn.debug.poison_overwritten`` finds later
-    reads). Double backward is refused.
+    reads). Double backward is refused. ``overwrite_input=False`` (keyword): the output-only
+    mode of :class:`iabn.modules.OverwriteInputOption`, for an input that is needed again.
     """
 
     _in_place = True
     _needs_inverse = True
 
+    def __init__(
+        self,
+        num_groups: int,
+        num_channels: int,
+        eps: float = 1e-5,
+        affine: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+        device=None,
+        dtype=None,
+        *,
+        gamma_mode: str = SIGNED,
+        overwrite_input: bool = True,
+    ) -> None:
+        super().__init__(num_groups, num_channels, eps, affine, activation, activation_param,
+                         device, dtype, gamma_mode=gamma_mode)
+        self.overwrite_input = overwrite_input
+
     def forward(self, input: Tensor) -> Tensor:
         weight, bias = self.weight, self.bias
+        in_place = self._in_place
         check_group_norm_inputs(input, weight, bias, self.num_groups, self.num_channels,
-                                in_place=True)
+                                in_place=in_place)
+        if not in_place:  # overwrite_input=False
+            input = input.clone()
         return inplace_group_norm_act(input, weight, bias, *self._options())
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ("" if self.overwrite_input else ", overwrite_input=False")
 
 
 __all__ = ["GroupNormAct", "InPlaceGroupNormAct", "InPlaceGroupNormFunction"]

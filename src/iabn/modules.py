@@ -280,15 +280,46 @@ class ABN(_NormBase):
         return text
 
 
-class InPlaceABN(ABN):
+class OverwriteInputOption:
+    """The ``overwrite_input`` option of the in-place layers (:class:`InPlaceABN`,
+    :class:`iabn.InPlaceABNSync`, :class:`iabn.InPlaceGroupNormAct`).
+
+    ``True`` (default): the layer overwrites its input and returns it. ``False`` (the
+    output-only mode): the layer leaves its input untouched and runs on a copy of it, which
+    it returns; it still keeps only that output for backward, so its input is freed as soon
+    as nothing else holds it (a residual stream read again by an addition, a tensor feeding
+    two branches), where :class:`ABN` keeps both. The copy costs one more pass over the
+    activation in forward (read and write); the input checks are those of a layer that
+    does not overwrite (a leaf that requires grad is accepted)."""
+
+    @property
+    def overwrite_input(self) -> bool:
+        # stored as the instance's _in_place, which the input checks read (the class
+        # attribute stays True: iabn.debug names the in-place layer classes by it)
+        return self.__dict__.get("_in_place", True)
+
+    @overwrite_input.setter
+    def overwrite_input(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(
+                f"overwrite_input={value!r}: must be True (overwrite the input, the default) "
+                f"or False (write a new tensor and keep only it for backward)"
+            )
+        self.__dict__["_in_place"] = value
+        self.__dict__.pop("_valid_signature", None)  # the checks differ between the modes
+
+
+class InPlaceABN(OverwriteInputOption, ABN):
     """In-Place Activated BatchNorm: overwrites its input and stores only its output.
 
     Same arguments as :class:`ABN` plus ``variant`` (2, the default, or 1: the paper's two
-    backward passes). ``activation`` must be invertible: ``"leaky_relu"``, ``"elu"`` or
-    ``"identity"``, or ``"silu"``/``"gelu"``, which keep one bit per element saying which of
-    the two inputs of an output it was (docs/design.md, "SiLU and GELU in place"). The
-    returned tensor *is* the input tensor, so the input must not be needed
-    elsewhere afterwards (e.g. a residual shortcut); see the README's in-place contract.
+    backward passes) and ``overwrite_input`` (``False``: the output-only mode of
+    :class:`OverwriteInputOption`, for an input that is needed again). ``activation`` must be
+    invertible: ``"leaky_relu"``, ``"elu"`` or ``"identity"``, or ``"silu"``/``"gelu"``, which
+    keep one bit per element saying which of the two inputs of an output it was
+    (docs/design.md, "SiLU and GELU in place"). The returned tensor *is* the input tensor, so
+    the input must not be needed elsewhere afterwards (e.g. a residual shortcut); see the
+    in-place contract in the documentation (docs/usage/layers.md).
     """
 
     _in_place = True
@@ -309,6 +340,7 @@ class InPlaceABN(ABN):
         *,
         gamma_mode: str = SIGNED,
         variant: int = 2,
+        overwrite_input: bool = True,
     ) -> None:
         check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant,
                       eps=eps, momentum=momentum, branch=self._branch_bit)
@@ -317,9 +349,12 @@ class InPlaceABN(ABN):
             activation_param, device=device, dtype=dtype, gamma_mode=gamma_mode,
         )
         self.variant = variant
+        self.overwrite_input = overwrite_input
 
     def forward(self, input: Tensor) -> Tensor:
         weight, bias, running_mean, running_var, config, counter = self._prepare(input)
+        if not self._in_place:  # overwrite_input=False
+            input = input.clone()
         output = inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
         if counter is not None:
             counter.add_(1)
@@ -327,4 +362,5 @@ class InPlaceABN(ABN):
 
     def extra_repr(self) -> str:
         text = super().extra_repr()
-        return text + (f", variant={self.variant}" if self.variant != 2 else "")
+        text += f", variant={self.variant}" if self.variant != 2 else ""
+        return text + ("" if self.overwrite_input else ", overwrite_input=False")

@@ -42,7 +42,10 @@ counts again. (At shapes where a per-channel tensor has ``numel`` elements too, 
 **Memory.** Every full-size tensor an operator allocates (a result on a storage that none of
 its arguments has) is recorded with its dtype, and the bytes of those still alive are tracked
 (a storage's bytes are released when it is freed): :attr:`TrafficCounter.peak_bytes` is the
-most that was alive at once among those allocated inside the counter. Allocations inside ATen
+most that was alive at once among those allocated inside the counter.
+:attr:`TrafficCounter.peak_all_bytes` is the same over every tensor allocated, of any size (a
+backward that works on slices of the activation, ``kernels/reference.pieces``, allocates no
+full-size tensor but its slices still take memory). Allocations inside ATen
 kernels (a CPU kernel's private buffers) are not seen.
 
 :func:`count_step` counts ``layer(leaf.clone()).backward(grad)`` with one counter for the
@@ -107,6 +110,8 @@ class TrafficCounter(TorchDispatchMode):
     allocations: list[Allocation] = field(default_factory=list)
     live_bytes: int = 0
     peak_bytes: int = 0
+    live_all_bytes: int = 0
+    peak_all_bytes: int = 0
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -177,22 +182,25 @@ class TrafficCounter(TorchDispatchMode):
         return sum(t.numel() * t.element_size() for t in tensors if self._full(t))
 
     def _allocated(self, op: str, t: Tensor) -> None:
-        if not self._full(t):
-            return
         storage = t.untyped_storage()
         key = id(storage)
         if key in self._tracked:
             return
-        nbytes = storage.nbytes()
+        nbytes, full = storage.nbytes(), self._full(t)
         self._tracked.add(key)
-        self.allocations.append(Allocation(op, t.dtype, nbytes))
-        self.live_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(storage, self._freed, key, nbytes)
+        self.live_all_bytes += nbytes
+        self.peak_all_bytes = max(self.peak_all_bytes, self.live_all_bytes)
+        if full:
+            self.allocations.append(Allocation(op, t.dtype, nbytes))
+            self.live_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(storage, self._freed, key, nbytes, full)
 
-    def _freed(self, key: int, nbytes: int) -> None:
+    def _freed(self, key: int, nbytes: int, full: bool) -> None:
         self._tracked.discard(key)
-        self.live_bytes -= nbytes
+        self.live_all_bytes -= nbytes
+        if full:
+            self.live_bytes -= nbytes
 
     def record_triton(self, name: str, reads: list[Tensor], writes: list[Tensor],
                       others: list[Tensor]) -> None:

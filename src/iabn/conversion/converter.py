@@ -45,13 +45,18 @@ def convert(
       later (also through an operation that may return its input, such as ``dropout`` in eval
       mode), its activation (LeakyReLU, ELU, Identity, none) is invertible, and, under the
       lossless policy, no ``|weight| < eps`` would be clamped;
+    - the same layer with ``overwrite_input=False`` (the output-only mode: a new output,
+      only it kept for backward) where the conditions hold except that the input is also read
+      by other operations of the graph, and no operation other than normalisations saves that
+      input for backward (a residual stream that an addition reads again): the layer no
+      longer keeps its input, which is freed once those operations are done;
     - :class:`iabn.ABN` (``ABNSync``) where it is followed by an activation that an in-place
-      layer may not absorb there (ReLU under the lossless policy, an input used twice or
-      kept outside the graph...);
+      layer may not absorb there (ReLU under the lossless policy, an input kept outside the
+      graph or saved by another operation...);
     - untouched otherwise; the report gives the reason for each layer.
 
     ``nn.GroupNorm`` follows the same rules, becoming :class:`iabn.InPlaceGroupNormAct` for
-    ``InPlaceABN`` and :class:`iabn.GroupNormAct` for ``ABN``.
+    ``InPlaceABN`` (and its output-only mode) and :class:`iabn.GroupNormAct` for ``ABN``.
 
     The rules are checked on ``torch.fx`` graphs of the forward in training and in eval mode.
     Where every decision can be expressed by swapping modules, the result is ``model``'s own
@@ -117,6 +122,8 @@ def convert(
                             f"value outside the graph, {kept}")
     sites = {mode: find_sites(t.graph, modules, t.escapes, unfusable)
              for mode, t in traced.items()}
+    say("counting the bytes the original model saves for backward")
+    before_nodes, saved_before, input_savers = _bytes_per_node(original, graphs[True], args)
     rows_info: list[tuple[str, str, Decision]] = []
     layers, fused = {}, []
     for name, norm in modules.items():
@@ -129,14 +136,14 @@ def convert(
         elif any(len(calls) > 1 for calls in per_graph):
             decision = Decision(UNTOUCHED, "forward calls it more than once (a shared layer)")
         else:
-            decision = decide(norm, found, policy)
+            kept_by = input_savers.get(name)
+            decision = decide(norm, found, policy,
+                              _input_kept(kept_by, modules) if kept_by else None)
         rows_info.append((name, pattern(norm, found[0] if found else None), decision))
         if decision.layer != UNTOUCHED:
             layers[name] = new_layer(work.get_submodule(name), decision)
             fused.extend(s for s in found if s.activation is not None)
 
-    say("counting the bytes the original model saves for backward")
-    before_nodes, saved_before = _bytes_per_node(original, graphs[True], args)
     obstacle = swap_obstacle(original, list(graphs.values()), fused)
     say(f"replacing {len(layers)} of {len(rows_info)} normalisation layers; counting the "
         f"bytes the converted model saves")
@@ -144,15 +151,15 @@ def convert(
         converted = swap(work, layers, fused)
         result, why = "modules swapped", "every decision is a module swap; the class is kept"
         probe = _deepcopy(converted)  # traced, so it gets the tracer's constants
-        after_nodes, saved_after = _bytes_per_node(probe, trace(probe, True).graph, args)
+        after_nodes, saved_after, _ = _bytes_per_node(probe, trace(probe, True).graph, args)
         del probe
     else:
         converted = as_graph_module(work, layers, graphs, fused, traced=original)
         result, why = "torch.fx GraphModule", obstacle
-        after_nodes, saved_after = _bytes_per_node(
+        after_nodes, saved_after, _ = _bytes_per_node(
             converted, converted.__dict__["_graphs"][True], args)
     # the decision by the layer's class name: InPlaceABNSync/ABNSync for SyncBatchNorm
-    rows = [LayerRow(name, text, type(layers[name]).__name__ if name in layers else UNTOUCHED,
+    rows = [LayerRow(name, text, _layer_name(layers[name]) if name in layers else UNTOUCHED,
                      decision.reason, before_nodes.get(name), after_nodes.get(name))
             for name, text, decision in rows_info]
     report = ConversionReport(
@@ -187,21 +194,32 @@ def _deepcopy(model: nn.Module) -> nn.Module:
 
 
 class _Attributing(fx.Interpreter):
-    """Runs a graph and remembers which node is running, to attribute saved tensors."""
+    """Runs a graph and remembers which node is running, to attribute saved tensors, and the
+    storage of each normalisation call's input."""
 
     current: str = ""
 
+    def __init__(self, module: fx.GraphModule) -> None:
+        super().__init__(module)
+        self.norm_inputs: dict[str, Any] = {}   # node name -> storage key of its input
+        self._modules = dict(module.named_modules())
+
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
+        if n.op == "call_module" and is_convertible_norm(self._modules[n.target]):
+            first = self.env.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
+            if isinstance(first, Tensor):
+                self.norm_inputs[n.name] = _storage_key(first)
         return super().run_node(n)
 
 
 def _bytes_per_node(model: nn.Module, graph: fx.Graph,
-                    args: tuple) -> tuple[dict[str, int], int]:
+                    args: tuple) -> tuple[dict[str, int], int, dict[str, set[fx.Node]]]:
     """For each normalisation module called in ``graph``: bytes of the storages that it and
-    the activation consuming its output are first to save for backward (training mode); and
-    the bytes of all of them, which is :func:`iabn.memory.saved_tensor_bytes` of the model (the
-    graph computes what the model computes; ``tests/test_convert_zoo.py`` compares them)."""
+    the activation consuming its output are first to save for backward (training mode); the
+    bytes of all of them, which is :func:`iabn.memory.saved_tensor_bytes` of the model (the
+    graph computes what the model computes; ``tests/test_convert_zoo.py`` compares them);
+    and, for each convertible norm, the other nodes that save (part of) its input's storage."""
     with preserved(model), same_randomness(args):
         model.train()
         module = fx.GraphModule(model, graph)
@@ -209,13 +227,15 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
         excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
         seen: set[Any] = set()
         sizes: dict[str, int] = {}
+        savers: dict[Any, set[str]] = {}
         kept: list[Tensor] = []
 
         def pack(t: Tensor) -> Tensor:
             key = _storage_key(t)
+            current = interpreter.current
+            savers.setdefault(key, set()).add(current)
             if key not in excluded and key not in seen:
                 seen.add(key)
-                current = interpreter.current
                 sizes[current] = sizes.get(current, 0) + t.untyped_storage().nbytes()
                 kept.append(t)
             return t.detach()
@@ -225,7 +245,8 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
         del out
         kept.clear()
     modules = dict(module.named_modules())
-    result = {}
+    by_name = {node.name: node for node in graph.nodes}
+    result, input_savers = {}, {}
     for node in graph.nodes:
         if node.op == "call_module" and (is_convertible_norm(modules[node.target])
                                          or isinstance(modules[node.target],
@@ -233,7 +254,27 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
             result[node.target] = sizes.get(node.name, 0) + sum(
                 sizes.get(user.name, 0) for user in node.users
                 if node_activation(user, modules) is not None)
-    return result, sum(sizes.values())
+        if node.name in interpreter.norm_inputs:
+            names = savers.get(interpreter.norm_inputs[node.name], set()) - {node.name}
+            input_savers[node.target] = {by_name[n] for n in names if n in by_name}
+    return result, sum(sizes.values()), input_savers
+
+
+def _input_kept(savers: set[fx.Node], modules: dict[str, nn.Module]) -> str | None:
+    """Why a norm's input stays saved for backward whatever the norm keeps: the nodes other
+    than normalisations (each of which may stop keeping it) that save it."""
+    others = sorted(str(n.target) if n.op == "call_module" else n.name for n in savers
+                    if not (n.op == "call_module" and is_convertible_norm(modules[n.target])))
+    if not others:
+        return None
+    return (f"{', '.join(map(repr, others[:3]))} also save{'s' * (len(others) == 1)} it for "
+            f"backward, so a layer that keeps only its output would save nothing")
+
+
+def _layer_name(layer: nn.Module) -> str:
+    """The report's name of a new layer: its class, and the output-only mode."""
+    name = type(layer).__name__
+    return name if getattr(layer, "overwrite_input", True) else f"{name}(overwrite_input=False)"
 
 
 def _saved(model: nn.Module, args: tuple) -> int:

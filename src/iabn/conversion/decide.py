@@ -19,6 +19,8 @@ NOT_SYNCHRONISED = ("relu", *BRANCH_ACTIVATIONS)
 RELU_SLOPE = 0.01
 
 IN_PLACE = "InPlaceABN"
+#: The in-place layer with ``overwrite_input=False``: for an input that is needed again.
+OUTPUT_ONLY = "InPlaceABN(overwrite_input=False)"
 NOT_IN_PLACE = "ABN"
 UNTOUCHED = "untouched"
 
@@ -27,7 +29,7 @@ UNTOUCHED = "untouched"
 class Decision:
     """What becomes of one normalisation module."""
 
-    layer: str                   # IN_PLACE, NOT_IN_PLACE or UNTOUCHED
+    layer: str                   # IN_PLACE, OUTPUT_ONLY, NOT_IN_PLACE or UNTOUCHED
     reason: str
     activation: str | None = None        # of the new layer
     activation_param: float = 0.0
@@ -63,9 +65,12 @@ def _small_weights(norm: nn.Module) -> bool:
     return weight is not None and bool((weight.detach().abs() < norm.eps).any())
 
 
-def decide(norm: nn.Module, sites: list[Site], policy: str) -> Decision:
+def decide(norm: nn.Module, sites: list[Site], policy: str,
+           input_kept: str | None = None) -> Decision:
     """The decision for one normalisation module from its calls in the traced graphs (one per
-    graph it appears in)."""
+    graph it appears in). ``input_kept``: why the norm's input stays in memory for backward
+    without it (another operation saves it), if it does: then a layer that does not
+    overwrite its input saves nothing by keeping only its output."""
     if norm._forward_hooks or norm._forward_pre_hooks or norm._backward_hooks:
         return Decision(UNTOUCHED, "it has hooks, which a new layer would not carry")
     site = sites[0]
@@ -111,11 +116,24 @@ def decide(norm: nn.Module, sites: list[Site], policy: str) -> Decision:
                         f"only InPlaceABN keeps (not the synchronised or group-norm layers)")
     if not _usable(name, param, in_place=True, branch=True):
         return fallback(f"{found.written_as} with parameter {param} is not invertible")
+    small = _small_weights(norm)
     if not_fresh is not None:
-        return fallback(not_fresh)
+        # The output-only mode: the layer writes a new tensor and keeps only it, so the input
+        # is freed once its other users are done, unless something else saves it too.
+        reused = all(s.input_reused for s in sites)
+        if not reused or not fused or written is not None or (small and policy == LOSSLESS):
+            return fallback(not_fresh)
+        if input_kept is not None:
+            return fallback(f"{not_fresh}, and {input_kept}")
+        reason = f"{not_fresh}: not overwritten; only its new output is kept for backward"
+        if small:
+            reason += f"; |weight| < eps={norm.eps} is clamped to eps"
+        if changes_model:
+            reason += f"; ReLU becomes LeakyReLU({RELU_SLOPE})"
+        return Decision(OUTPUT_ONLY, reason, name, param, changes_model or small)
     if written is not None:
         return fallback(written)
-    if _small_weights(norm):
+    if small:
         if policy == LOSSLESS:
             return fallback(f"some |weight| < eps={norm.eps}, which the in-place layer clamps "
                             f"to eps")

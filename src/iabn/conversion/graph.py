@@ -499,6 +499,9 @@ class Site:
     input_fresh: str | None        # None when fresh, else why not
     output_written: str | None     # None when nothing writes the output later, else why
     unfused: str | None = None     # why an activation that follows is not fused
+    #: the input is computed in the graph, kept by nothing outside it (nor returned), and read
+    #: by other operations too: a layer that does not overwrite it may drop it from memory
+    input_reused: bool = False
 
 
 def find_sites(graph: fx.Graph, modules: dict[str, nn.Module],
@@ -531,9 +534,13 @@ def find_sites(graph: fx.Graph, modules: dict[str, nn.Module],
                 if found is not None:
                     unfused = f"the {found.written_as} after it is not fused ({why})"
         output = activation_node or node
+        source = node.args[0] if node.args else None
+        reused = (isinstance(source, fx.Node) and source.op != "placeholder"
+                  and source not in escapes and len(source.users) > 1
+                  and all(user.op != "output" for user in source.users))
         sites.append(Site(node.target, node, activation, activation_node, next_op,
                           _input_not_fresh(node, modules, escapes),
-                          later_write(output, modules, escapes), unfused))
+                          later_write(output, modules, escapes), unfused, reused))
     return sites
 
 

@@ -12,23 +12,25 @@ from torch import fx, nn
 from ..distributed import ABNSync, InPlaceABNSync
 from ..group_norm import GroupNormAct, InPlaceGroupNormAct
 from ..modules import ABN, InPlaceABN
-from .decide import IN_PLACE, Decision
+from .decide import IN_PLACE, OUTPUT_ONLY, Decision
 from .graph import Site
 
 
 def new_layer(norm: nn.Module, decision: Decision) -> ABN | GroupNormAct:
     """The iabn layer for ``norm``, holding norm's very parameter and buffer tensors (so an
     optimizer built on them and ``requires_grad`` flags carry over)."""
+    in_place = decision.layer in (IN_PLACE, OUTPUT_ONLY)
+    kwargs = {"overwrite_input": decision.layer == IN_PLACE} if in_place else {}
     if type(norm) is nn.GroupNorm:
-        cls = InPlaceGroupNormAct if decision.layer == IN_PLACE else GroupNormAct
+        cls = InPlaceGroupNormAct if in_place else GroupNormAct
         layer = cls(norm.num_groups, norm.num_channels, norm.eps, norm.affine,
-                    decision.activation, decision.activation_param, device="meta")
+                    decision.activation, decision.activation_param, device="meta", **kwargs)
         layer.weight, layer.bias = norm.weight, norm.bias
         return layer.train(norm.training)
     sync = type(norm) is nn.SyncBatchNorm
-    in_place = decision.layer == IN_PLACE
     cls = (InPlaceABNSync if in_place else ABNSync) if sync else (InPlaceABN if in_place else ABN)
-    kwargs = {"group": norm.process_group} if sync else {}
+    if sync:
+        kwargs["group"] = norm.process_group
     layer = cls(norm.num_features, norm.eps, norm.momentum, norm.affine,
                 norm.track_running_stats, decision.activation, decision.activation_param,
                 device="meta", **kwargs)

@@ -15,6 +15,8 @@ the paper's reference).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -198,6 +200,8 @@ def backward(
     dtype = z.dtype  # (the call below only for half inputs: a layer's host cost counts)
     if dtype in LOW_PRECISION:
         dtype = full_dtype(dtype, activation, variant)
+        if dtype != z.dtype:
+            return backward_in_pieces(z, dz, weight, bias, invstd, scale, config, output_mask)
     y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param, dtype, sums)
     return grads_from_y(y, dy, g, beta, invstd, z, weight, bias, config, output_mask)
 
@@ -247,6 +251,184 @@ def grads_from_y(
         )[0]
 
     return finish_grads(dx, dg, dbeta, z, weight, bias, gamma_mode, output_mask)
+
+
+#: ``recover_piece(at, with_y) -> (y, dy)``: a piece's ``y`` (``None`` unless ``with_y``) and
+#: ``dy`` in the compute dtype, for the index tuple ``at`` of :func:`pieces`.
+RecoverPiece = Callable[[tuple, bool], tuple["Tensor | None", Tensor]]
+
+
+def backward_in_pieces(
+    z: Tensor,
+    dz: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    invstd: Tensor,
+    scale: Tensor,
+    config: LayerConfig,
+    output_mask: list[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """:func:`backward` for half inputs whose ``y`` and ``dy`` must be float32
+    (:func:`full_dtype`), with no full-size float32 tensor: :func:`grads_over_pieces` with
+    this activation's inverse."""
+    activation, activation_param = config.activation, config.activation_param
+    (zv, dzv), index = pieces(z, dz)
+
+    def recover_piece(at: tuple, with_y: bool) -> tuple[Tensor | None, Tensor]:
+        return recover(zv[at], dzv[at], bias, scale, activation, activation_param, None,
+                       with_y)[:2]
+
+    return grads_over_pieces(z, weight, bias, invstd, scale, config, output_mask, index,
+                             recover_piece)
+
+
+def grads_over_pieces(
+    z: Tensor, weight: Tensor | None, bias: Tensor | None, invstd: Tensor, scale: Tensor,
+    config: LayerConfig, output_mask: list[bool], index: list[tuple],
+    recover_piece: RecoverPiece,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """The gradients a piece at a time (``index`` from :func:`pieces`): a first pass sums
+    ``dy * xhat`` and ``dy``, a second recomputes each piece's ``y`` and ``dy`` for ``dx``
+    (twice the inversion, for a backward that holds at most one more activation in the
+    input's dtype than BatchNorm's). Variants I and II are one formula here:
+    ``dx = k1 * dy + k2 * y + k3`` in the compute dtype (:func:`dx_coefficients`)."""
+    training, gamma_mode = config.training, config.gamma_mode
+    want_dx, want_dgamma, want_dbeta = output_mask
+    cdtype = compute_dtype(z.dtype)
+    dx = dg = dbeta = None
+    if (want_dx and training) or want_dgamma or want_dbeta:
+        dg, dbeta = sums_over_pieces(index, recover_piece, scale, bias, cdtype)
+    if want_dx:
+        if training:
+            sums = torch.stack([dg, dbeta])
+            k1, k2, k3 = dx_coefficients(scale, invstd, bias, sums, z.numel() // z.shape[1],
+                                         cdtype)
+        else:  # dx = dy * g * invstd
+            k1, k2, k3 = _cast(scale, cdtype) * _cast(invstd, cdtype), None, None
+        dx = input_grad_over_pieces(z, index, recover_piece, k1, k2, k3)
+    return finish_grads(dx, dg, dbeta, z, weight, bias, gamma_mode, output_mask)
+
+
+#: Parts a half-precision backward computing in float32 is cut into (:func:`pieces`): a
+#: part's float32 ``z``, ``dz``, ``y``, ``dy``, ``dx`` and the activation's temporaries
+#: (at most 6 x 4 bytes an element of the part) hold at most 1.5 bytes per element of the
+#: whole when a part is at most 1/16 of it: under one activation in the input's dtype
+#: (2 bytes an element).
+PIECES = 16
+#: Fewest elements of a part (4 MiB of float32): each part costs its operations' launches
+#: again, which a layer of few elements would pay for little memory, so a tensor of fewer
+#: than ``PIECES * MIN_PIECE`` elements is cut into fewer parts (one below twice this).
+MIN_PIECE = 1 << 20
+
+
+def pieces(*tensors: Tensor, parts: int = PIECES) -> tuple[list[Tensor], list[tuple]]:
+    """``(views, index)``: ``tensors`` (``(N, C, *spatial)``, one shape) seen as
+    ``(N, C, L)`` (``L`` the spatial positions; as they are where some cannot be viewed so),
+    and index tuples that cut them into parts of whole channels, each at most ``1 / parts``
+    of the whole where the positions allow (and :data:`MIN_PIECE` elements allow): along
+    ``N``, or with fewer samples than parts, along each sample's ``L`` too."""
+    n, c = tensors[0].shape[:2]
+    parts = max(1, min(parts, tensors[0].numel() // MIN_PIECE))
+    try:
+        views = [t.view(n, c, -1) for t in tensors]
+    except RuntimeError:  # spatial dims that do not flatten to a view: cut along N only
+        views = list(tensors)
+    if n >= parts or views[0].dim() != 3:
+        return views, [(slice(a, b),) for a, b in at_most(n, parts)]
+    per_sample = -(-parts // n)
+    return views, [
+        (slice(i, i + 1), slice(None), slice(a, b))
+        for i in range(n) for a, b in at_most(views[0].shape[2], per_sample)
+    ]
+
+
+def at_most(size: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` of consecutive ranges covering ``range(size)``, each at most
+    ``size / parts`` long (at least 1): ``parts`` of them or up to twice as many."""
+    step = max(1, size // parts)
+    return [(a, min(a + step, size)) for a in range(0, size, step)]
+
+
+def sums_over_pieces(
+    index: list[tuple], recover_piece: RecoverPiece, scale: Tensor, bias: Tensor | None,
+    dtype: torch.dtype,
+) -> Tensor:
+    """``[sum(dy * xhat), sum(dy)]`` ``(2, C)`` in ``dtype``, summed over the pieces."""
+    g = _cast(scale, dtype)
+    beta = _cast(bias, dtype) if bias is not None else torch.zeros_like(g)
+    inv_g = g.reciprocal()
+    sums = None
+    for at in index:
+        y, dy = recover_piece(at, True)
+        # The reductions of the batch-norm backward, with the identity in the module docstring.
+        _, sum_dy_xhat, sum_dy = _BATCH_NORM_BACKWARD(
+            dy, y, g, None, None, beta, inv_g, True, 0.0, [False, True, True],
+        )
+        part = torch.stack([sum_dy_xhat, sum_dy])
+        sums = part if sums is None else sums.add_(part)
+    return sums
+
+
+def input_grad_over_pieces(
+    z: Tensor, index: list[tuple], recover_piece: RecoverPiece, k1: Tensor,
+    k2: Tensor | None = None, k3: Tensor | None = None,
+) -> Tensor:
+    """``dx = k1 * dy + k2 * y + k3`` (``(C,)`` each; ``dx = k1 * dy`` without ``k2`` and
+    ``k3``) in ``z``'s dtype, each piece's ``y`` and ``dy`` (in ``k1``'s dtype) rounded once
+    into ``dx``."""
+    dx = torch.empty_like(z)
+    (dxv,), _ = pieces(dx)
+    ndim = dxv.dim()
+    k1, with_y = channel_view(k1, ndim), k2 is not None
+    if with_y:
+        k2, k3 = channel_view(k2, ndim), channel_view(k3, ndim)
+    for at in index:
+        y, dy = recover_piece(at, with_y)
+        dxv[at].copy_(torch.addcmul(k3, dy, k1).addcmul_(y, k2) if with_y else dy * k1)
+    return dx
+
+
+def sums_in_pieces(
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
+    activation_param: float,
+) -> Tensor:
+    """``[sum(dy * xhat), sum(dy)]`` ``(2, C)`` in the compute dtype, from :func:`pieces` of
+    ``z`` and ``dz`` whose ``y`` and ``dy`` are computed in it (float32 for half inputs)."""
+    (zv, dzv), index = pieces(z, dz)
+    return sums_over_pieces(
+        index, lambda at, with_y: recover(zv[at], dzv[at], bias, scale, activation,
+                                          activation_param, None, with_y)[:2],
+        scale, bias, compute_dtype(z.dtype))
+
+
+def input_grad_in_pieces(
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
+    activation_param: float, k1: Tensor, k2: Tensor | None = None, k3: Tensor | None = None,
+) -> Tensor:
+    """:func:`input_grad_over_pieces` with this activation's inverse of ``z``."""
+    (zv, dzv), index = pieces(z, dz)
+    return input_grad_over_pieces(
+        z, index, lambda at, with_y: recover(zv[at], dzv[at], bias, scale, activation,
+                                             activation_param, k1.dtype, with_y)[:2],
+        k1, k2, k3)
+
+
+def dx_coefficients(
+    scale: Tensor, invstd: Tensor, bias: Tensor | None, sums: Tensor, count: Tensor | int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """``(k1, k2, k3)`` ``(3, C)`` in ``dtype`` of ``dx = k1 * dy + k2 * y + k3``, which is
+    ``g * invstd * (dy - xhat * sum(dy * xhat) / n - sum(dy) / n)`` from ``sums`` =
+    ``[sum(dy * xhat), sum(dy)]`` over ``count`` (``n``) values per channel (over all ranks
+    for the synchronised layer)."""
+    g, invstd = _cast(scale, dtype), _cast(invstd, dtype)
+    beta = _cast(bias, dtype) if bias is not None else torch.zeros_like(g)
+    sum_dy_xhat, sum_dy = _cast(sums, dtype)
+    return torch.stack([
+        g * invstd,
+        -invstd * sum_dy_xhat / count,
+        invstd * (beta * sum_dy_xhat - g * sum_dy) / count,
+    ])
 
 
 def empty_grads(

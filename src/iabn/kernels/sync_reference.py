@@ -12,12 +12,23 @@ statistics are float64 so that the merge of many ranks' moments loses nothing (d
 from __future__ import annotations
 
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..layer_config import LayerConfig
-from .reference import _cast, channel_view, compute_dtype, recover, stat_dtype
+from .reference import (
+    LOW_PRECISION,
+    _cast,
+    channel_view,
+    compute_dtype,
+    dx_coefficients,
+    input_grad_in_pieces,
+    recover,
+    stat_dtype,
+    sums_in_pieces,
+)
 
 MERGE_DTYPE = torch.float64
 
@@ -86,14 +97,29 @@ def update_running_stats_(
     running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
 
 
+class Pieces(NamedTuple):
+    """What :func:`input_grad` needs of a half-precision backward: ``z`` and ``dz``, whose
+    float32 ``y`` and ``dy`` it recomputes piece by piece (:func:`.reference.pieces`)."""
+
+    z: Tensor
+    dz: Tensor
+    activation: str
+    activation_param: float
+
+
 def local_sums(
     z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
-) -> tuple[tuple[Tensor, Tensor], Tensor]:
+) -> tuple[tuple[Tensor, Tensor] | Pieces, Tensor]:
     """``(saved, sums)`` with ``sums = [sum(dy * xhat), sum(dy)]`` stacked ``(2, C)`` and
-    ``saved = (y, dy)`` for :func:`input_grad`: scratch tensors (see
-    :func:`reference.recover`), valid until the next backward on this thread.
-    """
-    y, dy, g, beta = recover(z, dz, bias, scale, config.activation, config.activation_param)
+    ``saved`` what :func:`input_grad` needs: ``(y, dy)`` as scratch tensors (see
+    :func:`reference.recover`), valid until the next backward on this thread; for half
+    inputs, whose ``y`` and ``dy`` are float32, :class:`Pieces` (nothing full-size in float32
+    is kept across the all-reduce, or made)."""
+    activation, activation_param = config.activation, config.activation_param
+    if z.numel() and z.dtype in LOW_PRECISION:
+        sums = sums_in_pieces(z, dz, bias, scale, activation, activation_param)
+        return Pieces(z, dz, activation, activation_param), sums
+    y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
     if not z.numel():
         return (y, dy), torch.zeros(2, g.shape[0], dtype=g.dtype, device=z.device)
     # The reductions of the batch-norm backward, with the identity of reference.py.
@@ -103,28 +129,16 @@ def local_sums(
     return (y, dy), torch.stack([sum_dy_xhat, sum_dy])
 
 
-def dx_coefficients(
-    scale: Tensor, invstd: Tensor, bias: Tensor | None, global_sums: Tensor, total: Tensor,
-    dtype: torch.dtype,
-) -> Tensor:
-    """``(k1, k2, k3)`` ``(3, C)`` of ``dx = k1 * dy + k2 * y + k3``, which is
-    ``g * invstd * (dy - xhat * sum(dy * xhat) / n - sum(dy) / n)`` with the sums and ``n``
-    over all ranks."""
-    g, invstd = _cast(scale, dtype), _cast(invstd, dtype)
-    beta = _cast(bias, dtype) if bias is not None else torch.zeros_like(g)
-    sum_dy_xhat, sum_dy = _cast(global_sums, dtype)
-    return torch.stack([
-        g * invstd,
-        -invstd * sum_dy_xhat / total,
-        invstd * (beta * sum_dy_xhat - g * sum_dy) / total,
-    ])
-
-
 def input_grad(
-    saved: tuple[Tensor, Tensor], bias: Tensor | None, scale: Tensor, invstd: Tensor,
+    saved: tuple[Tensor, Tensor] | Pieces, bias: Tensor | None, scale: Tensor, invstd: Tensor,
     global_sums: Tensor, total: Tensor, out_dtype: torch.dtype,
 ) -> Tensor:
     """``dx`` from :func:`local_sums`' ``saved`` and the sums over all ranks."""
+    if isinstance(saved, Pieces):
+        k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total,
+                                     compute_dtype(saved.z.dtype))
+        return input_grad_in_pieces(saved.z, saved.dz, bias, scale, saved.activation,
+                                    saved.activation_param, k1, k2, k3)
     y, dy = saved
     ndim = y.dim()
     k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total, y.dtype)

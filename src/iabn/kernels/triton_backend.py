@@ -32,7 +32,7 @@ from ..layer_config import LayerConfig
 from ..scale import ABS
 from . import reference
 from . import triton_kernels as k
-from .sync_reference import dx_coefficients
+from .reference import dx_coefficients
 
 _ACTIVATION_CODES = {act.IDENTITY: k.IDENTITY, act.LEAKY_RELU: k.LEAKY_RELU, act.ELU: k.ELU}
 

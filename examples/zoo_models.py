@@ -1,0 +1,21 @@
+"""Models of the conversion figures in docs/usage/conversion.md that are not a plain
+torchvision or timm name, as factories for ``iabn memory pkg.module:factory``. From the
+repository root (``examples`` is imported from the current folder, so put it on PYTHONPATH)::
+
+    PYTHONPATH=. iabn memory examples.zoo_models:resnet50_group_norm --input 8,3,224,224
+
+tests/test_convert_zoo.py builds the same models from these factories.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def resnet50_group_norm(num_classes: int = 1000) -> nn.Module:
+    """torchvision's ResNet-50 with ``nn.GroupNorm(32, C)`` in place of every batch norm
+    (the usual choice for small per-device batches: detection, segmentation)."""
+    import torchvision
+
+    return torchvision.models.resnet50(num_classes=num_classes,
+                                       norm_layer=lambda c: nn.GroupNorm(32, c))
