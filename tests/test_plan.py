@@ -105,11 +105,11 @@ class StagedNet(nn.Module):
     """A stem chain and two stage chains called one after the other in forward, pooling, a
     flatten (a function) and a head: a traced chain runs from the stem to the pool."""
 
-    def __init__(self, act=nn.LeakyReLU):
+    def __init__(self, act=nn.LeakyReLU, stage1_blocks=2):
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
                                   act())
-        self.stage1 = nn.Sequential(Block(8, 8, act=act), Block(8, 8, act=act))
+        self.stage1 = nn.Sequential(*(Block(8, 8, act=act) for _ in range(stage1_blocks)))
         self.stage2 = nn.Sequential(Block(8, 16, 2, act=act))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.head = nn.Linear(16, 10)
@@ -127,10 +127,13 @@ MODELS = {
     "vgg_leaky": (lambda: tiny_vgg(nn.LeakyReLU), (2, 3, 8, 8)),
     "dense": (TinyDense, (2, 3, 6, 6)),
 }
+#: Models only the enumeration of every plan uses: StagedNet with one block in stage1 has runs
+#: across its three chains (330 of its 1080 plans) at a sixth of the full model's 6066 plans.
+ENUMERATED = {"staged_short": (lambda: StagedNet(stage1_blocks=1), (2, 3, 8, 8))}
 
 
 def build(name, dtype=torch.float32):
-    factory, shape = MODELS[name]
+    factory, shape = MODELS[name] if name in MODELS else ENUMERATED[name]
     torch.manual_seed(0)
     model = factory().to(dtype)
     for m in model.modules():  # running statistics and affine parameters away from defaults
@@ -187,8 +190,9 @@ def planner_for(name, policy="leaky_relu"):
 # ---------------------------------------------------------------- exact bytes
 
 
-@pytest.mark.parametrize("name", ["resnet", "resnet_relu", "staged", "vgg", "vgg_leaky",
-                                  "dense"])
+@pytest.mark.parametrize("name", [
+    "resnet", "resnet_relu", "staged_short", pytest.param("staged", marks=pytest.mark.slow),
+    "vgg", "vgg_leaky", "dense"])
 def test_predicted_bytes_equal_measured_for_every_plan(name):
     planner, _, plans, counted = planner_for(name)
     problem = planner.problem()
@@ -199,7 +203,7 @@ def test_predicted_bytes_equal_measured_for_every_plan(name):
         assert {INPLACE, INPLACE_RECOMPUTE} <= choices
         assert any(len(planner.candidates[i].units) > 1 for plan in plans for i in plan)
     assert len(plans) > 50
-    if name == "staged":  # runs across the stage chains, through the traced forward
+    if name.startswith("staged"):  # runs across the stage chains, through the traced forward
         assert any(planner._crosses(planner.candidates[i].units) for plan in plans
                    for i in plan if planner.candidates[i].choice != KEEP)
     for plan, count in zip(plans, counted, strict=True):
