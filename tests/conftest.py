@@ -65,8 +65,10 @@ def _seed():
 _GPU = pytest.mark.gpu
 _BACKENDS = [
     pytest.param(("reference", "cpu"), id="reference"),
+    # Under the CPU interpreter a Triton case takes many times its reference case: slow (the
+    # README's command leaves them out, CI runs them with -m slow); on CUDA, compiled: gpu.
     pytest.param(("triton", TRITON_DEVICE.type), id="triton",
-                 marks=() if INTERPRET else (_GPU,)),
+                 marks=(pytest.mark.slow,) if INTERPRET else (_GPU,)),
     pytest.param(("reference", "cuda"), id="reference-cuda", marks=(_GPU,)),
 ]
 

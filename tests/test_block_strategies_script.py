@@ -23,6 +23,7 @@ def _run(*args):
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_reports_every_strategy_and_shape(tmp_path):
     out = tmp_path / "blocks.json"
     done = _run("--batch", "1", "--repeats", "1", "--iters", "1", "--threads", "1", "--quiet",

@@ -323,8 +323,10 @@ def test_saved_bytes_are_z_and_the_bits(activation, shape, dtype):
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("dtype,extra", [(torch.bfloat16, 1), (torch.float16, 1),
-                                         (torch.float32, 2)], ids=str)
+@pytest.mark.parametrize("dtype,extra", [
+    pytest.param(torch.bfloat16, 1, id="torch.bfloat16-1", marks=pytest.mark.slow),
+    pytest.param(torch.float16, 1, id="torch.float16-1", marks=pytest.mark.slow),
+    pytest.param(torch.float32, 2, id="torch.float32-2")])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_backward_memory_is_bounded(activation, dtype, extra, training, monkeypatch):
     """Newton's float32 temporaries (up to 19 at once) are those of slices of the activation
@@ -426,7 +428,8 @@ def test_unknown_activation_names_them():
 
 # ------------------------------------------------------------------ torch.compile
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("activation", [
+    pytest.param(a, marks=pytest.mark.slow) if a == "gelu" else a for a in ACTIVATIONS])
 def test_compiled_aot_eager_gradients_equal_eager(activation):
     """The autograd Function traces (Dynamo, aot_eager, fullgraph): float64 gradients equal
     eager's (measured: bit for bit; Inductor within 5e-16 of the largest, not run here)."""

@@ -111,7 +111,8 @@ def _bn_reference(source):
     return reference
 
 
-@pytest.mark.parametrize("how", ["origin", "file name", "bn_mode"])
+@pytest.mark.parametrize("how", [pytest.param("origin", marks=pytest.mark.slow), "file name",
+                                 pytest.param("bn_mode", marks=pytest.mark.slow)])
 def test_original_abn_checkpoint_keeps_signed_weights(tmp_path, how):
     """A checkpoint of the original's ABN (standard BN) must not be read with
     |w| + eps; before, load_original forced gamma_mode='abs' on every layer."""

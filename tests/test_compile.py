@@ -90,7 +90,7 @@ def _train(model, forward, batches):
     return torch.stack(losses)
 
 
-@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("channels_last", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_compiled_training_matches_eager(channels_last, backend, device):
     torch._dynamo.reset()
     fmt = torch.channels_last if channels_last else torch.contiguous_format
@@ -109,8 +109,10 @@ def test_compiled_training_matches_eager(channels_last, backend, device):
         torch.testing.assert_close(b, a, **_tolerance(device), msg=name)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32", marks=pytest.mark.slow),
+                                   pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("channels_last", [pytest.param(False, id="nchw", marks=pytest.mark.slow),
+                                           pytest.param(True, id="channels_last")])
 def test_compile_has_no_graph_breaks(channels_last, dtype):
     """InPlaceABN and ABN, in training, in eval and in eval without autograd, NCHW and
     channels-last, float32 and bfloat16 autocast: one graph each, no break."""
@@ -183,7 +185,8 @@ def _layer_inputs_and_outputs(model, x, dtype):
 
 
 @needs_traceable
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32", marks=pytest.mark.slow),
+                                   pytest.param(torch.bfloat16, id="bf16")])
 def test_compiled_graphs_are_aten_operations_and_save_the_output(dtype):
     """What Inductor compiles for a training step: the layers are ATen operations (batch-norm
     statistics, normalisation, activation, and backward from the output), no opaque operator;
@@ -242,7 +245,7 @@ def test_compiled_graphs_are_aten_operations_and_save_the_output(dtype):
                                        atol=stats_tol, rtol=0)
 
 
-@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("training", [pytest.param(True, marks=pytest.mark.slow), False])
 def test_inductor_compiles_layers_on_1x1_feature_maps(training, backend, device):
     """A regression test: at 1x1 spatial size Inductor gives a convolution's output strides
     that differ from the traced tensor's only in size-1 dimensions. Under the default
@@ -285,7 +288,8 @@ def _eager_and_compiled(eager, compiled, batches, training):
     return losses_eager, losses_compiled
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["aot_eager",
+                                      pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_layer_on_a_graph_input_has_eager_gradients(compiler, backend, device):
     """A regression test: when the tensor the layer overwrites is an input of the compiled
     graph (the layer compiled alone, a graph break just before it, a compiled pre-activation
@@ -362,7 +366,8 @@ def test_traced_layer_gradients_match_batch_norm(activation, param, training, co
 
 
 @needs_traceable
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["aot_eager",
+                                      pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_layer_overwrites_its_input_as_in_eager_mode(compiler):
     """Under torch.compile the layer's input is overwritten with its output, as in eager mode
     (iabn.compiled): a tensor handed to the compiled layer, in training and in eval without
@@ -415,7 +420,10 @@ _OPTIONS = [
 _SHAPES = [(4, 3), (4, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
 
 
-@pytest.mark.parametrize("options", _OPTIONS, ids=lambda o: ",".join(o) or "default")
+# the defaults by default; each other option is slow (2-3 s each on a 2-core CPU)
+@pytest.mark.parametrize("options", [
+    pytest.param(o, id=",".join(o) or "default", marks=pytest.mark.slow if o else ())
+    for o in _OPTIONS])
 def test_compiled_layer_options_match_eager(options):
     """Every option and input rank of the layer, compiled with ``aot_eager`` (the ATen graphs
     iabn.compiled builds, without Inductor's reordering), against eager in float64: outputs,
@@ -456,6 +464,8 @@ def test_compiled_layer_options_match_eager(options):
         assert counter.frame_count >= (2 if layer.track_running_stats else 1)  # it compiled
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_dynamic_shapes_and_export():
     """``torch.compile(dynamic=True)`` trains over changing batch and image sizes as eager
     does, and ``torch.export`` of an eval-mode model reproduces its outputs."""

@@ -19,6 +19,7 @@ def _run(*args):
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_one_seed_run(tmp_path):
     out = tmp_path / "acc.json"
     done = _run("--seeds", "1", "--epochs", "1", "--finetune", "1", "--json", str(out))
@@ -33,6 +34,7 @@ def test_one_seed_run(tmp_path):
     assert report["median"] == seed and "median over 1 seeds" in done.stdout
 
 
+@pytest.mark.slow
 def test_bad_arguments_exit_2(tmp_path):
     done = _run("--seeds", "0", "--json", str(tmp_path / "x.json"))
     assert done.returncode == 2 and "must be positive" in done.stderr

@@ -26,6 +26,7 @@ def _run(args, out):
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_matches_single_process(tmp_path):
     single = _run([], tmp_path / "single.json")
     ddp = _run(["-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -333,6 +333,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_synchronised_layer_poisons_with_a_process_group():
     mp.spawn(dist_workers.run, args=(2, _free_port(), "debug_poisons"), nprocs=2, join=True)
 

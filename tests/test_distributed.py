@@ -22,8 +22,8 @@ def _spawn(world: int, scenario: str) -> None:
     mp.spawn(dist_workers.run, args=(world, _free_port(), scenario), nprocs=world, join=True)
 
 
-@pytest.mark.parametrize("kernels", ["reference", "triton"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_matches_single_process_on_the_whole_batch(world, kernels, monkeypatch):
     """The ranks inherit the environment: IABN_BACKEND picks their kernels; the Triton case
     runs under the interpreter on every machine (gloo moves CPU tensors)."""
@@ -34,23 +34,33 @@ def test_matches_single_process_on_the_whole_batch(world, kernels, monkeypatch):
     _spawn(world, "matches_single_process")
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_half_inputs_work_in_float32_pieces():
     _spawn(2, "half_inputs_in_pieces")
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_one_collective_each_way_and_none_in_eval():
     _spawn(2, "counts_collectives")
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_training_step_reads_nothing_on_the_host():
     """The merged count stays on the device: a step waits for no device value."""
     _spawn(2, "no_host_sync")
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_mismatched_channels_fail_clearly_on_every_rank():
     _spawn(2, "rejects_mismatched_ranks")
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_functional_conversion_and_active_group():
     _spawn(3, "functional_and_conversion")
 
@@ -70,6 +80,8 @@ def test_without_process_group_behaves_like_inplace_abn_and_warns_once(monkeypat
         sync_layer(x.clone())  # no second warning
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_abn_sync_across_ranks_leaves_its_input():
     _spawn(2, "abn_sync_matches_single_process")
 

@@ -173,6 +173,7 @@ def test_ten_crops_mirror_only_what_the_config_trained_with(snapshot, tmp_path, 
     assert ten["metrics"]["loss"] != pytest.approx(single["metrics"]["loss"], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_two_ranks_count_every_image_once_with_ten_crops(snapshot, tmp_path):
     config, path, _ = snapshot
     code, single = _test(config, path, "--ten-crops", "--batch-size", "32", tmp_path=tmp_path)

@@ -54,6 +54,7 @@ def _state(out: Path) -> dict:
     return json.loads((out / "gpu_campaign_state.json").read_text())
 
 
+@pytest.mark.slow
 def test_failing_part_is_recorded_and_the_next_runs_into_the_bundle(tmp_path, capsys,
                                                                     monkeypatch):
     out, bundle = tmp_path / "campaign", tmp_path / "back" / "campaign.tar.gz"
@@ -159,6 +160,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+@pytest.mark.slow
 def test_a_part_overrunning_the_budget_is_stopped_with_what_it_started(tmp_path, capsys):
     out = tmp_path / "campaign"
     # started after another part, it is interrupted and runs first in the next call

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.without_gpu
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_speed.py"
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_writes_every_row(tmp_path, monkeypatch):
     pytest.importorskip("triton")
     monkeypatch.setenv("IABN_BACKEND", "reference")  # restored after the script sets it

@@ -20,6 +20,8 @@ def _run(*args):
                           timeout=300)
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_quick_cpu_run_writes_times_and_ratios(tmp_path):
     out = tmp_path / "host.json"
     done = _run("--device", "cpu", "--quick", "--json", str(out))
@@ -43,7 +45,8 @@ def test_quick_cpu_run_writes_times_and_ratios(tmp_path):
         assert "x" in done.stdout and "iabn/bare_function" in done.stdout
 
 
-@pytest.mark.parametrize("args", [("--repeats", "0"), ("--threads", "0")])
+@pytest.mark.parametrize("args", [("--repeats", "0"),
+                                  pytest.param(("--threads", "0"), marks=pytest.mark.slow)])
 def test_bad_counts_are_usage_errors(tmp_path, args):
     done = _run("--device", "cpu", *args, "--json", str(tmp_path / "x.json"))
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -51,6 +54,7 @@ def test_bad_counts_are_usage_errors(tmp_path, args):
     assert not (tmp_path / "x.json").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [("--threads", "1"), ("--clock", "thread")])
 def test_one_thread_runs(tmp_path, args):
     """``--threads 1``, and ``--clock thread``, which implies it (the thread clock counts only
@@ -63,6 +67,8 @@ def test_one_thread_runs(tmp_path, args):
     assert report["clock"] == ("thread" if "--clock" in args else "wall")
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_thread_clock_with_more_threads_is_a_usage_error(tmp_path):
     done = _run("--device", "cpu", "--clock", "thread", "--threads", "2",
                 "--json", str(tmp_path / "x.json"))

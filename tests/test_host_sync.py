@@ -35,7 +35,7 @@ def test_the_mode_finds_host_reads():
         x[torch.tensor([0, 2])].sum()  # an integer index reads nothing on the host
 
 
-@pytest.mark.parametrize("mode", ["eager", "compiled"])
+@pytest.mark.parametrize("mode", ["eager", pytest.param("compiled", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_training_step_reads_nothing_on_the_host(mode, channels_last):
     """Forward, backward and SGD step, in training and then an eval forward. Compiled with

@@ -367,6 +367,7 @@ def test_gradcheck_forward_and_backward_mode(gamma_mode):
 # ---- TorchScript --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_timm_inplace_abn_scripts_with_the_compat_layer():
     """timm's create_norm_act_layer(..., jit=True): the scripted layer calls iabn's compat
     function as Python, computes what the unscripted layer computes, and refuses export."""

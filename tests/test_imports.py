@@ -7,6 +7,8 @@ sys.modules."""
 import subprocess
 import sys
 
+import pytest
+
 TOOLS_ONLY = ("numpy", "PIL", "torchvision", "sklearn", "tensorboard", "timm")
 
 SCRIPT = f"""
@@ -59,6 +61,7 @@ def test_conversion_loads_on_first_use():
     assert result.stdout.strip() == "ok", result.stderr
 
 
+@pytest.mark.slow
 def test_plan_loads_on_first_use():
     """iabn.plan (and SciPy, its solver) load when used, not with `import iabn`."""
     script = ("import sys, iabn; assert 'iabn.planning' not in sys.modules; "
@@ -70,6 +73,7 @@ def test_plan_loads_on_first_use():
     assert result.stdout.strip() == "ok", result.stderr
 
 
+@pytest.mark.slow
 def test_compat_and_models_are_reachable_after_import_iabn():
     """``iabn.compat.to_signed_state_dict`` and ``iabn.models.create``, as the documentation
     (docs/usage/conversion.md, models.md) writes them, work after ``import iabn`` alone; they

@@ -14,6 +14,7 @@ pytestmark = pytest.mark.without_gpu
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "memory_time_pareto.py"
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_times_every_strategy(tmp_path):
     out = tmp_path / "pareto.json"
     strategies = "eager,offload_all,offload_half,checkpoint_2,save_on_cpu"

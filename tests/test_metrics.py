@@ -128,6 +128,7 @@ def _all_reduce_worker(rank, world, port):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_all_reduce_sums_the_ranks_matrices():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,8 +11,10 @@ from helpers import ORIGINAL_KEYS, reference_layout
 SIZE = 32  # input height = width: every model handles it (output stride 32 -> 1x1)
 
 
-@pytest.mark.parametrize("name", ["resnet18", "resnet50", "vgg19", "mobilenet_v2", "resnext50",
-                                  "densenet121"])
+@pytest.mark.parametrize("name", [
+    "resnet18", pytest.param("resnet50", marks=pytest.mark.slow),
+    pytest.param("vgg19", marks=pytest.mark.slow), "mobilenet_v2",
+    pytest.param("resnext50", marks=pytest.mark.slow), "densenet121"])
 def test_norm_act_layers_agree(name):
     torch.manual_seed(0)
     reference = create(name, num_classes=5, norm_act="bn").double()
@@ -36,7 +38,14 @@ def test_norm_act_layers_agree(name):
             assert error <= 1e-10 * (expected.norm().item() + scale), (layer, key, error)
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# the smallest of each family by default (wider_resnet16, its _a2 form, resnet18 and the like);
+# the deeper models are slow
+_DEEP = ("resnet101", "resnet152", "resnext101", "resnext152", "densenet264", "wider_resnet20",
+         "wider_resnet20_a2", "wider_resnet38", "wider_resnet38_a2")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _DEEP else n
+                                  for n in sorted(MODELS)])
 def test_every_model_trains_a_step_with_inplace_abn(name):
     torch.manual_seed(0)
     model = create(name, num_classes=3)

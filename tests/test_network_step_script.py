@@ -27,6 +27,7 @@ def _positive(value) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
+@pytest.mark.slow
 def test_quick_cpu_run_writes_every_cell(tmp_path, capsys):
     network_step = _load()
     out = tmp_path / "step.json"

@@ -303,6 +303,8 @@ def test_offload_context_moves_what_a_compiled_graph_saves():
     assert off.stats.host_allocations == 0  # second iteration: the pool is reused
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_offload_model_with_compiled_layers_and_compiled_wrapper():
     """OffloadModel picks layers with module hooks that run outside the compiler (a graph
     break each): a layer compiled inside the wrapped model, or the compiled wrapper, offload

@@ -57,7 +57,8 @@ def _inputs(device="cpu"):
 
 
 @pytest.mark.parametrize("norm_act", ["bn", "iabn"])
-@pytest.mark.parametrize("body", ["resnext101", "wider_resnet38_a2"])
+@pytest.mark.parametrize("body", ["resnext101",
+                                  pytest.param("wider_resnet38_a2", marks=pytest.mark.slow)])
 def test_meta_counts_equal_real_cpu_counts(body, norm_act, cpu_models):
     model = cpu_models(body, norm_act)
     images, target = _inputs()
@@ -97,9 +98,9 @@ def _offload_model_stats(model, images, min_bytes):
 
 
 @pytest.mark.parametrize(("body", "norm_act", "min_bytes"), [
-    ("resnext101", "bn", 0),  # the benchmark's setting
+    pytest.param("resnext101", "bn", 0, marks=pytest.mark.slow),  # the benchmark's setting
     ("resnext101", "iabn", 64 * 1024),  # OffloadModel's default size threshold
-    ("wider_resnet38_a2", "iabn", 0),
+    pytest.param("wider_resnet38_a2", "iabn", 0, marks=pytest.mark.slow),
 ])
 def test_offload_rule_equals_offload_model(body, norm_act, min_bytes, cpu_models):
     model = cpu_models(body, norm_act)

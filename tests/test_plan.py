@@ -220,7 +220,8 @@ def test_keep_everything_is_the_model_as_given():
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("budget", [1.0, 0.6, 0.35])
+@pytest.mark.parametrize("budget", [pytest.param(1.0, marks=pytest.mark.slow),
+                                    pytest.param(0.6, marks=pytest.mark.slow), 0.35])
 def test_plans_fit_the_budget_and_are_measured_exactly(name, budget):
     model, x = build(name)
     try:

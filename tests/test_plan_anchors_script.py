@@ -14,6 +14,7 @@ pytestmark = pytest.mark.without_gpu
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_anchors.py"
 
 
+@pytest.mark.slow
 def test_small_run_measures_and_times_every_strategy(tmp_path):
     out = tmp_path / "anchors.json"
     done = subprocess.run(

@@ -104,7 +104,9 @@ PLANS = {
 IN_PLACE_BOUND = 1e-14
 
 
-@pytest.mark.parametrize("name", list(PLANS))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.slow) if n in ("chains", "selective_chain") else n
+    for n in PLANS])
 def test_a_compiled_plan_trains_as_the_eager_plan(name):
     """fullgraph=True on a fresh deep copy (nothing cached by an eager call), at a batch the
     planner never ran: outputs, gradients and running statistics equal the eager plan's."""

@@ -145,7 +145,11 @@ def _environment(snippet: Snippet) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("snippet", all_snippets(), ids=lambda s: s.id)
+# The README's blocks run by default; the documentation pages' blocks (2-8 s each on a 2-core
+# CPU, a fresh interpreter per block) are slow.
+@pytest.mark.parametrize("snippet", [
+    pytest.param(s, id=s.id, marks=() if s.document == DOCUMENTS[0] else pytest.mark.slow)
+    for s in all_snippets()])
 def test_snippet_runs(snippet, tmp_path):
     if snippet.kind == "needs-file":
         pytest.skip(f"{snippet.id} needs a file of the user's: {snippet.reason}")

@@ -42,6 +42,8 @@ def _run(snapshot, images, out, *extra):
                  "--long-side", "48", "--quiet", *extra])
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_palette_outputs_at_input_size_and_corrupt_image_reported(snapshot, images, tmp_path,
                                                                    capsys):
     out = tmp_path / "out"
@@ -54,6 +56,8 @@ def test_palette_outputs_at_input_size_and_corrupt_image_reported(snapshot, imag
             assert max(result.tobytes()) < NUM_CLASSES
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_resume_keeps_existing_outputs_unless_overwrite(snapshot, images, tmp_path, capsys):
     out = tmp_path / "out"
     _run(snapshot, images, out)
@@ -90,6 +94,8 @@ def test_bad_snapshot_and_folder(tmp_path, images, capsys):
 # --- palettes and label-id export (--palette, --output labelids) ---
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_labelids_need_a_label_set_and_palettes_must_fit_the_model(snapshot, images, tmp_path,
                                                                     capsys):
     out = tmp_path / "out"
@@ -102,6 +108,8 @@ def test_labelids_need_a_label_set_and_palettes_must_fit_the_model(snapshot, ima
     assert not out.exists()  # refused before writing anything
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_vistas_config_gives_colours_and_label_ids(snapshot, images, tmp_path):
     import json
 
@@ -258,6 +266,8 @@ def test_out_dir_equal_to_in_dir_is_refused(snapshot, tmp_path, monkeypatch, cap
     assert _files(root) == before
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_out_dir_inside_a_recursive_in_dir_is_left_out_of_the_walk(snapshot, tmp_path,
                                                                    capsys):
     root = tmp_path / "in"

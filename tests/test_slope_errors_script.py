@@ -19,6 +19,7 @@ def _run(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_run_writes_a_row_per_case(tmp_path):
     pytest.importorskip("triton")
     out = tmp_path / "slopes.json"

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "suite_log.py"
@@ -29,6 +30,7 @@ def test_log_has_the_header_and_the_result(tmp_path):
     assert "1 passed" in text and text.rstrip().endswith("exit code: 0")
 
 
+@pytest.mark.slow
 def test_failing_run_exits_with_pytest_code(tmp_path):
     failing = tmp_path / "test_fails.py"
     failing.write_text("def test_fails():\n    assert 1 == 2\n")

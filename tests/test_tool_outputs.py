@@ -80,6 +80,7 @@ def test_an_existing_json_file_is_kept_unless_overwrite(tmp_path, capsys, no_wor
         main([*argv, "--overwrite"])
 
 
+@pytest.mark.slow
 def test_bench_overwrite_replaces_the_file(tmp_path):
     path = tmp_path / "bench.json"
     path.write_text("old")
@@ -88,7 +89,8 @@ def test_bench_overwrite_replaces_the_file(tmp_path):
     assert os.listdir(tmp_path) == ["bench.json"]
 
 
-@pytest.mark.parametrize("command", ["bench", "memory", "plan"])
+@pytest.mark.parametrize("command", [pytest.param("bench", marks=pytest.mark.slow), "memory",
+                                     "plan"])
 def test_full_disk_while_writing_json_is_one_line_and_leaves_nothing(tmp_path, capsys,
                                                                       monkeypatch, command):
     old = tmp_path / "old.json"

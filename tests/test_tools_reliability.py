@@ -108,6 +108,7 @@ def test_empty_training_batch_is_refused_before_anything_is_counted(layer):
 # --- item 4: SIGTERM to the whole process group (job schedulers, torchrun) ---
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_process_group_still_writes_the_snapshot(tmp_path):
     import signal
     import subprocess
@@ -238,6 +239,7 @@ def test_a_bit_flipped_last_snapshot_falls_back_to_the_previous_one(tmp_path, ca
 # --- item 13: benchmarks leave the committed results alone ---
 
 
+@pytest.mark.slow
 def test_benchmarks_write_to_runs_unless_asked_and_git_ignores_runs(tmp_path, monkeypatch):
     import subprocess
     import sys

@@ -69,6 +69,7 @@ def test_run_writes_snapshots_logs_and_tensorboard(whole_run):
     assert epoch_means[-1] < epoch_means[0]
 
 
+@pytest.mark.slow
 def test_killed_then_stopped_run_resumes_to_bitwise_equal_weights(whole_run, tmp_path):
     """A run killed outright (SIGKILL, right after its first epoch's snapshot appears), then
     resumed and stopped mid-epoch (as by SIGTERM), then resumed to the end, ends with the
@@ -111,6 +112,7 @@ def _step_losses(log_dir):
     return losses
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_follow_the_single_process_run(whole_run, tmp_path):
     """Same initial weights, same global batches, InPlaceABNSync statistics over both ranks
     and DDP-averaged gradients: the 2-rank losses equal the single process's up to float

@@ -304,8 +304,9 @@ def test_a_cuda_index_the_machine_lacks(monkeypatch):
         start("cuda:2")
 
 
-@pytest.mark.parametrize(("batch", "crop", "fails"), [(1, 16, True), (1, 64, False),
-                                                      (2, 16, False)])
+@pytest.mark.parametrize(("batch", "crop", "fails"), [
+    (1, 16, True), pytest.param(1, 64, False, marks=pytest.mark.slow),
+    pytest.param(2, 16, False, marks=pytest.mark.slow)])
 def test_batches_batch_norm_cannot_train_on_are_refused_before_writing(tmp_path, capsys,
                                                                        batch, crop, fails):
     """The verdict equals what a real training forward of the model does (the reference):
@@ -354,6 +355,8 @@ def test_a_crop_the_network_cannot_run_on_is_refused_before_writing(tmp_path, ca
     assert not run.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_a_full_disk_while_writing_a_snapshot_keeps_the_older_ones(tmp_path, capsys,
                                                                    monkeypatch):
     config = write_config(tmp_path / "c.json")
@@ -399,6 +402,8 @@ def test_an_unwritable_tensorboard_folder_is_refused_before_writing(tmp_path, ca
     assert [p.name for p in run.iterdir()] == ["tensorboard"]
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_a_tensorboard_folder_that_fails_to_write_is_one_line(tmp_path):
     """Where permissions are not checked ahead (root, network file systems), TensorBoard's
     writer thread meets the error: still one line, and no thread traceback (a subprocess:
@@ -483,7 +488,8 @@ class _Interrupted(ToyTask):
 
 @pytest.mark.parametrize(("task", "step"), [
     (_Interrupted(at=6), 6),  # the step under way is finished, then saved
-    (_Interrupted(val_epoch=2), 8),  # validation is cut short: its epoch's last step saved
+    # validation is cut short: its epoch's last step saved
+    pytest.param(_Interrupted(val_epoch=2), 8, marks=pytest.mark.slow),
 ])
 def test_a_second_sigint_saves_the_last_finished_step_and_resumes_exactly(tmp_path, task,
                                                                            step):

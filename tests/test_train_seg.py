@@ -137,6 +137,7 @@ def test_train_seg_writes_snapshots_with_miou(seg_run):
     assert (root / "whole" / "best.pth").is_file()
 
 
+@pytest.mark.slow
 def test_train_seg_stopped_and_resumed_reaches_the_same_weights(seg_run):
     _, config, root = seg_run
     log_dir = root / "resumed"
@@ -150,6 +151,7 @@ def test_train_seg_stopped_and_resumed_reaches_the_same_weights(seg_run):
     assert [k for k in whole if not torch.equal(whole[k], again[k])] == []
 
 
+@pytest.mark.slow
 def test_segment_runs_a_train_seg_snapshot(seg_run, tmp_path):
     from PIL import Image
 

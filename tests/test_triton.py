@@ -226,6 +226,7 @@ def test_kernels_address_elements_past_2_31():
     assert len(errors) == 6
 
 
+@pytest.mark.slow
 def test_far_offsets_negative_control_fails():
     """The same launch with 32-bit row offsets must crash or write the wrong elements: shows
     that the test above can fail (the interpreter does wrap 32-bit products)."""
