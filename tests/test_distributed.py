@@ -38,6 +38,14 @@ def test_half_inputs_work_in_float32_pieces():
     _spawn(2, "half_inputs_in_pieces")
 
 
+def test_silu_and_gelu_match_single_process_on_the_whole_batch():
+    _spawn(2, "branch_activations_match_single_process")
+
+
+def test_silu_and_gelu_bfloat16_within_the_local_layer_s_bound():
+    _spawn(2, "branch_half_inputs")
+
+
 def test_one_collective_each_way_and_none_in_eval():
     _spawn(2, "counts_collectives")
 
