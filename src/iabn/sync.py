@@ -112,7 +112,7 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         group: Any,
     ) -> Tensor:
         branch = config.activation in BRANCH_ACTIVATIONS
-        if branch:  # before any collective or write: every rank raises alike
+        if branch:  # before the all-gather or any write: every rank raises alike
             branch_activation.check_backend(config.activation)
         moments = sync.local_moments(x)
         gathered = [torch.empty_like(moments) for _ in range(dist.get_world_size(group))]
