@@ -107,6 +107,11 @@ def abn_sync_matches_single_process(rank: int, world: int) -> None:
 
 
 def counts_collectives(rank: int, world: int) -> None:
+    for activation in ("leaky_relu", "silu"):  # silu: the branch-bit layer, the same two
+        _count_collectives(rank, activation)
+
+
+def _count_collectives(rank: int, activation: str) -> None:
     calls: Counter[str] = Counter()
     originals = {name: getattr(dist, name) for name in ("all_gather", "all_reduce")}
 
@@ -116,14 +121,14 @@ def counts_collectives(rank: int, world: int) -> None:
             return originals[name](*args, **kwargs)
         return call
 
-    layer = iabn.InPlaceABNSync(4)
+    layer = iabn.InPlaceABNSync(4, activation=activation)
     layer(torch.randn(3, 4, 5, 5))  # the first step also checks the ranks agree
     dist.all_gather, dist.all_reduce = counting("all_gather"), counting("all_reduce")
     try:
         for _ in range(3):
             x = torch.randn(2 + rank, 4, 5, 5, requires_grad=True)
             layer(x.clone()).sum().backward()
-        assert calls == {"all_gather": 3, "all_reduce": 3}, calls
+        assert calls == {"all_gather": 3, "all_reduce": 3}, (activation, calls)
         layer.eval()
         with torch.no_grad():
             layer(torch.randn(2, 4, 5, 5))
