@@ -35,18 +35,24 @@ def test_matches_single_process_on_the_whole_batch(world, kernels, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_half_inputs_work_in_float32_pieces():
     _spawn(2, "half_inputs_in_pieces")
 
 
+def test_silu_and_gelu_match_single_process_on_the_whole_batch():
+    _spawn(2, "branch_activations_match_single_process")
+
+
 @pytest.mark.slow
+def test_silu_and_gelu_bfloat16_within_the_local_layer_s_bound():
+    _spawn(2, "branch_half_inputs")
+
+
 @pytest.mark.slow
 def test_one_collective_each_way_and_none_in_eval():
     _spawn(2, "counts_collectives")
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_training_step_reads_nothing_on_the_host():
     """The merged count stays on the device: a step waits for no device value."""
@@ -54,12 +60,10 @@ def test_training_step_reads_nothing_on_the_host():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_mismatched_channels_fail_clearly_on_every_rank():
     _spawn(2, "rejects_mismatched_ranks")
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_functional_conversion_and_active_group():
     _spawn(3, "functional_and_conversion")
@@ -80,7 +84,6 @@ def test_without_process_group_behaves_like_inplace_abn_and_warns_once(monkeypat
         sync_layer(x.clone())  # no second warning
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_abn_sync_across_ranks_leaves_its_input():
     _spawn(2, "abn_sync_matches_single_process")

@@ -8,8 +8,9 @@ All functions here run PyTorch's own vectorised kernels (``leaky_relu``, ``elu``
 ``*_backward`` ops evaluated from the output), never per-element Python.
 
 ``silu`` and ``gelu`` are not invertible (each has one minimum, so an output above it comes
-from two inputs); the in-place layer takes them with one saved bit per element that names the
-branch (:mod:`iabn.branch_activation`). The synchronised layers do not.
+from two inputs); the in-place batch-norm layers (``InPlaceABN``, ``InPlaceABNSync``) take them
+with one saved bit per element that names the branch (:mod:`iabn.branch_activation`). The
+in-place group-norm layer does not.
 """
 
 from __future__ import annotations
@@ -45,9 +46,10 @@ def check_activation(activation: str, activation_param: float, *, in_place: bool
                      branch: bool = False) -> None:
     """Raise a ``ValueError`` naming the fix when ``activation`` cannot be used.
 
-    ``branch``: the in-place layer keeps a branch bit (``iabn.InPlaceABN`` and
-    ``iabn.functional.inplace_abn``), so it takes ``silu`` and ``gelu``; the other in-place
-    layers (synchronised, group norm) invert from the output alone and refuse them.
+    ``branch``: the in-place layer keeps a branch bit (``iabn.InPlaceABN``,
+    ``iabn.InPlaceABNSync``, ``iabn.ABNSync`` and their functionals), so it takes ``silu`` and
+    ``gelu``; the other in-place layers (group norm, BNActConv's in-place strategies) invert
+    from the output alone and refuse them.
 
     ``activation_param`` is the negative slope of ``leaky_relu`` and ``alpha`` of ``elu``; both
     must be positive so that the function is invertible. It is ignored by ``identity`` and
@@ -60,8 +62,9 @@ def check_activation(activation: str, activation_param: float, *, in_place: bool
     if in_place and not branch and activation in BRANCH_ACTIVATIONS:
         raise ValueError(
             f"activation={activation!r} is not invertible, and this layer recovers its input "
-            f"from its output alone: only iabn.InPlaceABN and iabn.functional.inplace_abn keep "
-            f"the branch bit {activation} needs (not the synchronised or group-norm layers); "
+            f"from its output alone: only the batch-norm layers (iabn.InPlaceABN, "
+            f"iabn.InPlaceABNSync, iabn.ABNSync and their functionals) keep the branch bit "
+            f"{activation} needs; "
             f"use the not-in-place layer (iabn.ABN, iabn.GroupNormAct) or an invertible "
             f"activation ('leaky_relu', 'elu', 'identity')"
         )
@@ -96,7 +99,8 @@ def check_activation(activation: str, activation_param: float, *, in_place: bool
 
 
 def apply_(x: Tensor, activation: str, activation_param: float) -> Tensor:
-    """Apply the activation to ``x`` in place and return ``x``."""
+    """Apply the activation to ``x`` in place and return ``x``; ``gelu`` of a tensor that
+    autograd records returns a new tensor (callers use the returned one)."""
     if activation == LEAKY_RELU:
         return F.leaky_relu_(x, activation_param)
     if activation == ELU:
@@ -108,7 +112,10 @@ def apply_(x: Tensor, activation: str, activation_param: float) -> Tensor:
     if activation == SILU:
         return F.silu(x, inplace=True)
     if activation == GELU:
-        # torch's own exact GELU (the not-in-place layers compute what nn.GELU computes)
+        # torch's own exact GELU (the not-in-place layers compute what nn.GELU computes).
+        # Its backward reads its input: where autograd records x, x must stay as it is.
+        if x.requires_grad and torch.is_grad_enabled():
+            return F.gelu(x)
         return x.copy_(F.gelu(x))
     raise ValueError(f"unknown activation={activation!r}: use one of {ALL_ACTIVATIONS}")
 

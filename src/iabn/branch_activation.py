@@ -10,8 +10,10 @@ inputs), takes ``dy = phi'(y) dz`` and the batch-norm gradients from ``y`` exact
 reference kernels do (:func:`iabn.kernels.reference.grads_from_y`).
 
 An ``autograd.Function`` on ATen operations of its own, like :mod:`iabn.group_norm`: the
-``iabn::`` operators, the Triton kernels and the synchronised layers carry no bits and refuse
-these activations (the Triton backend with an error here, before anything is written).
+``iabn::`` operators and the Triton kernels carry no bits and refuse these activations (the
+Triton backend with an error here, before anything is written). The synchronised layer
+(:mod:`iabn.sync`) keeps the same bits: :func:`sync_forward_` and :func:`sync_local_sums` are
+its forward and the half of its backward before the all-reduce.
 
 The Newton steps. Near the minimum ``phi(y) - z* ~ c (y - y*)^2 / 2`` (``c = phi''(y*)``), so
 Newton on ``phi`` itself stalls there; it runs on functions that are close to linear across
@@ -41,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import activation as act
-from .kernels import reference
+from .kernels import reference, sync_reference
 from .kernels.dispatch import ENV, requested_backend
 from .layer_config import LayerConfig
 from .ops import needs_grad as layer_needs_grad
@@ -235,14 +237,14 @@ def forward_(
     return invstd, g, packed
 
 
-def backward(
-    z: Tensor, packed: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
-    invstd: Tensor, g: Tensor, config: LayerConfig, output_mask: list[bool],
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(dx, dgamma, dbeta)`` from ``z``, its branch bits and ``dz``."""
-    if z.numel() == 0:
-        return reference.empty_grads(z, weight, bias, output_mask)
-    compute, activation = reference.compute_dtype(z.dtype), config.activation
+def recovery(z: Tensor, packed: Tensor, dz: Tensor, activation: str) -> tuple[
+    list[tuple], reference.RecoverPiece
+]:
+    """``(index, recover_piece)``: :func:`reference.pieces` of ``z``, its branch bits and
+    ``dz``, and the function that gives a piece's ``y`` (by :func:`invert`) and
+    ``dy = phi'(y) dz`` in the compute dtype, as :func:`reference.grads_over_pieces` and
+    :func:`reference.sums_over_pieces` take them."""
+    compute = reference.compute_dtype(z.dtype)
     # Newton's temporaries (up to 19 float32 tensors at once) are a piece's, not the
     # activation's: 1/64 of it for large activations (reference.pieces)
     (zv, dzv, leftv), index = reference.pieces(z, dz, unpack_bits(packed, z.shape),
@@ -252,19 +254,75 @@ def backward(
         y = invert(zv[at].to(compute), leftv[at], activation, z.dtype)
         return y, derivative(y, activation).mul_(dzv[at].to(compute))
 
-    if compute != z.dtype:  # half inputs: nothing of the activation's size in float32
-        return reference.grads_over_pieces(z, weight, bias, invstd, g, config, output_mask,
-                                           index, recover_piece)
+    return index, recover_piece
+
+
+def recover_all(z: Tensor, index: list[tuple],
+                recover_piece: reference.RecoverPiece) -> tuple[Tensor, Tensor]:
+    """``(y, dy)`` of the whole of ``z`` (whose dtype is its compute dtype), a piece at a
+    time."""
     y, dy = torch.empty_like(z), torch.empty_like(z)
     (yv, dyv), _ = reference.pieces(y, dy)
     for at in index:
         y_piece, dy_piece = recover_piece(at, True)
         yv[at].copy_(y_piece)
         dyv[at].copy_(dy_piece)
-    del y_piece, dy_piece
+    return y, dy
+
+
+def backward(
+    z: Tensor, packed: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
+    invstd: Tensor, g: Tensor, config: LayerConfig, output_mask: list[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """``(dx, dgamma, dbeta)`` from ``z``, its branch bits and ``dz``."""
+    if z.numel() == 0:
+        return reference.empty_grads(z, weight, bias, output_mask)
+    compute = reference.compute_dtype(z.dtype)
+    index, recover_piece = recovery(z, packed, dz, config.activation)
+    if compute != z.dtype:  # half inputs: nothing of the activation's size in float32
+        return reference.grads_over_pieces(z, weight, bias, invstd, g, config, output_mask,
+                                           index, recover_piece)
+    y, dy = recover_all(z, index, recover_piece)
     g = g.to(compute)
     beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
     return reference.grads_from_y(y, dy, g, beta, invstd, z, weight, bias, config, output_mask)
+
+
+# ------------------------------------------------------------------ the synchronised layer
+
+def sync_forward_(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor,
+    config: LayerConfig,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`iabn.kernels.sync_reference.normalize_` with the branch bits: overwrite ``x``
+    with ``phi(y)``, ``y`` normalised with the statistics merged over all ranks; return
+    ``(invstd, g, packed bits)``."""
+    sdtype = reference.stat_dtype(x, weight, None)
+    return forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), config.for_eval(), True)
+
+
+def sync_local_sums(
+    z: Tensor, packed: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor,
+    config: LayerConfig,
+) -> tuple[tuple[Tensor, Tensor] | sync_reference.Recovered, Tensor]:
+    """:func:`iabn.kernels.sync_reference.local_sums` with ``y`` recovered from ``z`` and its
+    branch bits: ``(saved, [sum(dy * xhat), sum(dy)])``. ``saved`` is the whole ``(y, dy)``
+    where the compute dtype is ``z``'s, and for half inputs a
+    :class:`~iabn.kernels.sync_reference.Recovered` whose pieces are inverted again for
+    ``dx`` after the all-reduce (no float32 tensor of the activation's size, as in
+    :func:`backward`)."""
+    if z.numel() == 0:  # nothing to invert: the identity's empty (y, dy) and zero sums
+        return sync_reference.local_sums(z, dz, bias, scale,
+                                         config._replace(activation=act.IDENTITY))
+    compute = reference.compute_dtype(z.dtype)
+    index, recover_piece = recovery(z, packed, dz, config.activation)
+    if compute != z.dtype:
+        sums = reference.sums_over_pieces(index, recover_piece, scale, bias, compute)
+        return sync_reference.Recovered(z, index, recover_piece), sums
+    y, dy = recover_all(z, index, recover_piece)
+    g = scale.to(compute)
+    beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
+    return (y, dy), sync_reference.sums_from_y(y, dy, g, beta)
 
 
 class BranchABNFunction(torch.autograd.Function):

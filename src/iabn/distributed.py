@@ -17,7 +17,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import debug
-from .activation import BRANCH_ACTIVATIONS
 from .checks import check_inputs, check_options
 from .layer_config import LayerConfig
 from .modules import ABN, InPlaceABN
@@ -90,11 +89,9 @@ class InPlaceABNSync(_Synchronised, InPlaceABN):
     ``torch.distributed`` process group, ``None`` for the whole world, looked up at every
     training step. Eval mode uses the running statistics (or, without them, this rank's batch)
     and communicates nothing, like ``nn.SyncBatchNorm``. The first synchronised step checks
-    once that all ranks agree on channel count, rank and dtype. Not ``silu``/``gelu``: the
-    synchronised backward inverts from the output alone, without a branch bit.
+    once that all ranks agree on channel count, rank and dtype. ``silu`` and ``gelu`` keep one
+    branch bit per element, as in :class:`iabn.InPlaceABN`.
     """
-
-    _branch_bit = False
 
     def __init__(
         self,
@@ -128,10 +125,10 @@ class ABNSync(_Synchronised, ABN):
     """:class:`iabn.ABN` whose training-mode statistics span all ranks of ``group``: it leaves
     its input untouched, so it may follow a tensor that is needed again.
 
-    Same arguments as :class:`InPlaceABNSync`. Invertible activations only: the synchronised
-    step runs the in-place computation on a copy of the input, whose backward inverts the
-    activation (so it also keeps ``|scale| >= eps``). Without a multi-rank process group, and
-    in eval mode, it is :class:`iabn.ABN` exactly.
+    Same arguments as :class:`InPlaceABNSync`. Not ``relu``: the synchronised step runs the
+    in-place computation on a copy of the input, whose backward inverts the activation (so
+    it also keeps ``|scale| >= eps``; ``silu`` and ``gelu`` with their branch bits). Without a
+    multi-rank process group, and in eval mode, it is :class:`iabn.ABN` exactly.
     """
 
     def __init__(
@@ -156,7 +153,7 @@ class ABNSync(_Synchronised, ABN):
                 "activation='leaky_relu' (e.g. activation_param=0.01)"
             )
         check_options(activation, activation_param, gamma_mode, in_place=True, eps=eps,
-                      momentum=momentum)
+                      momentum=momentum, branch=True)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
             activation_param, device, dtype, gamma_mode=gamma_mode,
@@ -165,7 +162,9 @@ class ABNSync(_Synchronised, ABN):
         self._ranks_checked = False
 
     # the synchronised step inverts the activation, as the in-place layer's backward does
+    # (silu and gelu with their branch bits)
     _needs_inverse = True
+    _branch_bit = True
 
     def _to_overwrite(self, input: Tensor) -> Tensor:
         return input.clone()  # the synchronised step runs in place: on a copy here
@@ -202,12 +201,6 @@ def _target_class(module: nn.Module, sync: bool) -> type[ABN] | None:
         if isinstance(module, (InPlaceABNSync, ABNSync)):
             return None
         if isinstance(module, InPlaceABN):
-            if module.activation in BRANCH_ACTIVATIONS:
-                raise ValueError(
-                    f"an InPlaceABN with activation={module.activation!r} has no synchronised "
-                    f"form (InPlaceABNSync inverts without the branch bit it needs): keep it "
-                    f"local, or use torch.nn.SyncBatchNorm + the activation for that layer"
-                )
             return InPlaceABNSync
         if isinstance(module, ABN):
             if module.activation == "relu":

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import debug
+from . import branch_activation, debug
+from .activation import BRANCH_ACTIVATIONS
 from .checks import check_argument_order, check_inputs, check_options
 from .kernels import reference
 from .kernels import sync_reference as sync
@@ -96,7 +97,8 @@ def check_across_ranks(x: Tensor, group: Any) -> None:
 
 
 class InPlaceABNSyncFunction(torch.autograd.Function):
-    """Autograd of the synchronised layer: saves ``z`` only, like the single-process one."""
+    """Autograd of the synchronised layer: saves ``z`` only, like the single-process one
+    (and, with ``silu``/``gelu``, its packed branch bits: :mod:`iabn.branch_activation`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -109,6 +111,9 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         config: LayerConfig,
         group: Any,
     ) -> Tensor:
+        branch = config.activation in BRANCH_ACTIVATIONS
+        if branch:  # before the all-gather or any write: every rank raises alike
+            branch_activation.check_backend(config.activation)
         moments = sync.local_moments(x)
         gathered = [torch.empty_like(moments) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, moments, group=group)
@@ -121,22 +126,31 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
                 f"expected more than 1 value per channel when training, got {int(total)} over "
                 f"all ranks: use larger batches or eval mode"
             )
-        invstd, scale = sync.normalize_(backend_for(x), x, weight, bias, mean, var, config)
+        packed = None
+        if branch:
+            invstd, scale, packed = branch_activation.sync_forward_(x, weight, bias, mean, var,
+                                                                    config)
+        else:
+            invstd, scale = sync.normalize_(backend_for(x), x, weight, bias, mean, var, config)
         if running_mean is not None and running_var is not None:
             sync.update_running_stats_(running_mean, running_var, mean, var, total,
                                        config.momentum)
         ctx.mark_dirty(x)
-        ctx.save_for_backward(x, weight, bias, invstd, scale)
+        ctx.save_for_backward(x, packed, weight, bias, invstd, scale)
         ctx.config, ctx.group, ctx.total = config, group, total
         return x
 
     @staticmethod
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward("InPlaceABNSync")
-        z, weight, bias, invstd, scale = ctx.saved_tensors
+        z, packed, weight, bias, invstd, scale = ctx.saved_tensors
         c = ctx.config
-        kernels = sync_backend_for(z)
-        saved, sums = kernels.local_sums(z, dz, bias, scale, c)
+        if packed is not None:  # silu, gelu: y from z and the branch bits
+            kernels = sync
+            saved, sums = branch_activation.sync_local_sums(z, packed, dz, bias, scale, c)
+        else:
+            kernels = sync_backend_for(z)
+            saved, sums = kernels.local_sums(z, dz, bias, scale, c)
         global_sums = sums.clone()
         dist.all_reduce(global_sums, group=ctx.group)
         dx = None
@@ -174,7 +188,7 @@ def inplace_abn_sync(
     :func:`check_across_ranks` can be called once beforehand.
     """
     check_options(activation, activation_param, gamma_mode, in_place=True, eps=eps,
-                  momentum=momentum)
+                  momentum=momentum, branch=True)
     check_argument_order("inplace_abn_sync", running_mean, running_var)
     synced_group = _group_to_sync(group, training)
     check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True,

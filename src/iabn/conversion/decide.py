@@ -14,7 +14,7 @@ LOSSLESS = "lossless"
 LEAKY_RELU = "leaky_relu"
 POLICIES = (LOSSLESS, LEAKY_RELU)
 #: Activations without a synchronised layer (ABNSync inverts from the output alone).
-NOT_SYNCHRONISED = ("relu", *BRANCH_ACTIVATIONS)
+NOT_SYNCHRONISED = ("relu",)
 #: The slope that replaces ReLU under ``policy="leaky_relu"`` (the paper's and timm's choice).
 RELU_SLOPE = 0.01
 
@@ -111,9 +111,9 @@ def decide(norm: nn.Module, sites: list[Site], policy: str,
     if name == "relu":
         return fallback("relu is not invertible (policy='leaky_relu' swaps it for "
                         f"LeakyReLU({RELU_SLOPE}) and goes in place)")
-    if name in BRANCH_ACTIVATIONS and (sync or type(norm) is nn.GroupNorm):
+    if name in BRANCH_ACTIVATIONS and type(norm) is nn.GroupNorm:
         return fallback(f"{found.written_as} is not invertible: it needs the branch bit that "
-                        f"only InPlaceABN keeps (not the synchronised or group-norm layers)")
+                        f"only the batch-norm layers keep (not the group-norm layers)")
     if not _usable(name, param, in_place=True, branch=True):
         return fallback(f"{found.written_as} with parameter {param} is not invertible")
     small = _small_weights(norm)

@@ -20,11 +20,13 @@ from torch import Tensor
 from ..layer_config import LayerConfig
 from .reference import (
     LOW_PRECISION,
+    RecoverPiece,
     _cast,
     channel_view,
     compute_dtype,
     dx_coefficients,
     input_grad_in_pieces,
+    input_grad_over_pieces,
     recover,
     stat_dtype,
     sums_in_pieces,
@@ -107,6 +109,17 @@ class Pieces(NamedTuple):
     activation_param: float
 
 
+class Recovered(NamedTuple):
+    """What :func:`input_grad` needs of a half-precision backward whose pieces' float32 ``y``
+    and ``dy`` come from ``recover_piece`` (``index`` and ``recover_piece`` as
+    :func:`.reference.grads_over_pieces` takes them): the silu/gelu layer's, whose inverse
+    reads the branch bits (:func:`iabn.branch_activation.sync_local_sums`)."""
+
+    z: Tensor
+    index: list[tuple]
+    recover_piece: RecoverPiece
+
+
 def local_sums(
     z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
 ) -> tuple[tuple[Tensor, Tensor] | Pieces, Tensor]:
@@ -122,18 +135,27 @@ def local_sums(
     y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
     if not z.numel():
         return (y, dy), torch.zeros(2, g.shape[0], dtype=g.dtype, device=z.device)
+    return (y, dy), sums_from_y(y, dy, g, beta)
+
+
+def sums_from_y(y: Tensor, dy: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """``[sum(dy * xhat), sum(dy)]`` stacked ``(2, C)`` from the whole ``y`` and ``dy``."""
     # The reductions of the batch-norm backward, with the identity of reference.py.
     _, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
         dy, y, g, None, None, beta, g.reciprocal(), True, 0.0, [False, True, True],
     )
-    return (y, dy), torch.stack([sum_dy_xhat, sum_dy])
+    return torch.stack([sum_dy_xhat, sum_dy])
 
 
 def input_grad(
-    saved: tuple[Tensor, Tensor] | Pieces, bias: Tensor | None, scale: Tensor, invstd: Tensor,
-    global_sums: Tensor, total: Tensor, out_dtype: torch.dtype,
+    saved: tuple[Tensor, Tensor] | Pieces | Recovered, bias: Tensor | None, scale: Tensor,
+    invstd: Tensor, global_sums: Tensor, total: Tensor, out_dtype: torch.dtype,
 ) -> Tensor:
     """``dx`` from :func:`local_sums`' ``saved`` and the sums over all ranks."""
+    if isinstance(saved, Recovered):
+        k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total,
+                                     compute_dtype(saved.z.dtype))
+        return input_grad_over_pieces(saved.z, saved.index, saved.recover_piece, k1, k2, k3)
     if isinstance(saved, Pieces):
         k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total,
                                      compute_dtype(saved.z.dtype))

@@ -16,7 +16,7 @@ def check_norm_act(network: dict[str, Any], source: str) -> None:
     try:
         check_activation(network["activation"], network["activation_param"],
                          in_place=network["norm_act"] in ("iabn", "iabn_sync"),
-                         branch=network["norm_act"] == "iabn")
+                         branch=network["norm_act"] in ("iabn", "iabn_sync"))
     except ValueError as error:
         raise ConfigError(f"{source}: network.activation with network.norm_act="
                           f"{network['norm_act']!r}: {error}") from None
