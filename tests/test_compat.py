@@ -100,7 +100,6 @@ def test_one_line_opt_in_gives_the_original_names(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_opt_in_after_timm_was_imported_reaches_timm(tmp_path):
     result = _run("""
         import torch, timm, timm.layers.inplace_abn as timm_iabn
@@ -117,7 +116,6 @@ def test_opt_in_after_timm_was_imported_reaches_timm(tmp_path):
     assert result.stdout.strip() == "True"
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_a_real_inplace_abn_is_not_shadowed(tmp_path):
     real = tmp_path / "site" / "inplace_abn"
@@ -265,7 +263,6 @@ def test_timm_tresnet_with_inplace_abn_trains_like_batchnorm(opted_in):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_timm_tresnet_m_with_inplace_abn_trains_like_batchnorm(opted_in):
     """timm.create_model("tresnet_m"), its 60 BatchNormAct2d swapped for InplaceAbn (~8 s)."""
     import timm
@@ -383,7 +380,6 @@ def test_to_signed_converts_abs_weights_exactly():
 # ---- item 3: the documentation's porting advice, run -------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_documented_porting_examples_run(tmp_path):
     """The checked examples (those with asserts) of the porting sections of the documentation
     (docs/usage/conversion.md, where the README's porting sections moved) run against
@@ -445,7 +441,6 @@ def test_original_style_training_script_runs_and_trains_like_batchnorm():
                                atol=1e-12)
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_active_group_in_a_one_rank_gloo_world(tmp_path):
     result = _run(f"""

@@ -465,7 +465,6 @@ def test_compiled_layer_options_match_eager(options):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_dynamic_shapes_and_export():
     """``torch.compile(dynamic=True)`` trains over changing batch and image sizes as eager
     does, and ``torch.export`` of an eval-mode model reproduces its outputs."""

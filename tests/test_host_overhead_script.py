@@ -21,7 +21,6 @@ def _run(*args):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_quick_cpu_run_writes_times_and_ratios(tmp_path):
     out = tmp_path / "host.json"
     done = _run("--device", "cpu", "--quick", "--json", str(out))
@@ -67,7 +66,6 @@ def test_one_thread_runs(tmp_path, args):
     assert report["clock"] == ("thread" if "--clock" in args else "wall")
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_thread_clock_with_more_threads_is_a_usage_error(tmp_path):
     done = _run("--device", "cpu", "--clock", "thread", "--threads", "2",

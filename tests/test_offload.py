@@ -304,7 +304,6 @@ def test_offload_context_moves_what_a_compiled_graph_saves():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_offload_model_with_compiled_layers_and_compiled_wrapper():
     """OffloadModel picks layers with module hooks that run outside the compiler (a graph
     break each): a layer compiled inside the wrapped model, or the compiled wrapper, offload

@@ -43,7 +43,6 @@ def _run(snapshot, images, out, *extra):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_palette_outputs_at_input_size_and_corrupt_image_reported(snapshot, images, tmp_path,
                                                                    capsys):
     out = tmp_path / "out"
@@ -56,7 +55,6 @@ def test_palette_outputs_at_input_size_and_corrupt_image_reported(snapshot, imag
             assert max(result.tobytes()) < NUM_CLASSES
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_resume_keeps_existing_outputs_unless_overwrite(snapshot, images, tmp_path, capsys):
     out = tmp_path / "out"
@@ -95,7 +93,6 @@ def test_bad_snapshot_and_folder(tmp_path, images, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_labelids_need_a_label_set_and_palettes_must_fit_the_model(snapshot, images, tmp_path,
                                                                     capsys):
     out = tmp_path / "out"
@@ -108,7 +105,6 @@ def test_labelids_need_a_label_set_and_palettes_must_fit_the_model(snapshot, ima
     assert not out.exists()  # refused before writing anything
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_vistas_config_gives_colours_and_label_ids(snapshot, images, tmp_path):
     import json
@@ -266,7 +262,6 @@ def test_out_dir_equal_to_in_dir_is_refused(snapshot, tmp_path, monkeypatch, cap
     assert _files(root) == before
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_out_dir_inside_a_recursive_in_dir_is_left_out_of_the_walk(snapshot, tmp_path,
                                                                    capsys):

@@ -356,7 +356,6 @@ def test_a_crop_the_network_cannot_run_on_is_refused_before_writing(tmp_path, ca
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_a_full_disk_while_writing_a_snapshot_keeps_the_older_ones(tmp_path, capsys,
                                                                    monkeypatch):
     config = write_config(tmp_path / "c.json")
@@ -402,7 +401,6 @@ def test_an_unwritable_tensorboard_folder_is_refused_before_writing(tmp_path, ca
     assert [p.name for p in run.iterdir()] == ["tensorboard"]
 
 
-@pytest.mark.slow
 @pytest.mark.slow
 def test_a_tensorboard_folder_that_fails_to_write_is_one_line(tmp_path):
     """Where permissions are not checked ahead (root, network file systems), TensorBoard's
