@@ -40,11 +40,17 @@ from __future__ import annotations
 import argparse
 import copy
 import math
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+# Inductor compiles in this process: its pool of compile workers exited uncleanly in the middle
+# of a run on the 2-core VM (2026-11-24), and every later compilation then raised "Attempting to
+# use a closed pool". Compilation is not timed here, so one thread costs no figure.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch
 from torch import nn
