@@ -4,8 +4,8 @@ On an H100/H200 it runs, in this order, each part as a subprocess of its own (a 
 failure of one part is recorded with its exit status and the tail of its log, and the campaign
 goes on with the next):
 
-1. ``suite``: the whole test suite with ``-n 8`` through ``benchmarks/suite_log.py``
-   (``suite_cuda.log``);
+1. ``suite``: the whole test suite, the tests marked ``slow`` included (``-m "slow or not
+   slow"``), with ``-n 8`` through ``benchmarks/suite_log.py`` (``suite_cuda.log``);
 2. ``slope_errors``: ``benchmarks/slope_errors.py`` on CUDA (``slope_errors_cuda.json``);
 3. ``host_overhead``: ``benchmarks/host_overhead.py --device cuda``; ``gpu_speed``:
    ``benchmarks/gpu_speed.py`` with eager BN, iabn's reference kernels and iabn's Triton
@@ -238,8 +238,8 @@ def plan(smoke: bool) -> list[Part]:
         ]
         return parts
     parts = [
-        part("suite", "suite", ["benchmarks/suite_log.py", "--log", f["suite"], "--", "-n", "8"],
-             ["suite"]),
+        part("suite", "suite", ["benchmarks/suite_log.py", "--log", f["suite"], "--", "-n", "8",
+                                 "-m", "slow or not slow"], ["suite"]),
         part("slope_errors", "slopes", ["benchmarks/slope_errors.py", "--device", "cuda",
                                         "--json", f["slopes"]], ["slopes"]),
         part("host_overhead", "host", ["benchmarks/host_overhead.py", "--device", "cuda",

@@ -436,7 +436,8 @@ def test_gpu_commands_are_valid_and_cover_the_brief(monkeypatch):
             assert argv[argv.index("--models") + 1] == "vgg19:bn"
             assert argv[argv.index("--batch") + 1] == "32"
         elif script == "suite_log.py":
-            assert argv[-2:] == ["-n", "8"] and argv[1].endswith("suite_cuda.log")
+            assert argv[1].endswith("suite_cuda.log")
+            assert argv[-4:] == ["-n", "8", "-m", "slow or not slow"]  # the slow tests too
     assert cells == BRIEF_CELLS
     assert sum(p.group == "network" for p in parts) == len(BRIEF_CELLS)  # one cell a part
 

@@ -15,24 +15,11 @@ import iabn
 from iabn.planning import traced_plan
 from iabn.planning.planner import Planner
 from iabn.planning.wrappers import INPLACE, INPLACE_RECOMPUTE, KEEP, RECOMPUTE, SELECTIVE
+from test_plan import Block
 
 
-class Block(nn.Module):
-    def __init__(self, c_in, c_out, stride=1):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
-        self.act1, self.act2 = nn.LeakyReLU(0.1), nn.LeakyReLU(0.1)
-        self.down = (nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False),
-                                   nn.BatchNorm2d(c_out)) if stride != 1 or c_in != c_out
-                     else None)
-
-    def forward(self, x):
-        out = self.act1(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return self.act2(out + (x if self.down is None else self.down(x)))
+def leaky():  # the blocks' activation (tests/test_plan.py's residual Block)
+    return nn.LeakyReLU(0.1)
 
 
 class Net(nn.Module):
@@ -44,7 +31,7 @@ class Net(nn.Module):
         self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8),
                                   nn.LeakyReLU(0.1), nn.Conv2d(8, 8, 3, padding=1, bias=False),
                                   nn.BatchNorm2d(8), nn.LeakyReLU(0.1))
-        self.stage = nn.Sequential(Block(8, 8), Block(8, 16, 2))
+        self.stage = nn.Sequential(Block(8, 8, act=leaky), Block(8, 16, 2, act=leaky))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.head = nn.Linear(16, 10)
 
