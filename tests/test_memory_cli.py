@@ -6,6 +6,9 @@ import io
 import json
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,3 +353,17 @@ def test_an_input_too_large_for_the_machine_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err == ("iabn memory: error: out of cpu memory at --input 2,3,200000,200000: use a "
                    "smaller batch or image\n")
+
+
+def test_a_reader_that_goes_away_ends_quietly_with_141():
+    """``iabn memory ... | head``: the reader of stdout closes before the command writes; the
+    command stops as one that SIGPIPE ends (status 141), without a traceback."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    args = ["memory", FACTORY, "--input", _shape_text(FACTORY_SHAPE)]
+    proc = subprocess.Popen([sys.executable, "-m", "iabn", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    proc.stdout.close()  # before the child has even started Python
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -17,7 +17,9 @@ is one line on stderr in a fraction of a second; each command imports what it ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -666,8 +668,28 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Exit status when the reader of standard output went away (``iabn memory ... | head``): what
+#: a shell reports for a process that SIGPIPE ended (128 + 13).
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``iabn`` command; returns the process exit code."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # here, where a closed pipe can still be handled
+    except BrokenPipeError:
+        # Python ignores SIGPIPE, so a write to a closed pipe raises: stop quietly, as a
+        # command that SIGPIPE ends does, and send what is left to devnull so that Python's own
+        # flush at exit does not fail again
+        with contextlib.suppress(OSError, ValueError):  # (a stdout without a descriptor)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _main(argv: Sequence[str] | None) -> int:
     command = "iabn"
     try:
         parser = build_parser()
