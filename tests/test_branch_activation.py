@@ -329,11 +329,11 @@ def test_saved_bytes_are_z_and_the_bits(activation, shape, dtype):
     pytest.param(torch.float32, 2, id="torch.float32-2")])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_backward_memory_is_bounded(activation, dtype, extra, training, monkeypatch):
-    """Newton's float32 temporaries (up to 19 at once) are those of slices of the activation
-    (reference.pieces): the backward holds at most ``extra`` activations (in the input's
-    dtype; float32: y, dy and dx as the leaky_relu layer) more than BatchNorm + the
-    activation's, counting every allocation (iabn.traffic); half inputs make no float32
-    tensor of the activation's size."""
+    """Newton's float32 temporaries (16.25 tensors of their size at their peak) are those of
+    slices of the activation (reference.pieces): the backward holds at most ``extra``
+    activations (in the input's dtype; float32: y, dy and dx as the leaky_relu layer) more
+    than BatchNorm + the activation's, counting every allocation (iabn.traffic); half inputs
+    make no float32 tensor of the activation's size."""
     from iabn import traffic
     from iabn.kernels import reference
 

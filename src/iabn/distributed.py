@@ -64,12 +64,11 @@ def _synchronised_step(layer: ABN, input: Tensor, group: Any) -> Tensor:
 
 class _Synchronised:
     """What :class:`InPlaceABNSync` and :class:`ABNSync` share: in training with a multi-rank
-    group, :func:`_synchronised_step`; otherwise the local layer's own ``forward``."""
+    group, :func:`_synchronised_step` on the tensor ``_to_overwrite`` gives (the input, or a
+    copy: :class:`iabn.modules.OverwriteInputOption`'s for :class:`InPlaceABNSync`,
+    :class:`ABNSync`'s own); otherwise the local layer's own ``forward``."""
 
     group: Any
-
-    def _to_overwrite(self, input: Tensor) -> Tensor:
-        return input
 
     def forward(self, input: Tensor) -> Tensor:
         group = _group_to_sync(self.group, self.training)
@@ -116,9 +115,6 @@ class InPlaceABNSync(_Synchronised, InPlaceABN):
         )
         self.group = group
         self._ranks_checked = False
-
-    def _to_overwrite(self, input: Tensor) -> Tensor:
-        return input if self._in_place else input.clone()  # overwrite_input=False: a copy
 
 
 class ABNSync(_Synchronised, ABN):

@@ -55,8 +55,7 @@ from .checks import (
     check_options,
     check_per_call,
 )
-from .kernels import reference
-from .kernels.reference import LOW_PRECISION, PIECES, at_most
+from .kernels.reference import LOW_PRECISION, at_most, part_count
 from .modules import OverwriteInputOption, check_loaded_gamma_mode, note_gamma_mode
 from .ops import needs_grad as layer_needs_grad
 from .ops import overwritable
@@ -265,7 +264,7 @@ def _grads_in_parts(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | 
     xhat and dx, hold 6 x 4 bytes an element of it: as in :data:`.kernels.reference.PIECES`.)"""
     n, c = z.shape[:2]
     per = c // num_groups
-    count = max(1, min(PIECES, z.numel() // reference.MIN_PIECE))  # as reference.pieces
+    count = part_count(z.numel())
     if n >= count:
         parts = [(slice(a, b), 0, num_groups) for a, b in at_most(n, count)]
     else:
@@ -463,12 +462,10 @@ class InPlaceGroupNormAct(OverwriteInputOption, GroupNormAct):
 
     def forward(self, input: Tensor) -> Tensor:
         weight, bias = self.weight, self.bias
-        in_place = self._in_place
         check_group_norm_inputs(input, weight, bias, self.num_groups, self.num_channels,
-                                in_place=in_place)
-        if not in_place:  # overwrite_input=False
-            input = input.clone()
-        return inplace_group_norm_act(input, weight, bias, *self._options())
+                                in_place=self._in_place)
+        return inplace_group_norm_act(self._to_overwrite(input), weight, bias,
+                                      *self._options())
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.overwrite_input else ", overwrite_input=False")

@@ -308,6 +308,10 @@ class OverwriteInputOption:
         self.__dict__["_in_place"] = value
         self.__dict__.pop("_valid_signature", None)  # the checks differ between the modes
 
+    def _to_overwrite(self, input: Tensor) -> Tensor:
+        """The tensor the layer overwrites: ``input``, or a copy of it in output-only mode."""
+        return input if self._in_place else input.clone()
+
 
 class InPlaceABN(OverwriteInputOption, ABN):
     """In-Place Activated BatchNorm: overwrites its input and stores only its output.
@@ -353,9 +357,8 @@ class InPlaceABN(OverwriteInputOption, ABN):
 
     def forward(self, input: Tensor) -> Tensor:
         weight, bias, running_mean, running_var, config, counter = self._prepare(input)
-        if not self._in_place:  # overwrite_input=False
-            input = input.clone()
-        output = inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
+        output = inplace_abn_unchecked(self._to_overwrite(input), running_mean, running_var,
+                                       weight, bias, config)
         if counter is not None:
             counter.add_(1)
         return output

@@ -271,15 +271,27 @@ def backward_in_pieces(
     """:func:`backward` for half inputs whose ``y`` and ``dy`` must be float32
     (:func:`full_dtype`), with no full-size float32 tensor: :func:`grads_over_pieces` with
     this activation's inverse."""
-    activation, activation_param = config.activation, config.activation_param
+    index, recover_piece = recovery(z, dz, bias, scale, config.activation,
+                                    config.activation_param)
+    return grads_over_pieces(z, weight, bias, invstd, scale, config, output_mask, index,
+                             recover_piece)
+
+
+def recovery(
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
+    activation_param: float,
+) -> tuple[list[tuple], RecoverPiece]:
+    """``(index, recover_piece)``: :func:`pieces` of ``z`` and ``dz``, and the function that
+    gives a piece's ``y`` and ``dy`` in the compute dtype (:func:`recover`), as
+    :func:`grads_over_pieces`, :func:`sums_over_pieces` and :func:`input_grad_over_pieces`
+    take them."""
     (zv, dzv), index = pieces(z, dz)
 
     def recover_piece(at: tuple, with_y: bool) -> tuple[Tensor | None, Tensor]:
         return recover(zv[at], dzv[at], bias, scale, activation, activation_param, None,
                        with_y)[:2]
 
-    return grads_over_pieces(z, weight, bias, invstd, scale, config, output_mask, index,
-                             recover_piece)
+    return index, recover_piece
 
 
 def grads_over_pieces(
@@ -328,7 +340,7 @@ def pieces(*tensors: Tensor, parts: int = PIECES) -> tuple[list[Tensor], list[tu
     of the whole where the positions allow (and :data:`MIN_PIECE` elements allow): along
     ``N``, or with fewer samples than parts, along each sample's ``L`` too."""
     n, c = tensors[0].shape[:2]
-    parts = max(1, min(parts, tensors[0].numel() // MIN_PIECE))
+    parts = part_count(tensors[0].numel(), parts)
     try:
         views = [t.view(n, c, -1) for t in tensors]
     except RuntimeError:  # spatial dims that do not flatten to a view: cut along N only
@@ -340,6 +352,12 @@ def pieces(*tensors: Tensor, parts: int = PIECES) -> tuple[list[Tensor], list[tu
         (slice(i, i + 1), slice(None), slice(a, b))
         for i in range(n) for a, b in at_most(views[0].shape[2], per_sample)
     ]
+
+
+def part_count(numel: int, parts: int = PIECES) -> int:
+    """How many parts :func:`pieces` aims at for ``numel`` elements: ``parts``, fewer where a
+    part would have under :data:`MIN_PIECE` elements, at least one."""
+    return max(1, min(parts, numel // MIN_PIECE))
 
 
 def at_most(size: int, parts: int) -> list[tuple[int, int]]:
@@ -386,31 +404,6 @@ def input_grad_over_pieces(
         y, dy = recover_piece(at, with_y)
         dxv[at].copy_(torch.addcmul(k3, dy, k1).addcmul_(y, k2) if with_y else dy * k1)
     return dx
-
-
-def sums_in_pieces(
-    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
-    activation_param: float,
-) -> Tensor:
-    """``[sum(dy * xhat), sum(dy)]`` ``(2, C)`` in the compute dtype, from :func:`pieces` of
-    ``z`` and ``dz`` whose ``y`` and ``dy`` are computed in it (float32 for half inputs)."""
-    (zv, dzv), index = pieces(z, dz)
-    return sums_over_pieces(
-        index, lambda at, with_y: recover(zv[at], dzv[at], bias, scale, activation,
-                                          activation_param, None, with_y)[:2],
-        scale, bias, compute_dtype(z.dtype))
-
-
-def input_grad_in_pieces(
-    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
-    activation_param: float, k1: Tensor, k2: Tensor | None = None, k3: Tensor | None = None,
-) -> Tensor:
-    """:func:`input_grad_over_pieces` with this activation's inverse of ``z``."""
-    (zv, dzv), index = pieces(z, dz)
-    return input_grad_over_pieces(
-        z, index, lambda at, with_y: recover(zv[at], dzv[at], bias, scale, activation,
-                                             activation_param, k1.dtype, with_y)[:2],
-        k1, k2, k3)
 
 
 def dx_coefficients(

@@ -25,11 +25,11 @@ from .reference import (
     channel_view,
     compute_dtype,
     dx_coefficients,
-    input_grad_in_pieces,
     input_grad_over_pieces,
     recover,
+    recovery,
     stat_dtype,
-    sums_in_pieces,
+    sums_over_pieces,
 )
 
 MERGE_DTYPE = torch.float64
@@ -99,21 +99,12 @@ def update_running_stats_(
     running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
 
 
-class Pieces(NamedTuple):
-    """What :func:`input_grad` needs of a half-precision backward: ``z`` and ``dz``, whose
-    float32 ``y`` and ``dy`` it recomputes piece by piece (:func:`.reference.pieces`)."""
-
-    z: Tensor
-    dz: Tensor
-    activation: str
-    activation_param: float
-
-
 class Recovered(NamedTuple):
-    """What :func:`input_grad` needs of a half-precision backward whose pieces' float32 ``y``
-    and ``dy`` come from ``recover_piece`` (``index`` and ``recover_piece`` as
-    :func:`.reference.grads_over_pieces` takes them): the silu/gelu layer's, whose inverse
-    reads the branch bits (:func:`iabn.branch_activation.sync_local_sums`)."""
+    """What :func:`input_grad` needs of a half-precision backward: ``z``, whose float32 ``y``
+    and ``dy`` it recomputes piece by piece with ``recover_piece`` (``index`` and
+    ``recover_piece`` as :func:`.reference.grads_over_pieces` takes them: from
+    :func:`.reference.recovery`, or for silu/gelu with the branch bits from
+    :func:`iabn.branch_activation.recovery`)."""
 
     z: Tensor
     index: list[tuple]
@@ -122,16 +113,17 @@ class Recovered(NamedTuple):
 
 def local_sums(
     z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
-) -> tuple[tuple[Tensor, Tensor] | Pieces, Tensor]:
+) -> tuple[tuple[Tensor, Tensor] | Recovered, Tensor]:
     """``(saved, sums)`` with ``sums = [sum(dy * xhat), sum(dy)]`` stacked ``(2, C)`` and
     ``saved`` what :func:`input_grad` needs: ``(y, dy)`` as scratch tensors (see
     :func:`reference.recover`), valid until the next backward on this thread; for half
-    inputs, whose ``y`` and ``dy`` are float32, :class:`Pieces` (nothing full-size in float32
+    inputs, whose ``y`` and ``dy`` are float32, :class:`Recovered` (nothing full-size in float32
     is kept across the all-reduce, or made)."""
     activation, activation_param = config.activation, config.activation_param
     if z.numel() and z.dtype in LOW_PRECISION:
-        sums = sums_in_pieces(z, dz, bias, scale, activation, activation_param)
-        return Pieces(z, dz, activation, activation_param), sums
+        index, recover_piece = recovery(z, dz, bias, scale, activation, activation_param)
+        sums = sums_over_pieces(index, recover_piece, scale, bias, compute_dtype(z.dtype))
+        return Recovered(z, index, recover_piece), sums
     y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
     if not z.numel():
         return (y, dy), torch.zeros(2, g.shape[0], dtype=g.dtype, device=z.device)
@@ -148,7 +140,7 @@ def sums_from_y(y: Tensor, dy: Tensor, g: Tensor, beta: Tensor) -> Tensor:
 
 
 def input_grad(
-    saved: tuple[Tensor, Tensor] | Pieces | Recovered, bias: Tensor | None, scale: Tensor,
+    saved: tuple[Tensor, Tensor] | Recovered, bias: Tensor | None, scale: Tensor,
     invstd: Tensor, global_sums: Tensor, total: Tensor, out_dtype: torch.dtype,
 ) -> Tensor:
     """``dx`` from :func:`local_sums`' ``saved`` and the sums over all ranks."""
@@ -156,11 +148,6 @@ def input_grad(
         k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total,
                                      compute_dtype(saved.z.dtype))
         return input_grad_over_pieces(saved.z, saved.index, saved.recover_piece, k1, k2, k3)
-    if isinstance(saved, Pieces):
-        k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total,
-                                     compute_dtype(saved.z.dtype))
-        return input_grad_in_pieces(saved.z, saved.dz, bias, scale, saved.activation,
-                                    saved.activation_param, k1, k2, k3)
     y, dy = saved
     ndim = y.dim()
     k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total, y.dtype)
