@@ -124,14 +124,39 @@ def test_backward_runs_no_product_forward_again():
 
 
 def test_a_later_write_into_a_kept_output_is_refused():
-    """A segment ending in a convolution whose output is then changed in place: backward
-    refuses (autograd's check of saved tensors; the recomputation would read the changed
-    values)."""
+    """A segment whose output is a view of a convolution's output (kept: the view reads it),
+    changed in place after the segment: backward refuses (autograd's check of saved tensors;
+    the recomputation would read the changed values)."""
     conv = nn.Conv2d(3, 4, 3)
-    out = selectively_recomputed(conv, torch.randn(1, 3, 5, 5, requires_grad=True))
+    out = selectively_recomputed(lambda x: conv(x).flatten(1),
+                                 torch.randn(1, 3, 5, 5, requires_grad=True))
     out.relu_()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("make, shape", [
+    (lambda: nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 5, 1)), (2, 3, 6, 6)),
+    (lambda: nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3)), (4, 6)),
+], ids=["conv", "linear"])
+def test_a_product_output_nothing_reads_is_not_kept(make, shape):
+    """A segment ending in a product (a convolution, a linear layer) keeps its input and the
+    products' outputs that the recomputation reads, not the last one: nothing reads it again
+    (its backward reads its input). Written into after the segment (ReLU in place), the
+    gradients are still those of the plain segment, in float64 bit for bit."""
+    torch.manual_seed(0)
+    plain = make().double().train()
+    planned = Selective(copy.deepcopy(plain)).train()
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    first = plain[0](x)
+    kept = saved_storages(planned, x)
+    assert sorted(s.nbytes for s in kept) == sorted([x.numel() * 8, first.numel() * 8])
+    grads = []
+    for model in (plain, planned):
+        out = model(x).relu_()
+        grads.append(torch.autograd.grad(out.square().sum(), [x, *model.parameters()]))
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_a_forward_that_changes_is_refused():

@@ -54,6 +54,16 @@ def is_product(func: Any) -> bool:
     return func._overloadpacket in flop_registry
 
 
+# Products whose own backward does not read their output (it reads their inputs): where no
+# later operation of the segment reads that output either, the recomputation needs no value
+# for it. Attention kernels are not here: their backward reads their output.
+_OUTPUT_UNUSED_BY_BACKWARD = frozenset(
+    getattr(torch.ops.aten, name) for name in (
+        "convolution", "_convolution", "convolution_overrideable", "cudnn_convolution",
+        "_slow_conv2d_forward", "mm", "addmm", "bmm", "baddbmm")
+    if hasattr(torch.ops.aten, name))
+
+
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
@@ -88,18 +98,24 @@ def _storage(t: Tensor) -> int:
 class _Memory:
     """The products of one forward of a segment, in order: their outputs while the forward
     runs (tensors detached), then only their structure (the tensors go to :class:`_Hold`),
-    and in backward the outputs as unpacked there."""
+    and in backward the outputs as unpacked there. ``unread`` are the products whose output
+    nothing reads again (see ``_OUTPUT_UNUSED_BY_BACKWARD``): their tensors are not kept, and
+    the recomputation gets a stand-in of the same shape that owns no memory."""
 
     def __init__(self) -> None:
         self.outputs: list[Any] = []
         self.funcs: list[Any] = []
-        self.specs: list[tuple[TreeSpec, list[Any]]] = []
+        self.unread: set[int] = set()
+        self.specs: list[tuple[TreeSpec, list[Any]] | Tensor] = []
         self.restored: list[Any] | None = None
 
     def hand_over(self) -> list[Tensor]:
         """The tensors to save; only the structure (and any non-tensor values) stays here."""
         kept = []
-        for out in self.outputs:
+        for index, out in enumerate(self.outputs):
+            if index in self.unread:
+                self.specs.append(_stand_in(out))
+                continue
             leaves, spec = tree_flatten(out)
             self.specs.append((spec, [None if isinstance(v, Tensor) else v for v in leaves]))
             kept += [v for v in leaves if isinstance(v, Tensor)]
@@ -108,8 +124,15 @@ class _Memory:
 
     def restore(self, kept: Sequence[Tensor]) -> None:
         tensors = iter(kept)
-        self.restored = [tree_unflatten([next(tensors) if v is None else v for v in values],
-                                        spec) for spec, values in self.specs]
+        self.restored = [
+            spec if isinstance(spec, Tensor) else
+            tree_unflatten([next(tensors) if v is None else v for v in spec[1]], spec[0])
+            for spec in self.specs]
+
+
+def _stand_in(t: Tensor) -> Tensor:
+    """A tensor with ``t``'s shape, dtype and device whose one element is all its memory."""
+    return torch.zeros((), dtype=t.dtype, device=t.device).expand(t.shape)
 
 
 class _Keeper(TorchDispatchMode):
@@ -117,10 +140,14 @@ class _Keeper(TorchDispatchMode):
         super().__init__()
         self.memory = memory
         self.storages: set[int] = set()  # of the remembered outputs
+        self.unread: dict[int, int] = {}  # storage -> product, of outputs nothing read yet
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # (host cost matters: this runs for every operation of the segment)
+        if self.unread:
+            self._reading(args)
+            self._reading(kwargs.values())
         if self.storages and not func.is_view:
             written = {_storage(t) for t in _written(func, args, kwargs)} & self.storages
             if written:
@@ -138,7 +165,22 @@ class _Keeper(TorchDispatchMode):
             self.memory.outputs.append(kept)
             self.storages.update(_storage(t) for t in tree_leaves(kept)
                                  if isinstance(t, Tensor))
+            if func._overloadpacket in _OUTPUT_UNUSED_BY_BACKWARD and isinstance(out, Tensor):
+                self.unread[_storage(out)] = len(self.memory.outputs) - 1
         return out
+
+    def _reading(self, values: Any) -> None:
+        """Forget, among the unread outputs, those whose storage one of ``values`` uses (any
+        use counts as a read: a view, an in-place write, an ``out=``)."""
+        for value in values:
+            if isinstance(value, Tensor):
+                self.unread.pop(_storage(value), None)
+            elif isinstance(value, (list, tuple)):
+                self._reading(value)
+
+    def __exit__(self, *exc: Any) -> Any:
+        self.memory.unread = set(self.unread.values())
+        return super().__exit__(*exc)
 
 
 class _Replayer(TorchDispatchMode):
