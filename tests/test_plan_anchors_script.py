@@ -80,3 +80,76 @@ def test_each_compiled_row_compiles_its_own_graphs():
         assert counters["stats"]["unique_graphs"] == 2
     finally:
         torch._dynamo.reset()
+
+
+def _load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("plan_anchors_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Planned:
+    def __init__(self, eager, compiled):
+        self.eager, self.compiled = eager, compiled
+
+    def train(self):
+        return self
+
+
+class _Plans:
+    """A scripted planner: a budget gives the fullest of ``plans`` (eager bytes, compiled
+    bytes) whose eager bytes fit it, as iabn.plan's bytes are at most its budget."""
+
+    def __init__(self, plans):
+        self.plans = sorted(plans)
+        self.budgets = []
+
+    def plan(self, model, x, budget, **kwargs):
+        import types
+
+        self.budgets.append(budget)
+        fitting = [p for p in self.plans if p[0] <= budget]
+        if not fitting:
+            raise ValueError("budget out of reach")
+        eager, compiled = fitting[-1]
+        report = types.SimpleNamespace(counts={}, predicted=eager, overhead=0.0,
+                                       solver_status="optimal", rows=[])
+        return _Planned(eager, compiled), report
+
+
+@pytest.mark.parametrize("plans, anchor, expected", [
+    # compiled bytes below the eager ones: the search goes up to the fullest under the anchor
+    ([(100, 80), (120, 98), (123, 101), (130, 110)], 100, (120, 98)),
+    # compiled above the eager ones: it goes down
+    ([(60, 50), (90, 102), (100, 105)], 100, (60, 50)),
+    # the first plan fits exactly: one plan
+    ([(100, 100), (150, 120)], 100, (100, 100)),
+])
+def test_compiled_plan_search_keeps_the_fullest_under_the_anchor(monkeypatch, plans, anchor,
+                                                                expected):
+    """compiled_plan's search over budgets (iabn.plan and the compiled bytes scripted): the
+    plan kept is the one with the most compiled bytes not above the anchor, found within
+    PLANS_PER_ANCHOR plans, and no budget is tried at or above the eager bytes of a plan
+    found too large."""
+    import argparse
+
+    script = _load_script()
+    scripted = _Plans(plans)
+    monkeypatch.setattr(script.iabn, "plan", scripted.plan)
+    monkeypatch.setattr(script, "compiled_saved_bytes", lambda model, x: model.compiled)
+    monkeypatch.setattr(script, "saved", lambda model, x: model.eager)
+    monkeypatch.setattr(script.torch, "compile", lambda model, backend: model)
+    args = argparse.Namespace(allow=("recompute",), time_limit=1.0,
+                              compile_backend="aot_eager")
+    row, forward = script.compiled_plan(object(), None, anchor, args, lambda text: None)
+    assert (row["eager_bytes"], row["bytes"]) == expected
+    assert forward is not None and (forward.model.eager, forward.model.compiled) == expected
+    assert len(scripted.budgets) <= script.PLANS_PER_ANCHOR
+    returned = [max(p for p in plans if p[0] <= b) for b in scripted.budgets
+                if any(p[0] <= b for p in plans)]
+    for i, budget in enumerate(scripted.budgets):
+        too_large = [eager for eager, compiled in returned[:i] if compiled > anchor]
+        assert not too_large or budget < min(too_large)
