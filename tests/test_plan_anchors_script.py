@@ -148,8 +148,8 @@ def test_compiled_plan_search_keeps_the_fullest_under_the_anchor(monkeypatch, pl
     assert (row["eager_bytes"], row["bytes"]) == expected
     assert forward is not None and (forward.model.eager, forward.model.compiled) == expected
     assert len(scripted.budgets) <= script.PLANS_PER_ANCHOR
-    returned = [max(p for p in plans if p[0] <= b) for b in scripted.budgets
-                if any(p[0] <= b for p in plans)]
+    # the plan each tried budget gave (None: out of reach), in the order tried
+    returned = [max((p for p in plans if p[0] <= b), default=None) for b in scripted.budgets]
     for i, budget in enumerate(scripted.budgets):
-        too_large = [eager for eager, compiled in returned[:i] if compiled > anchor]
+        too_large = [p[0] for p in returned[:i] if p is not None and p[1] > anchor]
         assert not too_large or budget < min(too_large)
