@@ -254,7 +254,7 @@ def compiled_plan(model: nn.Module, x: torch.Tensor, anchor_bytes: int,
         start = time.perf_counter()
         try:
             planned, report = iabn.plan(model, x, budget, allow=args.allow,
-                                        time_limit=args.time_limit)
+                                        time_limit=args.time_limit, compiled=True)
         except ValueError as error:
             if best is None:
                 return {"out_of_reach": str(error), "tried": tried}, None

@@ -68,6 +68,22 @@ def test_plan_prints_and_writes_the_plan(tmp_path):
         (r["segment"], r["choice"]) for r in plan["rows"]]
 
 
+def test_compiled_predicts_the_times_of_a_compiled_model(tmp_path):
+    """--compiled: the library's plan with ``compiled=True``, said in the table."""
+    path = tmp_path / "plan.json"
+    status, stdout, stderr = _run(FACTORY, "--input", SHAPE, "--budget", "0.4", "--compiled",
+                                  "--allow", "recompute", "--json", str(path), "--quiet")
+    assert status == 0, stderr
+    assert "under torch.compile" in stdout
+    plan = json.loads(path.read_text())["plan"]
+    assert plan["compiled"] is True and plan["measured"] == plan["predicted"] <= plan["budget"]
+    model, _ = _as_given()
+    _, report = iabn.plan(model, torch.randn(4, 3, 16, 16), 0.4, allow="recompute",
+                          verify=False, compiled=True)
+    assert [(r.segment, r.choice) for r in report.rows] == [
+        (r["segment"], r["choice"]) for r in plan["rows"]]
+
+
 def test_budget_in_bytes_and_allow(tmp_path):
     _, as_given = _as_given()
     budget = int(as_given * 0.8)

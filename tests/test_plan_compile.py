@@ -14,7 +14,14 @@ from torch import nn
 import iabn
 from iabn.planning import traced_plan
 from iabn.planning.planner import Planner
-from iabn.planning.wrappers import INPLACE, INPLACE_RECOMPUTE, KEEP, RECOMPUTE, SELECTIVE
+from iabn.planning.wrappers import (
+    INPLACE,
+    INPLACE_RECOMPUTE,
+    KEEP,
+    RECOMPUTE,
+    SELECTIVE,
+    SELECTIVE_LEAN,
+)
 from test_plan import Block
 
 
@@ -77,6 +84,8 @@ PLANS = {
                (("stage.0", "stage.1"), INPLACE_RECOMPUTE), (("head",), RECOMPUTE)],
     "selective_chain": [(("stem.0-2", "stem.3-5"), SELECTIVE),
                         (("stage.0", "stage.1"), INPLACE_RECOMPUTE)],
+    # the stem's first convolution expands (3 -> 8 channels): run again in backward
+    "lean_chain": [(("stem.0-2", "stem.3-5"), SELECTIVE_LEAN), (("head",), SELECTIVE)],
     # runs across containers: the model runs its traced forward
     "traced": [(("stem.3-5", "stage.0", "stage.1"), RECOMPUTE)],
     "traced_in_place": [(("stem.0-2",), INPLACE),

@@ -201,11 +201,12 @@ def _transferred(model: nn.Module) -> dict[int, int]:
 
 def recomputed_saves(modules: Sequence[nn.Module], inputs: Sequence[Tensor],
                      identities: Sequence[Identity], last: int,
-                     selective: bool = False) -> Saved:
+                     selective: bool = False, lean: bool = False) -> Saved:
     """What a recomputed run of ``modules`` keeps for backward (``selective``: recomputed
-    but for its products), run on ``inputs`` (the first unit's recorded input, whose boundary
-    identities are ``identities``). ``last`` is the run's last unit: an output it keeps (a
-    selective run ending in a product) is that unit's boundary output."""
+    but for its products; ``lean``: but for its products other than expansions), run on
+    ``inputs`` (the first unit's recorded input, whose boundary identities are
+    ``identities``). ``last`` is the run's last unit: an output it keeps (a selective run
+    ending in a product) is that unit's boundary output."""
     names = {_storage_key(t): identity for t, identity in zip(inputs, identities, strict=True)}
     excluded = {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
     packed: dict[Any, int] = {}
@@ -223,7 +224,7 @@ def recomputed_saves(modules: Sequence[nn.Module], inputs: Sequence[Tensor],
     with preserved(container), same_randomness(tuple(inputs)):
         container.train()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = recomputed(fn, modules, *inputs, selective=selective)
+            out = recomputed(fn, modules, *inputs, selective=selective, lean=lean)
         for i, t in enumerate(tensor_leaves(out)):
             names.setdefault(_storage_key(t), ("out", last, i))
         del out

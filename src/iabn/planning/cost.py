@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
-from .selective import is_product
+from .selective import is_expansion, is_product
 
 REST = -1  # operations outside every unit
 
@@ -196,34 +196,68 @@ def _memory_bound_rate(device: torch.device, dtype: torch.dtype) -> float:
     return nbytes / _best_seconds(layer, device, 10)
 
 
+class Op(NamedTuple):
+    """One counted operation. ``product``: it has a FLOP formula (selective recomputation
+    keeps its output, :mod:`.selective`); ``expansion``: a product whose output is larger than
+    its input (lean selective recomputation runs it again)."""
+
+    flops: float
+    bytes: int
+    product: bool
+    expansion: bool = False
+
+
 @dataclass
 class OpCount:
-    """Operations counted for one owner: ``ops`` is a list of ``(flops, bytes, product)``;
-    ``product`` marks the operations with a FLOP formula (which selective recomputation
-    keeps the outputs of, :mod:`.selective`)."""
+    """Operations counted for one owner, in order.
 
-    ops: list[tuple[float, int, bool]]
+    The recomputation times have two models. Eager (the default): what runs again costs its
+    roofline time plus a host cost per forward operation (checkpoint's hooks, the dispatch
+    modes of selective recomputation). ``compiled``: under ``torch.compile`` the recomputed
+    operations other than products are fused into the backward graph's kernels, which read
+    the saved tensors anyway, and no Python hook runs: only the products that run again
+    cost their time. (CPU, 4x3x64x64, median step: ResNet-50 as one lean selective run,
+    compiled, 218.2 ms against 218.9 ms compiled plainly; VGG-19-BN as one selective run
+    456 ms against 469.)"""
+
+    ops: list[Op]
 
     @property
     def flops(self) -> float:
-        return float(sum(f for f, _, _ in self.ops))
+        return float(sum(op.flops for op in self.ops))
 
     @property
     def bytes(self) -> int:
-        return sum(b for _, b, _ in self.ops)
+        return sum(op.bytes for op in self.ops)
 
     def seconds(self, speed: DeviceSpeed, products: bool = True) -> float:
         """Predicted time of the operations (``products=False``: of all but products)."""
-        return sum(speed.seconds(f, b) for f, b, product in self.ops if products or not product)
+        return sum(speed.seconds(op.flops, op.bytes) for op in self.ops
+                   if products or not op.product)
 
-    def recompute_seconds(self, speed: DeviceSpeed) -> float:
+    def _products_seconds(self, speed: DeviceSpeed, expansions_only: bool) -> float:
+        return sum(speed.seconds(op.flops, op.bytes) for op in self.ops
+                   if op.product and (op.expansion or not expansions_only))
+
+    def recompute_seconds(self, speed: DeviceSpeed, compiled: bool = False) -> float:
         """Predicted extra time of recomputing these (forward) operations in backward."""
+        if compiled:
+            return self._products_seconds(speed, expansions_only=False)
         return self.seconds(speed) + len(self.ops) * speed.recompute_overhead_s
 
-    def selective_seconds(self, speed: DeviceSpeed) -> float:
+    def selective_seconds(self, speed: DeviceSpeed, lean: bool = False,
+                          compiled: bool = False) -> float:
         """Predicted extra time of recomputing them selectively: those other than products
-        run again (:mod:`.selective`)."""
-        return self.seconds(speed, products=False) + len(self.ops) * speed.selective_overhead_s
+        run again (:mod:`.selective`); ``lean``: the expansions too."""
+        again = self._products_seconds(speed, expansions_only=True) if lean else 0.0
+        if compiled:
+            return again
+        return (again + self.seconds(speed, products=False)
+                + len(self.ops) * speed.selective_overhead_s)
+
+    @property
+    def has_expansion(self) -> bool:
+        return any(op.expansion for op in self.ops)
 
 
 class OpCounter(TorchDispatchMode):
@@ -245,8 +279,9 @@ class OpCounter(TorchDispatchMode):
         nbytes = 0 if func in _ALLOCATIONS else sum(
             t.numel() * t.element_size()
             for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor))
-        self.counts[self.owner()].ops.append((flops, nbytes, product))
+        self.counts[self.owner()].ops.append(
+            Op(flops, nbytes, product, product and is_expansion(func, args)))
         return out
 
 
-__all__ = ["REST", "DeviceSpeed", "OpCount", "OpCounter", "calibrate"]
+__all__ = ["REST", "DeviceSpeed", "Op", "OpCount", "OpCounter", "calibrate"]

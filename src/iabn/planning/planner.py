@@ -39,6 +39,7 @@ from .wrappers import (
     RECOMPUTE,
     RECOMPUTED,
     SELECTIVE,
+    SELECTIVE_LEAN,
     Observer,
     PlannedSequential,
     plan_module,
@@ -131,8 +132,10 @@ class Planner:
 
     def __init__(self, model: nn.Module, args: tuple, policy: str, allow: Sequence[str],
                  timing_device: torch.device | str | None = None,
-                 progress: Callable[[str], None] | None = None, verify: bool = True) -> None:
+                 progress: Callable[[str], None] | None = None, verify: bool = True,
+                 compiled: bool = False) -> None:
         self.say = progress or (lambda _text: None)
+        self.compiled = compiled
         self.policy, self.allow, self.args = policy, tuple(allow), args
         self.notes: list[str] = []
         self.real = _deepcopy(model)
@@ -340,7 +343,8 @@ class Planner:
         count = run.forward_ops.get(unit)
         if count is None:
             return 0.0
-        return count.recompute_seconds(self.speed) if recompute else count.seconds(self.speed)
+        return (count.recompute_seconds(self.speed, self.compiled) if recompute
+                else count.seconds(self.speed))
 
     def _candidates(self) -> list[Candidate]:
         found: list[Candidate] = []
@@ -428,24 +432,29 @@ class Planner:
         return found
 
     def _selective_candidates(self, group: list[tuple[int, ...]]) -> list[Candidate]:
+        """Each run recomputed selectively, and where it has an expansion (a product whose
+        output is larger than its input), lean: the expansions run again too."""
         found = []
         for units in group:
-            counts = [self.keep.forward_ops.get(u) for u in units]
-            if not any(op[2] for c in counts if c is not None for op in c.ops):
+            counts = [c for c in (self.keep.forward_ops.get(u) for u in units) if c is not None]
+            if not any(op.product for c in counts for op in c.ops):
                 continue  # no product: the same as recomputing it
             if units[-1] in self.keep.output_written:
                 continue  # a later operation may write into a product's output it keeps
-            seconds = sum(c.selective_seconds(self.speed) for c in counts if c is not None)
-            found.append(Candidate(units, SELECTIVE,
-                                   self._measure_run(self.keep_model, units, selective=True),
-                                   seconds))
+            for choice, lean in ((SELECTIVE, False), (SELECTIVE_LEAN, True)):
+                if lean and not any(c.has_expansion for c in counts):
+                    continue  # the same as SELECTIVE
+                seconds = sum(c.selective_seconds(self.speed, lean, self.compiled)
+                              for c in counts)
+                found.append(Candidate(units, choice, self._measure_run(
+                    self.keep_model, units, selective=True, lean=lean), seconds))
         return found
 
     def _measure_run(self, model: nn.Module, units: tuple[int, ...],
-                     selective: bool = False) -> Saved:
+                     selective: bool = False, lean: bool = False) -> Saved:
         modules = [m for u in units for m in self._modules(model, self.units[u])]
         return recomputed_saves(modules, self.keep.inputs[units[0]],
-                                self.input_identities[units[0]], units[-1], selective)
+                                self.input_identities[units[0]], units[-1], selective, lean)
 
     # ------------------------------------------------------------ the integer program
 
@@ -561,6 +570,7 @@ def plan(
     verify: bool = True,
     timing_device: torch.device | str | None = None,
     progress: Callable[[str], None] | None = None,
+    compiled: bool = False,
 ) -> tuple[nn.Module, PlanReport]:
     """The plan of least predicted time whose activation memory fits ``budget``; returns
     ``(planned model, report)``. ``model`` is not modified.
@@ -574,7 +584,8 @@ def plan(
     offloaded to host memory (CUDA only). The saved bytes of every choice are measured exactly (as
     :func:`iabn.memory.saved_tensor_bytes` counts them, with storages shared by neighbouring
     units counted once); the time of each choice is predicted from the operations it
-    recomputes or the bytes it transfers and the device's measured speed. An integer program
+    recomputes or the bytes it transfers and the device's measured speed (for eager steps,
+    or with ``compiled=True`` for a model that will run under ``torch.compile``). An integer program
     (``scipy.optimize.milp``) picks the plan. See docs/design.md, "Planning memory".
 
     Args:
@@ -592,27 +603,36 @@ def plan(
         verify: run a backward pass through the planned model (not on ``meta``).
         timing_device: the device whose speed the time model uses (default: the input's).
         progress: called with a line of text at each stage.
+        compiled: predict the times of a model that will run under ``torch.compile``: there
+            the recomputed operations other than convolutions and matrix products are fused
+            into the backward's kernels and cost no time of their own (:mod:`.cost`). The
+            bytes are still those of the eager model: the compiled graphs save what the
+            compiler's partitioner chooses (:func:`iabn.memory.compiled_saved_bytes`
+            measures it).
 
     Raises:
         ValueError: the budget is below the smallest reachable activation memory (the message
             gives that figure), or an argument is invalid.
     """
     args, allowed = _check_arguments(model, example_input, budget, policy, allow, time_limit)
+    if not isinstance(compiled, bool):
+        raise TypeError(f"compiled must be True or False, got {compiled!r}")
     # the caller's random streams stay as they were (the calibration draws numbers)
     devices = sorted({a.device.index or 0 for a in args
                       if isinstance(a, Tensor) and a.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         return _plan(model, args, budget, policy, allowed, time_limit, verify, timing_device,
-                     progress)
+                     progress, compiled)
 
 
 def _plan(model: nn.Module, args: tuple, budget: int | float, policy: str,
           allowed: tuple[str, ...], time_limit: float, verify: bool,
           timing_device: torch.device | str | None,
-          progress: Callable[[str], None] | None) -> tuple[nn.Module, PlanReport]:
+          progress: Callable[[str], None] | None,
+          compiled: bool = False) -> tuple[nn.Module, PlanReport]:
     started = time.perf_counter()
     say = progress or (lambda _text: None)
-    planner = Planner(model, args, policy, allowed, timing_device, say, verify)
+    planner = Planner(model, args, policy, allowed, timing_device, say, verify, compiled)
     limit = (int(budget) if isinstance(budget, numbers.Integral)
              else math.floor(float(budget) * planner.as_given))
     problem = planner.problem()
@@ -683,7 +703,8 @@ def _plan(model: nn.Module, args: tuple, budget: int | float, policy: str,
         predicted=predicted, measured=measured, smallest=least, rest_bytes=rest,
         predicted_step_ms=step, predicted_overhead_ms=problem.cost(chosen),
         solver_status=solution.status, solver_seconds=solution.seconds,
-        speed=planner.speed.to_dict(), candidates=len(problem.options), notes=notes)
+        speed=planner.speed.to_dict(), candidates=len(problem.options), notes=notes,
+        compiled=compiled)
     say(f"planned in {time.perf_counter() - started:.1f} s")
     return planned, report
 

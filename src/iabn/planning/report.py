@@ -51,6 +51,7 @@ class PlanReport:
     speed: dict[str, Any] = field(default_factory=dict)  # the cost model's measured rates
     candidates: int = 0
     notes: list[str] = field(default_factory=list)
+    compiled: bool = False  # times predicted for a model run under torch.compile
 
     @property
     def overhead(self) -> float:
@@ -96,7 +97,8 @@ class PlanReport:
                    f"{_ratio(self.smallest, self.as_given)}; outside the segments: "
                    f"{_bytes(self.rest_bytes)}")
         out.append(f"predicted step time {self.predicted_step_ms:.2f} ms, plan overhead "
-                   f"{self.predicted_overhead_ms:.2f} ms ({100 * self.overhead:.1f} %)")
+                   f"{self.predicted_overhead_ms:.2f} ms ({100 * self.overhead:.1f} %)"
+                   + (" under torch.compile" if self.compiled else ""))
         out.append(f"solver: {self.solver_status} ({self.candidates} candidates, "
                    f"{self.solver_seconds:.2f} s)")
         out.extend(f"note: {note}" for note in self.notes)

@@ -54,6 +54,51 @@ def is_product(func: Any) -> bool:
     return func._overloadpacket in flop_registry
 
 
+def _conv_size(size: int, kernel: int, stride: int, padding: int, dilation: int,
+               transposed: bool, output_padding: int) -> int:
+    if transposed:
+        return (size - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
+    return (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+
+
+def _conv_output_numel(args: tuple) -> int:
+    x, weight = args[0], args[1]
+    stride, padding, dilation, transposed, output_padding, groups = args[3:9]
+    spatial = x.dim() - 2
+    stride, padding, dilation, output_padding = (
+        [v] * spatial if isinstance(v, int) else list(v) + [v[-1]] * (spatial - len(v))
+        for v in (stride, padding, dilation, output_padding))
+    channels = weight.shape[1] * groups if transposed else weight.shape[0]
+    numel = x.shape[0] * channels
+    for i in range(spatial):
+        numel *= _conv_size(x.shape[2 + i], weight.shape[2 + i], stride[i], padding[i],
+                            dilation[i], transposed, output_padding[i])
+    return numel
+
+
+def _product_sizes(func: Any, args: tuple) -> tuple[int, int] | None:
+    """(elements of the activation input, elements of the output) of a convolution or a
+    matrix product, from the shapes alone (before it runs: PyTorch's selective checkpointing
+    asks its policy then); ``None`` for other products (attention: its output is always
+    kept)."""
+    packet = func._overloadpacket
+    if packet in _CONVOLUTIONS:
+        return args[0].numel(), _conv_output_numel(args)
+    if packet in _MATRIX_PRODUCTS:
+        a, b = (args[0], args[1]) if packet in (torch.ops.aten.mm, torch.ops.aten.bmm) else (
+            args[1], args[2])
+        return a.numel(), a.numel() // a.shape[-1] * b.shape[-1]
+    return None
+
+
+def is_expansion(func: Any, args: tuple) -> bool:
+    """Whether a product's output has more elements than its activation input (a ResNet
+    bottleneck's last 1x1 convolution, w -> 4w channels; a stem's 3 -> 64): lean selective
+    recomputation runs these again from their input rather than keep their output."""
+    sizes = _product_sizes(func, args)
+    return sizes is not None and sizes[1] > sizes[0]
+
+
 # Products whose own backward does not read their output (it reads their inputs): where no
 # later operation of the segment reads that output either, the recomputation needs no value
 # for it. Attention kernels are not here: their backward reads their output.
@@ -62,6 +107,13 @@ _OUTPUT_UNUSED_BY_BACKWARD = frozenset(
         "convolution", "_convolution", "convolution_overrideable", "cudnn_convolution",
         "_slow_conv2d_forward", "mm", "addmm", "bmm", "baddbmm")
     if hasattr(torch.ops.aten, name))
+
+
+_CONVOLUTIONS = frozenset(
+    getattr(torch.ops.aten, name) for name in ("convolution", "_convolution")
+    if hasattr(torch.ops.aten, name))
+_MATRIX_PRODUCTS = frozenset((torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm,
+                              torch.ops.aten.baddbmm))
 
 
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
@@ -100,19 +152,24 @@ class _Memory:
     runs (tensors detached), then only their structure (the tensors go to :class:`_Hold`),
     and in backward the outputs as unpacked there. ``unread`` are the products whose output
     nothing reads again (see ``_OUTPUT_UNUSED_BY_BACKWARD``): their tensors are not kept, and
-    the recomputation gets a stand-in of the same shape that owns no memory."""
+    the recomputation gets a stand-in of the same shape that owns no memory. ``rerun`` are
+    the products that are not kept at all but run again (lean: :func:`is_expansion`)."""
 
     def __init__(self) -> None:
         self.outputs: list[Any] = []
         self.funcs: list[Any] = []
         self.unread: set[int] = set()
-        self.specs: list[tuple[TreeSpec, list[Any]] | Tensor] = []
+        self.rerun: set[int] = set()
+        self.specs: list[tuple[TreeSpec, list[Any]] | Tensor | None] = []
         self.restored: list[Any] | None = None
 
     def hand_over(self) -> list[Tensor]:
         """The tensors to save; only the structure (and any non-tensor values) stays here."""
         kept = []
         for index, out in enumerate(self.outputs):
+            if index in self.rerun:
+                self.specs.append(None)
+                continue
             if index in self.unread:
                 self.specs.append(_stand_in(out))
                 continue
@@ -125,7 +182,7 @@ class _Memory:
     def restore(self, kept: Sequence[Tensor]) -> None:
         tensors = iter(kept)
         self.restored = [
-            spec if isinstance(spec, Tensor) else
+            spec if spec is None or isinstance(spec, Tensor) else
             tree_unflatten([next(tensors) if v is None else v for v in spec[1]], spec[0])
             for spec in self.specs]
 
@@ -136,9 +193,10 @@ def _stand_in(t: Tensor) -> Tensor:
 
 
 class _Keeper(TorchDispatchMode):
-    def __init__(self, memory: _Memory) -> None:
+    def __init__(self, memory: _Memory, lean: bool = False) -> None:
         super().__init__()
         self.memory = memory
+        self.lean = lean
         self.storages: set[int] = set()  # of the remembered outputs
         self.unread: dict[int, int] = {}  # storage -> product, of outputs nothing read yet
 
@@ -159,6 +217,11 @@ class _Keeper(TorchDispatchMode):
                                  for t in tree_leaves(out) if isinstance(t, Tensor)}
         out = func(*args, **kwargs)
         if is_product(func):
+            if self.lean and is_expansion(func, args):
+                self.memory.rerun.add(len(self.memory.outputs))
+                self.memory.funcs.append(func)
+                self.memory.outputs.append(None)
+                return out
             kept = _detach(out) if isinstance(out, Tensor) else tree_map_only(Tensor, _detach,
                                                                                  out)
             self.memory.funcs.append(func)
@@ -204,6 +267,8 @@ class _Replayer(TorchDispatchMode):
                 f"selective recomputation: the recomputed forward ran {func} as product "
                 f"{index}, which its first run did not: the segment's forward must run the "
                 f"same operations each time")
+        if index in self.memory.rerun:
+            return func(*args, **(kwargs or {}))
         out = restored[index]
         return _detach(out) if isinstance(out, Tensor) else tree_map_only(Tensor, _detach, out)
 
@@ -234,26 +299,37 @@ def _policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if is_product(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def compiled_selectively(fn: Callable[..., Any], *args: Any) -> Any:
+def _lean_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    # MUST: the partitioner never recomputes a convolution or matrix product on its own
+    if is_product(func):
+        return (CheckpointPolicy.MUST_RECOMPUTE if is_expansion(func, args)
+                else CheckpointPolicy.MUST_SAVE)
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_selectively(fn: Callable[..., Any], *args: Any, lean: bool = False) -> Any:
     """What :func:`selectively_recomputed` is while ``torch.compile`` traces: Dynamo traces no
     custom ``context_fn``, so PyTorch's own selective checkpointing gives the compiler's
     partitioner the same marks (keep the products' outputs, recompute the rest), and the
     compiled graph recomputes inside the backward (buffer updates are not replayed)."""
     return torch.utils.checkpoint.checkpoint(
         fn, *args, use_reentrant=False, preserve_rng_state=True,
-        context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
+        context_fn=functools.partial(create_selective_checkpoint_contexts,
+                                     _lean_policy if lean else _policy))
 
 
-def selectively_recomputed(run: Callable[..., Any], *args: Any) -> Any:
+def selectively_recomputed(run: Callable[..., Any], *args: Any, lean: bool = False) -> Any:
     """``run(*args)`` keeping its input and its products' outputs for backward; the rest is
-    recomputed there by ``run`` again (see the module docstring). ``run`` returns one tensor."""
+    recomputed there by ``run`` again (see the module docstring). ``run`` returns one tensor.
+    ``lean``: the products whose output is larger than their input (:func:`is_expansion`) are
+    not kept but run again too."""
     memory = _Memory()
     out = torch.utils.checkpoint.checkpoint(
         run, *args, use_reentrant=False, preserve_rng_state=True,
-        context_fn=lambda: (_Keeper(memory), _Replayer(memory)))
+        context_fn=lambda: (_Keeper(memory, lean), _Replayer(memory)))
     if not isinstance(out, Tensor) or not out.requires_grad:
         return out
     return _Hold.apply(memory, out, *memory.hand_over())
 
 
-__all__ = ["compiled_selectively", "is_product", "selectively_recomputed"]
+__all__ = ["compiled_selectively", "is_expansion", "is_product", "selectively_recomputed"]

@@ -44,9 +44,12 @@ RECOMPUTE = "recompute"
 INPLACE_RECOMPUTE = "inplace+recompute"
 #: recomputed in backward but for its convolutions and matrix products (:mod:`.selective`)
 SELECTIVE = "selective"
+#: selectively recomputed, its products whose output is larger than their input run again too
+#: (:func:`.selective.is_expansion`)
+SELECTIVE_LEAN = "selective-lean"
 OFFLOAD = "offload"
-CHOICES = (KEEP, INPLACE, RECOMPUTE, INPLACE_RECOMPUTE, SELECTIVE, OFFLOAD)
-RECOMPUTED = (RECOMPUTE, INPLACE_RECOMPUTE, SELECTIVE)
+CHOICES = (KEEP, INPLACE, RECOMPUTE, INPLACE_RECOMPUTE, SELECTIVE, SELECTIVE_LEAN, OFFLOAD)
+RECOMPUTED = (RECOMPUTE, INPLACE_RECOMPUTE, SELECTIVE, SELECTIVE_LEAN)
 
 
 class Observer:
@@ -69,17 +72,18 @@ def _buffers(modules: Iterable[nn.Module]) -> list[Tensor]:
 
 
 def recomputed(fn: Callable[..., Any], modules: Sequence[nn.Module], *args: Any,
-               selective: bool = False) -> Any:
+               selective: bool = False, lean: bool = False) -> Any:
     """``fn(*args)``, keeping only ``args`` for backward and running ``fn`` again there
     (``selective``: keeping also the outputs of its convolutions and matrix products, which
-    are then not run again; see :mod:`.selective`).
+    are then not run again; see :mod:`.selective`; ``lean``: but for those whose output is
+    larger than their input, which are run again too).
 
     The buffers of ``modules`` (running statistics) are restored after the recomputation:
     they are updated by the forward only, as without recomputation.
     """
     if torch.compiler.is_compiling():
         if selective:
-            return compiled_selectively(fn, *args)
+            return compiled_selectively(fn, *args, lean=lean)
         return compiled_recomputed(fn, *args)
     calls = [0]
 
@@ -98,7 +102,7 @@ def recomputed(fn: Callable[..., Any], modules: Sequence[nn.Module], *args: Any,
                     buffer.copy_(value)
 
     if selective:
-        return selectively_recomputed(run, *args)
+        return selectively_recomputed(run, *args, lean=lean)
     return checkpoint(run, *args, use_reentrant=False, preserve_rng_state=True)
 
 
@@ -186,7 +190,8 @@ def _chain(modules: Sequence[nn.Module]) -> Callable[[Any], Any]:
 def _run(choice: str, fn: Callable[..., Any], modules: Sequence[nn.Module],
          offloaders: Offloaders, key: int, *args: Any) -> Any:
     if choice in RECOMPUTED:
-        return recomputed(fn, modules, *args, selective=choice == SELECTIVE)
+        return recomputed(fn, modules, *args, selective=choice in (SELECTIVE, SELECTIVE_LEAN),
+                          lean=choice == SELECTIVE_LEAN)
     if choice == OFFLOAD:
         return offloaded(fn, offloaders.get(key), modules, *args)
     return fn(*args)
@@ -315,6 +320,7 @@ def module_plan(module: nn.Module) -> ModulePlan | None:
 
 
 __all__ = ["CHOICES", "INPLACE", "INPLACE_RECOMPUTE", "KEEP", "OFFLOAD", "RECOMPUTE",
-           "RECOMPUTED", "SELECTIVE", "ModulePlan", "Offloaders", "PlannedSequential",
+           "RECOMPUTED", "SELECTIVE", "SELECTIVE_LEAN", "ModulePlan", "Offloaders",
+           "PlannedSequential",
            "TracedPlan", "module_plan", "offloaded", "plan_module", "plan_traced",
            "recomputed", "traced_plan"]

@@ -235,6 +235,10 @@ def _add_plan_parser(subparsers: argparse._SubParsersAction) -> None:
                       "far is printed, marked as such (default: 10)")
     plan.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "fp64"), default="fp32",
                       help="the model's and the input's dtype (default: fp32)")
+    plan.add_argument("--compiled", action="store_true",
+                      help="predict the times of a model run under torch.compile, where "
+                      "recomputed operations other than convolutions and matrix products "
+                      "cost nothing of their own (default: eager steps)")
     plan.add_argument("--device", default="cpu",
                       help="torch device the model trains on, whose speed the time model "
                       "measures (default: cpu)")
@@ -651,7 +655,7 @@ def _plan(args: argparse.Namespace) -> int:
     try:
         result = mp.run_plan(model, args.model, source, list(args.input), args.dtype, device,
                              args.budget, args.policy, args.allow, args.time_limit,
-                             progress=say)
+                             progress=say, compiled=args.compiled)
     except ValueError as error:  # a budget out of reach, a time limit too short
         return _fail("plan", f"--budget {args.budget}: {error}" if "budget" in str(error)
                      else str(error))

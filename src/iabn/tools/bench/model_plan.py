@@ -42,7 +42,7 @@ class PlanResult:
 
 def run_plan(model: torch.nn.Module, name: str, source: str, shape: list[int], dtype_name: str,
              device: torch.device, budget: int | float, policy: str, allow: tuple[str, ...],
-             time_limit: float, progress: Any = None) -> PlanResult:
+             time_limit: float, progress: Any = None, compiled: bool = False) -> PlanResult:
     """Plan ``model`` (cast and moved in place) at an input of ``shape``."""
     import iabn
 
@@ -51,7 +51,7 @@ def run_plan(model: torch.nn.Module, name: str, source: str, shape: list[int], d
     x = torch.randn(*shape, dtype=dtype, device=device)
     # no backward pass through the planned model: the command returns the report, not it
     _, report = iabn.plan(model, x, budget, policy=policy, allow=allow, time_limit=time_limit,
-                          verify=False, progress=progress)
+                          verify=False, progress=progress, compiled=compiled)
     return PlanResult(name, source, list(shape), str(dtype).removeprefix("torch."), str(device),
                       report)
 
