@@ -19,14 +19,15 @@ from iabn.planning.wrappers import recomputed
 
 
 class Selective(nn.Module):
-    """``module`` run by selective recomputation (running statistics restored after it)."""
+    """``module`` run by selective recomputation (running statistics restored after it;
+    ``lean``: its expansions run again too)."""
 
-    def __init__(self, module):
+    def __init__(self, module, lean=False):
         super().__init__()
-        self.module = module
+        self.module, self.lean = module, lean
 
     def forward(self, x):
-        return recomputed(self.module, [self.module], x, selective=True)
+        return recomputed(self.module, [self.module], x, selective=True, lean=self.lean)
 
 
 class Attention(nn.Module):
@@ -69,9 +70,13 @@ def test_training_is_bitwise_the_plain_segment(make, shape):
     """float64, two steps: outputs, input and parameter gradients and running statistics
     equal those of the segment run plainly (the same operations on the same values). The
     last case writes into a kept convolution output (ReLU in place right after it)."""
+    assert_trains_as_the_plain_segment(make, shape, lean=False)
+
+
+def assert_trains_as_the_plain_segment(make, shape, lean):
     torch.manual_seed(0)
     plain = make().double().train()
-    planned = Selective(copy.deepcopy(plain)).train()
+    planned = Selective(copy.deepcopy(plain), lean).train()
     x = torch.randn(shape, dtype=torch.float64)
     for step in range(2):
         grad = torch.randn_like(plain(x.clone()).detach())

@@ -17,16 +17,8 @@ from iabn.memory import compiled_saved_bytes, saved_storages
 from iabn.planning.cost import OpCounter
 from iabn.planning.planner import Planner, plan
 from iabn.planning.selective import _product_sizes, is_expansion, is_product
-from iabn.planning.wrappers import SELECTIVE, SELECTIVE_LEAN, recomputed
-
-
-class Selective(nn.Module):
-    def __init__(self, module, lean):
-        super().__init__()
-        self.module, self.lean = module, lean
-
-    def forward(self, x):
-        return recomputed(self.module, [self.module], x, selective=True, lean=self.lean)
+from iabn.planning.wrappers import SELECTIVE, SELECTIVE_LEAN
+from test_selective import Selective, assert_trains_as_the_plain_segment
 
 
 def bottleneck_chain():
@@ -46,32 +38,12 @@ def mlp():
                          nn.Linear(6, 24), nn.ReLU())
 
 
-def _step(model, x, grad):
-    x = x.detach().clone().requires_grad_()
-    out = model(x)
-    out.backward(grad)
-    return [out.detach(), x.grad, *(p.grad.clone() for p in model.parameters())]
-
-
 @pytest.mark.parametrize("make, shape", [(bottleneck_chain, (2, 3, 8, 8)), (mlp, (5, 6)),
                                          (mlp, (2, 3, 6))], ids=["convs", "linear", "linear_3d"])
 def test_training_is_bitwise_the_plain_segment(make, shape):
     """float64, two steps: outputs, input and parameter gradients and running statistics
     equal those of the segment run plainly."""
-    torch.manual_seed(0)
-    plain = make().double().train()
-    planned = Selective(copy.deepcopy(plain), lean=True).train()
-    x = torch.randn(shape, dtype=torch.float64)
-    for _ in range(2):
-        grad = torch.randn_like(plain(x.clone()).detach())
-        plain.load_state_dict(planned.module.state_dict())  # undo that forward's statistics
-        for a, b in zip(_step(plain, x, grad), _step(planned, x, grad), strict=True):
-            assert torch.equal(a, b)
-        for a, b in zip(plain.state_dict().values(), planned.module.state_dict().values(),
-                        strict=True):
-            assert torch.equal(a, b)
-        for p in (*plain.parameters(), *planned.parameters()):
-            p.grad = None
+    assert_trains_as_the_plain_segment(make, shape, lean=True)
 
 
 def test_keeps_the_input_and_the_outputs_of_products_that_do_not_expand():
