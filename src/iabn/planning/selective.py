@@ -26,6 +26,11 @@ remembered outputs back in place of the products, in the order the forward made 
 While ``torch.compile`` traces (Dynamo follows no custom dispatch mode),
 :func:`compiled_selectively` hands the same choice to PyTorch's selective checkpointing, whose
 marks the compiler's partitioner honours.
+
+Lean (``lean=True``): the products whose output is larger than their input
+(:func:`is_expansion`, e.g. a ResNet bottleneck's w -> 4w convolution) are not kept but run
+again in backward from their recomputed input, for more memory saved at the cost of their
+FLOPs.
 """
 
 from __future__ import annotations
