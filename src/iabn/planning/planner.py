@@ -629,7 +629,7 @@ def _plan(model: nn.Module, args: tuple, budget: int | float, policy: str,
           allowed: tuple[str, ...], time_limit: float, verify: bool,
           timing_device: torch.device | str | None,
           progress: Callable[[str], None] | None,
-          compiled: bool = False) -> tuple[nn.Module, PlanReport]:
+          compiled: bool) -> tuple[nn.Module, PlanReport]:
     started = time.perf_counter()
     say = progress or (lambda _text: None)
     planner = Planner(model, args, policy, allowed, timing_device, say, verify, compiled)

@@ -59,6 +59,15 @@ def is_product(func: Any) -> bool:
     return func._overloadpacket in flop_registry
 
 
+# The products whose output size the lean rule reads from their arguments (attention is not
+# here: its output is always kept)
+_CONVOLUTIONS = frozenset(
+    getattr(torch.ops.aten, name) for name in ("convolution", "_convolution")
+    if hasattr(torch.ops.aten, name))
+_MATRIX_PRODUCTS = frozenset((torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm,
+                              torch.ops.aten.baddbmm))
+
+
 def _conv_size(size: int, kernel: int, stride: int, padding: int, dilation: int,
                transposed: bool, output_padding: int) -> int:
     if transposed:
@@ -116,13 +125,6 @@ _OUTPUT_UNUSED_BY_BACKWARD = frozenset(
     if hasattr(torch.ops.aten, name))
 
 
-_CONVOLUTIONS = frozenset(
-    getattr(torch.ops.aten, name) for name in ("convolution", "_convolution")
-    if hasattr(torch.ops.aten, name))
-_MATRIX_PRODUCTS = frozenset((torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm,
-                              torch.ops.aten.baddbmm))
-
-
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 
 
@@ -159,14 +161,13 @@ class _Memory:
     runs (tensors detached), then only their structure (the tensors go to :class:`_Hold`),
     and in backward the outputs as unpacked there. ``unread`` are the products whose output
     nothing reads again (see ``_OUTPUT_UNUSED_BY_BACKWARD``): their tensors are not kept, and
-    the recomputation gets a stand-in of the same shape that owns no memory. ``rerun`` are
-    the products that are not kept at all but run again (lean: :func:`is_expansion`)."""
+    the recomputation gets a stand-in of the same shape that owns no memory. A product whose
+    output is ``None`` here is not kept at all but run again (lean: :func:`is_expansion`)."""
 
     def __init__(self) -> None:
         self.outputs: list[Any] = []
         self.funcs: list[Any] = []
         self.unread: set[int] = set()
-        self.rerun: set[int] = set()
         self.specs: list[tuple[TreeSpec, list[Any]] | Tensor | None] = []
         self.restored: list[Any] | None = None
 
@@ -174,7 +175,7 @@ class _Memory:
         """The tensors to save; only the structure (and any non-tensor values) stays here."""
         kept = []
         for index, out in enumerate(self.outputs):
-            if index in self.rerun:
+            if out is None:  # run again
                 self.specs.append(None)
                 continue
             if index in self.unread:
@@ -225,7 +226,6 @@ class _Keeper(TorchDispatchMode):
         out = func(*args, **kwargs)
         if is_product(func):
             if self.lean and is_expansion(func, args):
-                self.memory.rerun.add(len(self.memory.outputs))
                 self.memory.funcs.append(func)
                 self.memory.outputs.append(None)
                 return out
@@ -274,9 +274,9 @@ class _Replayer(TorchDispatchMode):
                 f"selective recomputation: the recomputed forward ran {func} as product "
                 f"{index}, which its first run did not: the segment's forward must run the "
                 f"same operations each time")
-        if index in self.memory.rerun:
-            return func(*args, **(kwargs or {}))
         out = restored[index]
+        if out is None:  # lean: run again
+            return func(*args, **(kwargs or {}))
         return _detach(out) if isinstance(out, Tensor) else tree_map_only(Tensor, _detach, out)
 
 

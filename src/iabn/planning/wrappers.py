@@ -321,6 +321,5 @@ def module_plan(module: nn.Module) -> ModulePlan | None:
 
 __all__ = ["CHOICES", "INPLACE", "INPLACE_RECOMPUTE", "KEEP", "OFFLOAD", "RECOMPUTE",
            "RECOMPUTED", "SELECTIVE", "SELECTIVE_LEAN", "ModulePlan", "Offloaders",
-           "PlannedSequential",
-           "TracedPlan", "module_plan", "offloaded", "plan_module", "plan_traced",
-           "recomputed", "traced_plan"]
+           "PlannedSequential", "TracedPlan", "module_plan", "offloaded", "plan_module",
+           "plan_traced", "recomputed", "traced_plan"]
