@@ -22,7 +22,11 @@ goes on with the next):
    (``benchmarks/memory_time_pareto.py``: step time and peak memory of eager,
    ``OffloadModel``, ``torch.autograd.graph.save_on_cpu`` and ``torch.compile`` with
    ``activation_memory_budget=0.5``);
-6. the summary ``gpu_campaign_summary.md``: the targets met / missed / unmeasured, read from the
+6. ``plan``: ``benchmarks/plan_anchors.py --device cuda`` (``plan_anchors_cuda.json``):
+   torchvision ResNet-50 (BatchNorm) b64 at 224 x 224, float32, eager; ``iabn.plan`` at 1/3 of
+   the model's activation bytes against the model as given and ``checkpoint_sequential`` over
+   sqrt(n) segments (and a plan at its bytes), step time and allocator peak side by side;
+7. the summary ``gpu_campaign_summary.md``: the targets met / missed / unmeasured, read from the
    parts' files only (a figure no part measured on a GPU is "unmeasured", never estimated);
    rewritten after every part.
 
@@ -37,7 +41,7 @@ a device machine that returns only 8 files.
 
 Resuming and time: ``--resume`` continues the campaign in ``--out`` (or starts it): parts
 already done or failed are skipped. ``--parts`` selects parts by name, group (suite, slopes,
-host, gpu_speed, network, offload) or shell pattern (``'net_eager_*'``); ``--rerun`` runs
+host, gpu_speed, network, offload, plan) or shell pattern (``'net_eager_*'``); ``--rerun`` runs
 selected parts again even when done or failed (a network part keeps a cell the JSON already
 holds without an error: network_step's own ``--resume``). With ``--budget-s`` the campaign
 starts a part only when its expected time fits what is left (less ``--reserve-s`` for the
@@ -112,7 +116,7 @@ STATE = "gpu_campaign_state.json"
 SUMMARY = "gpu_campaign_summary.md"
 LOGS = "gpu_campaign_logs"
 COMMITTED = ROOT / "benchmarks" / "results"
-GROUPS = ("suite", "slopes", "host", "gpu_speed", "network", "offload")
+GROUPS = ("suite", "slopes", "host", "gpu_speed", "network", "offload", "plan")
 #: The whole-network table: model -> (short name, batch, layouts).
 NETWORK = {"resnet50": ("r50", 64, ("channels_last", "nchw")),
            "resnext101": ("rx101", 32, ("channels_last",)),
@@ -125,13 +129,16 @@ NETWORK_BUDGET_GIB = 12
 #: Planning allowances (seconds) per part kind, for --budget-s only: not measurements.
 ALLOWANCE = {"suite": 420, "slope_errors": 240, "host_overhead": 90, "gpu_speed": 300,
              "gpu_speed_plot": 30, "gpu_speed_compile": 360, "eager": 240, "compile": 360,
-             "reduce_overhead": 420, "offload_pcie": 90, "offload_pareto": 300}
+             "reduce_overhead": 420, "offload_pcie": 90, "offload_pareto": 300, "plan": 300}
 SMOKE_ALLOWANCE = 30
 LEARNED_MARGIN = 1.25
 #: Offloading setting (the offloading paper's Table 3, as memory_time_pareto.py).
 OFFLOAD_MODEL, OFFLOAD_BATCH, OFFLOAD_SIZE = "vgg19:bn", 32, 128
 OFFLOAD_STRATEGIES = ("eager", "offload_all", "save_on_cpu", "compile_0.5")
 SMOKE_OFFLOAD_STRATEGIES = ("eager", "offload_all", "save_on_cpu")
+#: Planning: iabn.plan's ResNet-50 at a third of its activation bytes (MONeT's setting: 9-16 %
+#: more compute), its step against the model as given; the limit is the target's.
+PLAN_MODEL, PLAN_BUDGET, PLAN_STEP_LIMIT = "resnet50", 0.3333, 1.10
 TAIL_CHARS = 3000
 
 
@@ -165,7 +172,8 @@ def files(smoke: bool) -> dict[str, str]:
             "network": f"network_step_{tag}.json", "network_png": f"network_step_{tag}.png",
             "pcie": f"offload_pcie_{tag}.json",
             "pareto": f"memory_time_pareto_vgg19_{tag}.json",
-            "pareto_png": f"memory_time_pareto_vgg19_{tag}.png"}
+            "pareto_png": f"memory_time_pareto_vgg19_{tag}.png",
+            "plan": f"plan_anchors_{tag}.json"}
 
 
 def network_cells() -> list[tuple[str, str, str, str]]:
@@ -235,6 +243,12 @@ def plan(smoke: bool) -> list[Part]:
                   OFFLOAD_MODEL, "--strategies", ",".join(SMOKE_OFFLOAD_STRATEGIES), "--json",
                   f["pareto"], "--png", f["pareto_png"]], ["pareto", "pareto_png"],
                  note="smoke: without compile_0.5 (Inductor takes minutes on a CPU)"),
+            part("plan", "plan",
+                 ["benchmarks/plan_anchors.py", "--device", "cpu", "--models", PLAN_MODEL,
+                  "--batch", "2", "--size", "32", "--repeats", "1", "--warmup", "0",
+                  "--plan-budgets", str(PLAN_BUDGET), "--compile-budgets=",
+                  "--no-anchor-plans", "--json", f["plan"]], ["plan"],
+                 note="smoke: batch 2 at 32x32, no plan at checkpointing's bytes"),
         ]
         return parts
     parts = [
@@ -276,6 +290,12 @@ def plan(smoke: bool) -> list[Part]:
               "--batch", str(OFFLOAD_BATCH), "--size", str(OFFLOAD_SIZE), "--strategies",
               ",".join(OFFLOAD_STRATEGIES), "--json", f["pareto"], "--png", f["pareto_png"]],
              ["pareto", "pareto_png"]),
+        # no compiled rows: compiling ResNet-50 and its plans takes minutes per graph
+        part("plan", "plan",
+             ["benchmarks/plan_anchors.py", "--device", "cuda", "--models", PLAN_MODEL,
+              "--batch", str(NETWORK[PLAN_MODEL][1]), "--size", str(NETWORK_IMAGE),
+              "--plan-budgets", str(PLAN_BUDGET), "--compile-budgets=", "--json", f["plan"]],
+             ["plan"]),
     ]
     return parts
 
@@ -719,6 +739,31 @@ def offload_target(pareto: Any, pcie: Any) -> tuple[Target, dict[str, Any]]:
                   "bound = max(eager step, transferred/d2h + transferred/h2d)"), facts
 
 
+def plan_target(report: Any) -> tuple[Target, dict[str, Any]]:
+    """iabn.plan's ResNet-50 at a third of its activation bytes: its step against the model as
+    given (BatchNorm), both eager, timed side by side (plan_anchors.py); and the rows."""
+    batch = NETWORK[PLAN_MODEL][1]
+    found: tuple[str, float | None, str | None] = (f"{PLAN_MODEL} b{batch} {NETWORK_IMAGE}px",
+                                                   None, None)
+    rows: dict[str, Any] = {}
+    args = report.get("args", {}) if _on_gpu(report) else {}
+    if args.get("batch") == batch and args.get("size") == NETWORK_IMAGE:
+        result = next((r for r in report.get("results", []) if r.get("model") == PLAN_MODEL),
+                      {})
+        rows = result.get("rows", {})
+        row = rows.get(f"plan_{PLAN_BUDGET:g}")
+        if row is None:
+            pass
+        elif "bytes" not in row:
+            found = (found[0], None, row.get("out_of_reach") or row.get("failed") or "no plan")
+        elif row["ratio"] > 1 / 3:
+            found = (found[0], None, f"the plan keeps {row['ratio']:.3f} of the bytes")
+        elif "step_ratio" in row:
+            found = (found[0], row["step_ratio"], None)
+    return Target("plan at 1/3 of BN's activations: step vs BN", "iabn.plan", "<=",
+                  PLAN_STEP_LIMIT, "x", [found], "eager, median"), rows
+
+
 def suite_result(path: Path) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -737,7 +782,8 @@ def summarize(out: Path, state: dict[str, Any], parts: list[Part]) -> tuple[str,
     targets = [*network_targets(network), *layer_targets(read_json(out / names["speed"]))]
     offload, facts = offload_target(read_json(out / names["pareto"]),
                                     read_json(out / names["pcie"]))
-    targets.append(offload)
+    planned, plan_rows = plan_target(read_json(out / names["plan"]))
+    targets += [offload, planned]
     calls = state.get("calls", [])
     last = calls[-1]["machine"] if calls else {}
     title = ("# GPU campaign: CPU SMOKE RUN (no figure here is a GPU measurement)"
@@ -785,6 +831,20 @@ def summarize(out: Path, state: dict[str, Any], parts: list[Part]) -> tuple[str,
                       + (f"{peak:.0f} | {peak / eager['peak_mib']:.2f}x |"
                          if peak is not None and eager.get("peak_mib") else "- | - |"))
         md += [f"| {name} | failed: {why} | | | |" for name, why in facts["failed"].items()]
+    if plan_rows:
+        md += ["", f"Planning, {PLAN_MODEL} b{NETWORK[PLAN_MODEL][1]} {NETWORK_IMAGE}px "
+                   "(plan_anchors.py; activation bytes counted exactly, steps eager, medians):",
+               "", "| strategy | activation bytes vs BN | step vs BN | predicted | "
+                   "peak step MiB |", "|---|---|---|---|---|"]
+        for name, r in plan_rows.items():
+            if "bytes" not in r:
+                md.append(f"| {name} | {r.get('out_of_reach') or r.get('failed')} | | | |")
+                continue
+            predicted = (f"{1 + r['predicted_overhead']:.3f}x" if "predicted_overhead" in r
+                         else "-")
+            step = f"{r['step_ratio']:.3f}x" if "step_ratio" in r else "-"
+            peak = (f"{r['peak_step_bytes'] / 2**20:.0f}" if "peak_step_bytes" in r else "-")
+            md.append(f"| {name} | {r['ratio']:.3f} | {step} | {predicted} | {peak} |")
     short = [f"{'target':<44} {'provider':<15} {'value':<34} {'cells':<22} verdict"]
     short += [f"{t.what[:44]:<44} {t.provider:<15} {t.value_text()[:34]:<34} "
               f"{t.cells_text():<22} {t.verdict()}" for t in targets]

@@ -219,22 +219,6 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def device_info(device: torch.device) -> dict[str, Any]:
-    info = machine_info()
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-        info["cuda_version"] = torch.version.cuda
-    else:
-        info["device_name"] = "cpu (smoke run: not a GPU figure)"
-    try:
-        import triton
-
-        info["triton_version"] = triton.__version__
-    except ImportError:
-        info["triton_version"] = None
-    return info
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
@@ -275,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     for index, (shape, dtype, layout) in enumerate(configs, 1):
         print(f"[{index}/{len(configs)}] {shape} {dtype} {layout}", file=sys.stderr, flush=True)
         rows.extend(bench_config(shape, dtype, layout, args.providers, args, timer, copy_gbps))
-    info = device_info(device)
+    info = machine_info(device)
     write_json(args.json, {"machine": info, "copy_gbps": copy_gbps, "repeats": args.repeats,
                            "rows": rows})
     new_file = not args.csv.exists()

@@ -239,9 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, r in row["ratio_to_floor"].items()
         )
         print(f"{'':>10}  {floors}", flush=True)
-    info = machine_info()
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
+    info = machine_info(device)
     path = args.json or RESULTS / f"host_overhead_{device.type}.json"
     write_json(path, {"machine": info, "device": str(device), "repeats": args.repeats,
                       "iters": args.iters, "clock": args.clock, "rows": rows})

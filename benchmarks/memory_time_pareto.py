@@ -178,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             torch._dynamo.reset()
         rows.append(row)
-    report = {"benchmark": "memory_time_pareto", "machine": {
-        **machine_info(), "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda" else "cpu (smoke run: not a measurement)"},
+    report = {"benchmark": "memory_time_pareto", "machine": machine_info(device),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": rows}
     write_json(args.json, report)

@@ -70,7 +70,6 @@ import importlib.util
 import json
 import math
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
@@ -484,44 +483,15 @@ def targets(cells: list[dict[str, Any]], device: torch.device) -> list[dict[str,
 
 
 def device_info(device: torch.device) -> dict[str, Any]:
-    info = machine_info()
-    info["device_type"] = device.type
+    info = machine_info(device)
     # Other jobs on the host disturb times (CPU runs above all): the 1/5/15-minute load at start
     info["load_average"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-        info["cuda_version"] = torch.version.cuda
-        info["cudnn_version"] = torch.backends.cudnn.version()
-        info["driver_version"] = _driver_version()
-        info["cudnn_allow_tf32"] = torch.backends.cudnn.allow_tf32
-        info["cudnn_benchmark"] = torch.backends.cudnn.benchmark
-        info["matmul_precision"] = torch.get_float32_matmul_precision()
-    else:
-        info["device_name"] = "cpu (not a GPU figure)"
-    if importlib.util.find_spec("triton") is not None:
-        import triton
-
-        info["triton_version"] = triton.__version__
-    else:
-        info["triton_version"] = None
+    info["inplace_abn_version"] = None
     if original_available():
         import inplace_abn
 
         info["inplace_abn_version"] = getattr(inplace_abn, "__version__", "unknown")
-    else:
-        info["inplace_abn_version"] = None
     return info
-
-
-def _driver_version() -> str | None:
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
-                               "--format=csv,noheader"], capture_output=True, text=True,
-                              timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = done.stdout.strip().splitlines()
-    return lines[0].strip() if done.returncode == 0 and lines else None
 
 
 def plot(report: dict[str, Any], path: Path) -> bool:

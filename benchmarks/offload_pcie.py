@@ -147,11 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     transferred = moved["transferred_bytes"]
     copy_ms = (transferred / (bandwidth["d2h_gbps"] * 1e9)
                + transferred / (bandwidth["h2d_gbps"] * 1e9)) * 1e3
-    info = machine_info()
-    info["device_type"] = device.type
-    info["device_name"] = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                           else "cpu (smoke run: host copies, no PCIe; not a measurement)")
-    info["cuda_version"] = torch.version.cuda
+    info = machine_info(device)  # on a CPU: host copies, no PCIe
     print(f"d2h {bandwidth['d2h_gbps']:.1f} GB/s, h2d {bandwidth['h2d_gbps']:.1f} GB/s; "
           f"{args.model} b{args.batch} {args.size}px offloads {moved['offloaded_bytes'] / MIB:.1f}"
           f" MiB, transfers {transferred / MIB:.1f} MiB: copies >= {copy_ms:.2f} ms per step")

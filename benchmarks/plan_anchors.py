@@ -1,4 +1,4 @@
-"""iabn.plan against the usual ways to trade activation memory for time, on CPU.
+"""iabn.plan against the usual ways to trade activation memory for time, on a CPU or a GPU.
 
 For each model (torchvision ResNet-50 and iabn's VGG-19-BN layout with ReLU, batch 4 at 64x64
 by default, float32, training mode) and strategy:
@@ -27,13 +27,18 @@ and ``graph_breaks`` what Dynamo counted while it ran. A training
 step (forward, cross-entropy, backward) of every strategy of one model is timed side by side,
 round-robin over the strategies: the median of ``--repeats`` and, since other jobs on a
 shared machine only ever add time, the fastest (:func:`iabn.tools.bench.time_interleaved`);
-the plan's predicted overhead (its cost model) is reported next to the measured one. CPU
-figures only: the GPU figures of the same comparison are unmeasured.
+the plan's predicted overhead (its cost model) is reported next to the measured one.
+``--no-anchor-plans`` leaves out the plans made at the anchors' bytes (``plan_at_*``).
+
+``--device cuda`` runs the same on a GPU (the GPU campaign's ``plan`` part: ResNet-50 b64 at
+224 x 224, the plan at 1/3 of the model's activation memory, no compiled rows); offload is a
+candidate there, and every row also gets ``peak_step_bytes``, the allocator's peak during one
+training step above what was allocated before it (model, input, gradients of the previous step).
 
 Usage::
 
-    python benchmarks/plan_anchors.py [--batch 4] [--size 64] [--repeats 15] [--json PATH]
-        [--no-compiled-plan] [--compile-backend inductor]
+    python benchmarks/plan_anchors.py [--device cpu] [--batch 4] [--size 64] [--repeats 15]
+        [--json PATH] [--no-compiled-plan] [--no-anchor-plans] [--compile-backend inductor]
 """
 
 from __future__ import annotations
@@ -65,8 +70,7 @@ from iabn.tools.bench import machine_info, results_folder, time_interleaved, wri
 MODELS = ("resnet50", "vgg19_bn")
 PLAN_BUDGETS = (1.0, 0.75, 0.5, 0.25)
 COMPILE_BUDGETS = (1.0, 0.5, 0.25)
-DEFAULT_JSON = (results_folder(Path(__file__).resolve().parent / "results")
-                / "plan_anchors_cpu.json")
+RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 MIB = 2**20
 PLANS_PER_ANCHOR = 6
 
@@ -147,9 +151,10 @@ def compiled(model: nn.Module, budget: float, backend: str = "inductor") -> Trai
 
 
 def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -> dict:
-    model = build(name)
-    x = torch.randn(args.batch, 3, args.size, args.size)
-    target = torch.arange(args.batch) % 10
+    device = torch.device(args.device)
+    model = build(name).to(device)
+    x = torch.randn(args.batch, 3, args.size, args.size, device=device)
+    target = torch.arange(args.batch, device=device) % 10
     as_given = saved(model, x)
     rows: dict[str, dict] = {"eager": {"bytes": as_given}}
     forwards: dict[str, Callable] = {"eager": copy.deepcopy(model).train()}
@@ -172,10 +177,11 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
             rows[f"compile_{budget:g}"] = {"failed": f"{type(error).__name__}: {error}"[:300]}
     # the plans: at the fixed fractions, and at each anchor's bytes (the same memory)
     budgets: dict[str, int | float] = {f"plan_{b:g}": b for b in args.plan_budgets}
-    budgets["plan_at_checkpoint_sqrt"] = rows["checkpoint_sqrt"]["bytes"]
-    for key, row in list(rows.items()):
-        if key.startswith("compile_") and "bytes" in row and row["bytes"] < as_given:
-            budgets[f"plan_at_{key}"] = row["bytes"]
+    if args.anchor_plans:
+        budgets["plan_at_checkpoint_sqrt"] = rows["checkpoint_sqrt"]["bytes"]
+        for key, row in list(rows.items()):
+            if key.startswith("compile_") and "bytes" in row and row["bytes"] < as_given:
+                budgets[f"plan_at_{key}"] = row["bytes"]
     for key, budget in budgets.items():
         start = time.perf_counter()
         try:
@@ -221,7 +227,11 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
             say(f"{name}: {key}: compiled, first step {rows[key]['first_step_s']} s, "
                 f"{rows[key]['graphs']} graph(s), {rows[key]['graph_breaks']} graph break(s)")
     say(f"{name}: timing {len(steps)} strategies, {args.repeats} repeats")
-    times = time_interleaved(steps, repeats=args.repeats, iters=1, warmup=args.warmup)
+    times = time_interleaved(steps, repeats=args.repeats, iters=1, warmup=args.warmup,
+                             device=device)
+    if device.type == "cuda":
+        for key, step in steps.items():
+            rows[key]["peak_step_bytes"] = peak_step_bytes(step, device)
     eager_ms, eager_min = statistics.median(times["eager"]), min(times["eager"])
     for key, samples in times.items():
         ms = statistics.median(samples)
@@ -234,6 +244,16 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
             row["ratio"] = round(row["bytes"] / as_given, 4)
     return {"model": name, "as_given_bytes": as_given, "rows": rows,
             "at_the_same_bytes": same_bytes(rows)}
+
+
+def peak_step_bytes(step: Callable[[], None], device: torch.device) -> int:
+    """The allocator's peak during one ``step`` above what was allocated before it."""
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 def compiled_plan(model: nn.Module, x: torch.Tensor, anchor_bytes: int,
@@ -384,8 +404,9 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(v) for v in text.split(",") if v.strip())
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated subset of {', '.join(MODELS)}")
     parser.add_argument("--batch", type=int, default=4)
@@ -402,24 +423,43 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.compile activation_memory_budget values ('' for none)")
     parser.add_argument("--compiled-plan", action=argparse.BooleanOptionalAction, default=True,
                         help="also compile the plan at each compile budget's bytes")
+    parser.add_argument("--anchor-plans", action=argparse.BooleanOptionalAction, default=True,
+                        help="also plan at the bytes of checkpoint_sqrt and each compile budget")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of the timed compiled rows (aot_eager: "
                              "no code generation, for a quick check of the script)")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    parser.add_argument("--json", type=Path, default=None,
+                        help="default benchmarks/results/plan_anchors_<device type>.json")
     args = parser.parse_args(argv)
-    models = [m for m in args.models.split(",") if m]
-    unknown = set(models) - set(MODELS)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device: {args.device!r} is not a device; use cpu or cuda")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device: {args.device!r}; use cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: this machine has no CUDA device; use --device cpu")
+    args.json = args.json or RESULTS / f"plan_anchors_{device.type}.json"
+    args.models = [m for m in args.models.split(",") if m]
+    unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"--models: unknown {sorted(unknown)}; use some of {', '.join(MODELS)}")
-    torch.set_num_threads(args.threads)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
     start = time.perf_counter()
 
     def say(text: str) -> None:
         print(f"[{time.perf_counter() - start:7.1f} s] {text}", file=sys.stderr, flush=True)
 
-    results = [run_model(name, args, say) for name in models]
+    results = [run_model(name, args, say) for name in args.models]
     print(table(results))
-    report = {"benchmark": "plan_anchors", "machine": machine_info(),
+    report = {"benchmark": "plan_anchors", "machine": machine_info(device),
               "command": " ".join(["python", "benchmarks/plan_anchors.py",
                                    *(sys.argv[1:] if argv is None else argv)]),
               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

@@ -87,15 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                         for p in providers)
                     print(f"{'x'.join(map(str, shape)):>16} {row['dtype']:>8} {layout:>13} "
                           f"{seed:>4}  {cells}", flush=True)
-    info = machine_info()
-    if device.startswith("cuda"):
-        import triton
-
-        info.update(device_name=torch.cuda.get_device_name(device),
-                    triton_version=triton.__version__,
-                    cuda_version=torch.version.cuda)
-    else:
-        info.update(device_name="cpu (Triton interpreter)")
+    info = machine_info(device)
     path = args.json or RESULTS / f"slope_errors_{device.split(':')[0]}.json"
     write_json(path, {"machine": info, "rows": rows})
     return 0

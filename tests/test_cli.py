@@ -94,6 +94,23 @@ def test_bench_json_has_machine_info_and_arguments(bench_run):
         assert result["time_ms_median"] > 0
 
 
+def test_machine_info_names_the_device_measured_on():
+    """A benchmark's machine record says which device its figures are from; a CPU's name starts
+    with "cpu", which the GPU campaign's summary reads as "not a GPU figure"."""
+    import torch
+
+    from iabn.tools.bench import CPU_DEVICE_NAME, machine_info
+
+    assert "device_name" not in machine_info()
+    info = machine_info("cpu")
+    assert info["device_type"] == "cpu" and info["device_name"] == CPU_DEVICE_NAME
+    assert CPU_DEVICE_NAME.startswith("cpu") and "triton_version" in info
+    if torch.cuda.is_available():
+        info = machine_info(torch.device("cuda"))
+        assert info["device_name"] == torch.cuda.get_device_name()
+        assert info["cuda_version"] == torch.version.cuda
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_bench_saved_bytes_are_exact(bench_run, strategy):
     _, report = bench_run

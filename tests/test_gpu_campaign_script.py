@@ -102,7 +102,7 @@ def test_failing_part_is_recorded_and_the_next_runs_into_the_bundle(tmp_path, ca
     summary = (out / "gpu_campaign_summary.md").read_text()
     assert "CPU SMOKE RUN" in summary
     rows = [line for line in summary.splitlines() if line.startswith("| ") and "vs " in line]
-    assert len(rows) == 13 and all(row.endswith("| unmeasured |") for row in rows)
+    assert len(rows) == 14 and all(row.endswith("| unmeasured |") for row in rows)
 
 
 def test_resume_skips_done_and_failed_parts_and_rerun_repeats(tmp_path, capsys):
@@ -382,16 +382,52 @@ def test_layer_and_offload_targets(tmp_path):
     markdown, short = campaign.summarize(out, state, campaign.plan(False))
     verdicts = [line.rsplit("|", 2)[-2].strip() for line in markdown.splitlines()
                 if line.startswith("| ") and " vs " in line]
-    assert verdicts == ["met"] * 10 + ["missed", "met", "unmeasured"]
-    assert "unmeasured" in short.splitlines()[-1]
+    assert verdicts == ["met"] * 10 + ["missed", "met", "unmeasured", "unmeasured"]
+    assert "unmeasured" in short.splitlines()[-2]  # the offload target
+    assert short.splitlines()[-1].startswith("plan at 1/3 of") and "unmeasured" in short
     pareto["rows"][0]["results"]["save_on_cpu"] = {"ms": 300.0, "peak_mib": None}
     pareto["rows"][0]["failed"] = {"compile_0.5": "RuntimeError: Inductor"}
     (out / names["pareto"]).write_text(json.dumps(pareto))
     (out / names["pcie"]).write_text(json.dumps({**pcie, "batch": 32}))
     markdown, short = campaign.summarize(out, state, campaign.plan(False))
-    assert short.splitlines()[-1].endswith(" met")  # 105 ms against the 100 ms eager bound
+    assert short.splitlines()[-2].endswith(" met")  # 105 ms against the 100 ms eager bound
     assert "| save_on_cpu | 300.0 | 3.00x | - | - |" in markdown
     assert "| compile_0.5 | failed: RuntimeError: Inductor |" in markdown
+    (out / names["plan"]).write_text(json.dumps(_plan_report()))
+    markdown, short = campaign.summarize(out, state, campaign.plan(False))
+    assert short.splitlines()[-1].endswith(" met")
+    assert "| plan_0.3333 | 0.320 | 1.080x | 1.070x | 5120 |" in markdown
+    assert "| eager | 1.000 | 1.000x | - | 9216 |" in markdown
+
+
+def _plan_report(ratio=0.32, step=1.08, batch=64, size=224, machine=GPU):
+    rows = {"eager": {"bytes": 100, "ratio": 1.0, "step_ratio": 1.0,
+                      "peak_step_bytes": 9 * 2**30},
+            "plan_0.3333": {"bytes": 32, "ratio": ratio, "step_ratio": step,
+                            "predicted_overhead": 0.07, "peak_step_bytes": 5 * 2**30}}
+    return {"machine": dict(machine), "args": {"batch": batch, "size": size},
+            "results": [{"model": "resnet50", "rows": rows}]}
+
+
+def test_plan_target_met_missed_and_unmeasured():
+    """The plan target reads plan_anchors.py's GPU run of ResNet-50 b64 at 224 x 224: the
+    plan's step over the model's as given, a plan above a third of the bytes or none at all
+    a miss, anything else (a CPU run, another setting, no file) unmeasured."""
+    campaign = _load()
+
+    def verdict(report):
+        target, _ = campaign.plan_target(report)
+        return target.verdict(), target.value_text()
+
+    assert verdict(_plan_report()) == ("met", "1.080x")
+    assert verdict(_plan_report(step=1.12)) == ("missed", "1.120x")
+    assert verdict(_plan_report(ratio=0.34)) == ("missed", "1 failed")
+    out_of_reach = _plan_report()
+    out_of_reach["results"][0]["rows"]["plan_0.3333"] = {"out_of_reach": "too small"}
+    assert verdict(out_of_reach)[0] == "missed"
+    for report in (_plan_report(machine={"device_name": "cpu (not a GPU figure)"}),
+                   _plan_report(batch=2), _plan_report(size=32), None, {}):
+        assert verdict(report) == ("unmeasured", "unmeasured")
 
 
 # --- the GPU commands are valid for the scripts they call --------------------------------------
@@ -407,7 +443,7 @@ def test_gpu_commands_are_valid_and_cover_the_brief(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # memory_time_pareto imports its neighbour
     network_step, gpu_speed = _load("network_step"), _load("gpu_speed")
     slope_errors, offload_pcie = _load("slope_errors"), _load("offload_pcie")
-    pareto = _load("memory_time_pareto")
+    pareto, plan_anchors = _load("memory_time_pareto"), _load("plan_anchors")
     parts = campaign.plan(False)
     assert [p.group for p in parts] == sorted((p.group for p in parts),
                                               key=campaign.GROUPS.index)  # the brief's order
@@ -435,6 +471,11 @@ def test_gpu_commands_are_valid_and_cover_the_brief(monkeypatch):
             assert set(strategies) <= set(pareto.STRATEGIES)
             assert argv[argv.index("--models") + 1] == "vgg19:bn"
             assert argv[argv.index("--batch") + 1] == "32"
+        elif script == "plan_anchors.py":
+            args = plan_anchors.parse_args(_cpu(argv))
+            assert (args.models, args.batch, args.size) == (["resnet50"], 64, 224)
+            assert args.plan_budgets == (campaign.PLAN_BUDGET,) and args.compile_budgets == ()
+            assert args.anchor_plans and argv[argv.index("--device") + 1] == "cuda"
         elif script == "suite_log.py":
             assert argv[1].endswith("suite_cuda.log")
             assert argv[-4:] == ["-n", "8", "-m", "slow or not slow"]  # the slow tests too

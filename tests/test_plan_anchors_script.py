@@ -1,6 +1,8 @@
 """Smoke run of benchmarks/plan_anchors.py on a small input: every strategy it compares is
 measured and timed, and the plan rows' bytes are iabn.memory's counts within the budget. The
-compiled rows compile with ``aot_eager`` (the graphs, without Inductor's code generation)."""
+compiled rows compile with ``aot_eager`` (the graphs, without Inductor's code generation).
+Also its command line (the GPU campaign's ``plan`` part runs it with ``--device cuda``) and,
+on CUDA, its allocator peak of one step."""
 
 import json
 import subprocess
@@ -9,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.without_gpu
-
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "plan_anchors.py"
 
 
 @pytest.mark.slow
+@pytest.mark.without_gpu
 def test_small_run_measures_and_times_every_strategy(tmp_path):
     out = tmp_path / "anchors.json"
     done = subprocess.run(
@@ -56,6 +57,66 @@ def test_small_run_measures_and_times_every_strategy(tmp_path):
     base = rows["compile_1"]["step_ms"]
     assert entry["compiled_plan_overhead"] == round(compiled_plan["step_ms"] / base - 1, 4)
     assert entry["anchor_overhead"] == round(anchor["step_ms"] / base - 1, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.without_gpu
+def test_without_anchor_plans_only_the_fixed_budgets_are_planned(tmp_path):
+    """--no-anchor-plans (the campaign's CPU smoke run): no plan at an anchor's bytes, no
+    comparison at the same bytes; the machine record says the figures are a CPU's."""
+    out = tmp_path / "anchors.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--models", "vgg19_bn", "--size", "32", "--batch", "2",
+         "--repeats", "1", "--warmup", "0", "--compile-budgets=", "--plan-budgets", "0.5",
+         "--allow", "recompute", "--no-anchor-plans", "--json", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    result = report["results"][0]
+    assert list(result["rows"]) == ["eager", "checkpoint_sqrt", "plan_0.5"]
+    assert result["at_the_same_bytes"] == []
+    assert result["rows"]["plan_0.5"]["bytes"] <= 0.5 * result["as_given_bytes"]
+    assert not any("peak_step_bytes" in row for row in result["rows"].values())
+    machine = report["machine"]
+    assert machine["device_type"] == "cpu" and machine["device_name"].startswith("cpu")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "xpu"], "--device: 'xpu'; use cpu or cuda"),
+    (["--device", "gpu0"], "--device: 'gpu0' is not a device"),
+    (["--models", "resnet18"], "--models: unknown ['resnet18']"),
+])
+def test_usage_errors_exit_2_naming_the_argument(argv, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        _load_script().parse_args(argv)
+    assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.without_gpu
+def test_cuda_on_a_machine_without_it_exits_2(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        _load_script().parse_args(["--device", "cuda"])
+    assert stopped.value.code == 2
+    assert "this machine has no CUDA device; use --device cpu" in capsys.readouterr().err
+
+
+def test_the_default_results_file_is_named_by_the_device_type(tmp_path):
+    args = _load_script().parse_args(["--models", "resnet50"])
+    assert args.json.name == "plan_anchors_cpu.json" and args.models == ["resnet50"]
+
+
+@pytest.mark.gpu
+def test_peak_step_bytes_is_the_allocator_peak_above_the_start():
+    import torch
+
+    device = torch.device("cuda")
+    held = torch.empty(2**20, device=device)  # allocated before the step: not counted
+
+    def step():
+        torch.empty(2**22, dtype=torch.uint8, device=device)  # 4 MiB, freed at once
+
+    assert _load_script().peak_step_bytes(step, device) == 2**22
+    del held
 
 
 def test_each_compiled_row_compiles_its_own_graphs():

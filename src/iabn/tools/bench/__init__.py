@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib.util
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -39,9 +41,20 @@ RESNEXT101_STAGES = ((256, 56), (512, 28), (1024, 14), (2048, 7))
 RepeatCallback = Callable[[int, dict[str, float]], None]
 
 
-def machine_info() -> dict[str, Any]:
-    """What a reader needs to reproduce a timing: versions, CPU, threads and the date (UTC)."""
-    return {
+#: ``device_name`` of a run on a CPU: it starts with "cpu", which is how the GPU campaign's
+#: summary tells a CPU (smoke) figure from a GPU measurement.
+CPU_DEVICE_NAME = "cpu (not a GPU figure)"
+
+
+def machine_info(device: torch.device | str | None = None) -> dict[str, Any]:
+    """What a reader needs to reproduce a timing: versions, CPU, threads and the date (UTC).
+
+    With the ``device`` the figures were measured on, also what that device is:
+    ``device_type``, ``device_name`` (the GPU's name, or :data:`CPU_DEVICE_NAME`), Triton's
+    version (None without Triton) and, on CUDA, the CUDA, cuDNN and driver versions and the
+    settings that change GPU timings (TF32, cuDNN's autotuner, the float32 matmul precision).
+    """
+    info = {
         "iabn_version": __version__,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
@@ -52,6 +65,38 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if device is None:
+        return info
+    device = torch.device(device)
+    info["device_type"] = device.type
+    if device.type == "cuda":
+        info.update(device_name=torch.cuda.get_device_name(device),
+                    cuda_version=torch.version.cuda,
+                    cudnn_version=torch.backends.cudnn.version(),
+                    driver_version=_driver_version(),
+                    cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
+                    cudnn_benchmark=torch.backends.cudnn.benchmark,
+                    matmul_precision=torch.get_float32_matmul_precision())
+    else:
+        info["device_name"] = CPU_DEVICE_NAME
+    info["triton_version"] = None
+    if importlib.util.find_spec("triton") is not None:
+        import triton
+
+        info["triton_version"] = triton.__version__
+    return info
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA driver's version from ``nvidia-smi``; None where it cannot be asked."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version",
+                               "--format=csv,noheader"], capture_output=True, text=True,
+                              timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
 
 
 def train_step(model: torch.nn.Module, leaf: torch.Tensor,
