@@ -28,7 +28,10 @@ step (forward, cross-entropy, backward) of every strategy of one model is timed 
 round-robin over the strategies: the median of ``--repeats`` and, since other jobs on a
 shared machine only ever add time, the fastest (:func:`iabn.tools.bench.time_interleaved`);
 the plan's predicted overhead (its cost model) is reported next to the measured one.
-``--no-anchor-plans`` leaves out the plans made at the anchors' bytes (``plan_at_*``).
+``--no-anchor-plans`` leaves out the eager plans made at the anchors' bytes (``plan_at_*``).
+``--control`` also times ``compile_B_again``, a second model compiled exactly as
+``compile_B``: what two identical compiled models differ by in the same run, the noise any
+comparison with ``compile_B`` has to beat.
 
 ``--device cuda`` runs the same on a GPU (the GPU campaign's ``plan`` part: ResNet-50 b64 at
 224 x 224, the plan at 1/3 of the model's activation memory, no compiled rows); offload is a
@@ -175,12 +178,17 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
                                                        args.compile_backend)
         except Exception as error:  # no C++ compiler, an unsupported operation
             rows[f"compile_{budget:g}"] = {"failed": f"{type(error).__name__}: {error}"[:300]}
+            continue
+        if args.control:
+            rows[f"compile_{budget:g}_again"] = {"bytes": rows[f"compile_{budget:g}"]["bytes"]}
+            forwards[f"compile_{budget:g}_again"] = compiled(copy.deepcopy(model).train(),
+                                                             budget, args.compile_backend)
     # the plans: at the fixed fractions, and at each anchor's bytes (the same memory)
     budgets: dict[str, int | float] = {f"plan_{b:g}": b for b in args.plan_budgets}
     if args.anchor_plans:
         budgets["plan_at_checkpoint_sqrt"] = rows["checkpoint_sqrt"]["bytes"]
         for key, row in list(rows.items()):
-            if key.startswith("compile_") and "bytes" in row and row["bytes"] < as_given:
+            if _is_anchor(key, row, as_given):
                 budgets[f"plan_at_{key}"] = row["bytes"]
     for key, budget in budgets.items():
         start = time.perf_counter()
@@ -205,7 +213,7 @@ def run_model(name: str, args: argparse.Namespace, say: Callable[[str], None]) -
             f"{100 * report.overhead:.1f} % ({seconds:.0f} s)")
     if args.compiled_plan:
         for key, row in list(rows.items()):
-            if key.startswith("compile_") and "bytes" in row and row["bytes"] < as_given:
+            if _is_anchor(key, row, as_given):
                 say(f"{name}: plan_compiled_at_{key} (slow)")
                 rows[f"plan_compiled_at_{key}"], forward = compiled_plan(
                     model, x, row["bytes"], args, say)
@@ -254,6 +262,13 @@ def peak_step_bytes(step: Callable[[], None], device: torch.device) -> int:
     step()
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before
+
+
+def _is_anchor(key: str, row: dict, as_given: int) -> bool:
+    """Whether ``key`` is a compile budget that saves less than the model as given (not its
+    control twin): a plan is made at its bytes."""
+    return (key.startswith("compile_") and not key.endswith("_again") and "bytes" in row
+            and row["bytes"] < as_given)
 
 
 def compiled_plan(model: nn.Module, x: torch.Tensor, anchor_bytes: int,
@@ -322,28 +337,32 @@ def compiled_plan(model: nn.Module, x: torch.Tensor, anchor_bytes: int,
 
 
 def same_bytes(rows: dict[str, dict]) -> list[dict]:
-    """Each anchor against the plan made at its bytes: extra step time over each one's own
-    baseline (the eager model for checkpointing and the plan, ``compile_1`` for a compiled
-    budget and the compiled plan), median and fastest of the repeats."""
+    """Each anchor against the plans made at its bytes: extra step time over each one's own
+    baseline (the eager model for checkpointing and the eager plan, ``compile_1`` for a
+    compiled budget, its control twin and the compiled plan), median and fastest of the
+    repeats."""
     found = []
     for key, row in rows.items():
-        plan = rows.get(f"plan_at_{key}")
-        if plan is None or "step_ms" not in row or "step_ms" not in plan:
-            continue
-        base = rows["compile_1"] if key.startswith("compile_") else rows["eager"]
-        if "step_ms" not in base:
-            continue
-        entry = {"anchor": key, "anchor_bytes": row["bytes"], "plan_bytes": plan["bytes"],
-                 "plan_predicted_overhead": round(plan["predicted_overhead"], 4),
-                 "anchor_baseline": "compile_1" if key.startswith("compile_") else "eager"}
-        for stat in ("step_ms", "step_ms_min"):
-            anchor = row[stat] / base[stat] - 1
-            planned = plan[stat] / rows["eager"][stat] - 1
-            suffix = "" if stat == "step_ms" else "_min"
-            entry[f"anchor_overhead{suffix}"] = round(anchor, 4)
-            entry[f"plan_overhead{suffix}"] = round(planned, 4)
-        entry["plan_no_slower"] = entry["plan_overhead"] <= entry["anchor_overhead"]
+        plan = rows.get(f"plan_at_{key}", {})
         compiled_at = rows.get(f"plan_compiled_at_{key}", {})
+        base = rows["compile_1"] if key.startswith("compile_") else rows["eager"]
+        if ("step_ms" not in row or "step_ms" not in base
+                or not ("step_ms" in plan or "step_ms" in compiled_at)):
+            continue
+        entry = {"anchor": key, "anchor_bytes": row["bytes"],
+                 "anchor_baseline": "compile_1" if key.startswith("compile_") else "eager"}
+        for stat, suffix in (("step_ms", ""), ("step_ms_min", "_min")):
+            entry[f"anchor_overhead{suffix}"] = round(row[stat] / base[stat] - 1, 4)
+        control = rows.get(f"{key}_again", {})
+        if "step_ms" in control:
+            for stat, suffix in (("step_ms", ""), ("step_ms_min", "_min")):
+                entry[f"control_overhead{suffix}"] = round(control[stat] / base[stat] - 1, 4)
+        if "step_ms" in plan:
+            entry.update(plan_bytes=plan["bytes"],
+                         plan_predicted_overhead=round(plan["predicted_overhead"], 4))
+            for stat, suffix in (("step_ms", ""), ("step_ms_min", "_min")):
+                entry[f"plan_overhead{suffix}"] = round(plan[stat] / rows["eager"][stat] - 1, 4)
+            entry["plan_no_slower"] = entry["plan_overhead"] <= entry["anchor_overhead"]
         if "step_ms" in compiled_at:
             entry["compiled_plan_bytes"] = compiled_at["bytes"]
             entry["compiled_plan_eager_bytes"] = compiled_at["eager_bytes"]
@@ -382,13 +401,19 @@ def table(results: list[dict]) -> str:
             lines.append(f"  {key:<30}{row['bytes'] / MIB:>9.2f}{row['ratio']:>8.3f}{step}"
                          f"{predicted:>11}")
         for entry in result.get("at_the_same_bytes", []):
-            lines.append(
-                f"  at the bytes of {entry['anchor']}: {entry['anchor']} "
-                f"{100 * entry['anchor_overhead']:+.1f} % over {entry['anchor_baseline']}, "
-                f"the plan {100 * entry['plan_overhead']:+.1f} % over eager (predicted "
-                f"{100 * entry['plan_predicted_overhead']:+.1f} %; fastest of the repeats: "
-                f"{100 * entry['anchor_overhead_min']:+.1f} % and "
-                f"{100 * entry['plan_overhead_min']:+.1f} %)")
+            if "plan_overhead" in entry:
+                lines.append(
+                    f"  at the bytes of {entry['anchor']}: {entry['anchor']} "
+                    f"{100 * entry['anchor_overhead']:+.1f} % over {entry['anchor_baseline']}, "
+                    f"the plan {100 * entry['plan_overhead']:+.1f} % over eager (predicted "
+                    f"{100 * entry['plan_predicted_overhead']:+.1f} %; fastest of the repeats: "
+                    f"{100 * entry['anchor_overhead_min']:+.1f} % and "
+                    f"{100 * entry['plan_overhead_min']:+.1f} %)")
+            if "control_overhead" in entry:
+                lines.append(
+                    f"    control: {entry['anchor']} compiled again "
+                    f"{100 * entry['control_overhead']:+.1f} % over compile_1 (fastest: "
+                    f"{100 * entry['control_overhead_min']:+.1f} %)")
             if "compiled_plan_overhead" in entry:
                 lines.append(
                     f"    compiled, both over compile_1: {entry['anchor']} "
@@ -424,7 +449,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compiled-plan", action=argparse.BooleanOptionalAction, default=True,
                         help="also compile the plan at each compile budget's bytes")
     parser.add_argument("--anchor-plans", action=argparse.BooleanOptionalAction, default=True,
-                        help="also plan at the bytes of checkpoint_sqrt and each compile budget")
+                        help="also plan (eager) at the bytes of checkpoint_sqrt and each "
+                             "compile budget")
+    parser.add_argument("--control", action="store_true",
+                        help="also time each compile budget compiled a second time "
+                             "(compile_B_again): the noise between identical models")
     parser.add_argument("--compile-backend", default="inductor",
                         help="torch.compile backend of the timed compiled rows (aot_eager: "
                              "no code generation, for a quick check of the script)")

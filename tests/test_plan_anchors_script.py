@@ -21,12 +21,14 @@ def test_small_run_measures_and_times_every_strategy(tmp_path):
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--models", "vgg19_bn", "--size", "32", "--batch", "2",
          "--repeats", "1", "--warmup", "0", "--compile-budgets", "1,0.5", "--plan-budgets",
-         "0.5", "--allow", "recompute", "--compile-backend", "aot_eager", "--json", str(out)],
+         "0.5", "--allow", "recompute", "--compile-backend", "aot_eager", "--control",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(out.read_text())["results"][0]
     rows = result["rows"]
-    assert list(rows) == ["eager", "checkpoint_sqrt", "compile_1", "compile_0.5", "plan_0.5",
+    assert list(rows) == ["eager", "checkpoint_sqrt", "compile_1", "compile_1_again",
+                          "compile_0.5", "compile_0.5_again", "plan_0.5",
                           "plan_at_checkpoint_sqrt", "plan_at_compile_0.5",
                           "plan_compiled_at_compile_0.5"]
     assert all(r["step_ms"] > 0 for r in rows.values())
@@ -57,6 +59,11 @@ def test_small_run_measures_and_times_every_strategy(tmp_path):
     base = rows["compile_1"]["step_ms"]
     assert entry["compiled_plan_overhead"] == round(compiled_plan["step_ms"] / base - 1, 4)
     assert entry["anchor_overhead"] == round(anchor["step_ms"] / base - 1, 4)
+    # the control: compile_0.5 compiled a second time, the same bytes, its own time
+    again = rows["compile_0.5_again"]
+    assert again["bytes"] == anchor["bytes"]
+    assert entry["control_overhead"] == round(again["step_ms"] / base - 1, 4)
+    assert "control_overhead" not in entries["checkpoint_sqrt"]
 
 
 @pytest.mark.slow
