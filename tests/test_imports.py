@@ -144,14 +144,54 @@ def test_no_import_cycles():
     assert not cycles, cycles[:5]
 
 
+def _design_layers():
+    """docs/design.md's table "Layers of the code": iabn module or package -> (rank, layer),
+    rank 0 the lowest. The tools' row names its package first (`tools/`: its parts)."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "design.md").read_text()
+    section = text.split("## Layers of the code", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines()
+            if line.startswith("| ") and not line.startswith("| layer |")]
+    layers = {}
+    for rank, row in enumerate(rows):
+        layer, modules = (cell.strip() for cell in row.strip("|").split("|")[:2])
+        for entry in re.findall(r"`([^`]+)`", modules.split(":")[0]):
+            name = entry.removesuffix(".py").removesuffix("/").replace("/", ".")
+            layers[f"iabn.{name}"] = (rank, layer)
+    return layers
+
+
+def test_layers_import_only_layers_listed_before_them():
+    """docs/design.md's claim, checked on the code: every module of iabn is in the table of
+    layers (but the package itself and ``__main__``), and no
+    import, not even one inside a function, reaches a layer listed after the importer's."""
+    layers = _design_layers()
+    assert layers["iabn.activation"][0] == 0 and layers["iabn.tools"][1] == "tools"
+
+    def layer_of(module):
+        owner = max((name for name in layers
+                     if module == name or module.startswith(f"{name}.")), key=len, default=None)
+        return layers.get(owner)
+
+    graph = _import_graph()
+    unlisted = sorted(m for m in graph if layer_of(m) is None)
+    assert unlisted == ["iabn", "iabn.__main__"], unlisted
+    upward = [f"{name} ({layer_of(name)[1]}) imports {target} ({layer_of(target)[1]})"
+              for name, targets in sorted(graph.items()) if layer_of(name)
+              for target in sorted(targets)
+              if layer_of(target) and layer_of(target)[0] > layer_of(name)[0]]
+    assert not upward, upward
+
+
 def test_core_imports_no_tool():
     """The tools (iabn.tools) depend on the core, never the reverse: no module outside
-    iabn.tools imports one inside it, even lazily. Exceptions: iabn.__main__, which is the
-    command's entry point (``python -m iabn``), and iabn._moved, the finder behind the tools' old
-    import paths (it names them only as strings)."""
+    iabn.tools imports one inside it, even lazily. The exception: iabn.__main__, the
+    command's entry point (``python -m iabn``)."""
     graph = _import_graph()
     assert "iabn.tools.cli" in graph["iabn.__main__"]  # the graph sees these imports
-    allowed = {"iabn.__main__", "iabn._moved"}
+    allowed = {"iabn.__main__"}
 
     def is_tool(module):
         return module == "iabn.tools" or module.startswith("iabn.tools.")

@@ -12,13 +12,7 @@ import importlib
 import importlib.util
 import os
 
-from . import _moved
-
 __version__ = "0.1.0"
-
-# The tools' old paths (iabn.training, iabn.cli, ...) still import, with a DeprecationWarning;
-# installing the finder imports no tool code.
-_moved.install()
 
 #: Public name -> (module, attribute in it; None for the module itself).
 _LAZY = {
@@ -53,7 +47,7 @@ _LAZY = {
 def __getattr__(name: str):
     if name in _LAZY:
         module_name, attribute = _LAZY[name]
-    elif (not name.startswith("_") and name not in _moved.MOVED
+    elif (not name.startswith("_")
           and importlib.util.find_spec(f"{__name__}.{name}") is not None):
         # another submodule (iabn.sync, iabn.ops, ...): `import iabn` used to load them all,
         # and code reached them as attributes
