@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from . import debug
 from .checks import check_inputs, check_options
 from .layer_config import LayerConfig
-from .modules import ABN, InPlaceABN
+from .modules import ABN, InPlaceABN, holding_tensors_of
 from .ops import overwritable
 from .scale import SIGNED
 from .sync import (
@@ -221,13 +221,7 @@ def _rebuild(old: ABN, cls: type[ABN], group: Any) -> ABN:
         old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats,
         old.activation, old.activation_param, device="meta", **kwargs,
     )
-    # Reuse the very tensors: optimizers and DDP hold references to them.
-    for name in ("weight", "bias"):
-        setattr(new, name, getattr(old, name))
-    for name in ("running_mean", "running_var", "num_batches_tracked"):
-        setattr(new, name, getattr(old, name))
-    new.train(old.training)
-    return new
+    return holding_tensors_of(new, old)
 
 
 def active_ranks_group(active: bool) -> Any:

@@ -8,7 +8,8 @@ the next convolution's input) counts once. The figure is exact and the same on e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,36 +33,65 @@ def _storage_key(t: Tensor) -> tuple[str, int]:
     return str(t.device), t.untyped_storage()._cdata
 
 
+SavedCallback = Callable[[tuple[str, int], Tensor, bool], None]
+
+
+@contextlib.contextmanager
+def counting_saves(
+    excluded: Collection[tuple[str, int]] = (), on_saved: SavedCallback | None = None
+) -> Iterator[dict[tuple[str, int], int]]:
+    """Count what autograd saves for backward inside the block: yields ``{storage key: bytes}``
+    of the distinct storages saved (keys by :func:`_storage_key`, in first-save order), the
+    storages in ``excluded`` (parameters, buffers) left out. ``on_saved(key, tensor, first)``
+    is called for each of those saves, ``first`` when its storage is saved for the first time.
+
+    Every counted tensor is held until the block ends, so no storage is freed and its address
+    reused for another while counting (the new one would pass for the one already seen).
+    Autograd gets a detached alias back, not the tensor: a node that saves its own output would
+    otherwise hold, through the packed value, the tensor that holds the node, a cycle through
+    C++ that no garbage collection frees (the alias shares storage and version counter, not
+    grad_fn)."""
+    sizes: dict[tuple[str, int], int] = {}
+    held: list[Tensor] = []
+
+    def pack(t: Tensor) -> Tensor:
+        key = _storage_key(t)
+        if key not in excluded:
+            first = key not in sizes
+            if first:
+                sizes[key] = t.untyped_storage().nbytes()
+                held.append(t)
+            if on_saved is not None:
+                on_saved(key, t, first)
+        return t.detach()
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield sizes
+    finally:
+        held.clear()
+
+
 def saved_storages(
     fn: Callable[..., Any], *args: Any, exclude: Iterable[Tensor] = (), **kwargs: Any
 ) -> list[SavedStorage]:
     """Run ``fn(*args, **kwargs)`` and list the distinct storages autograd saves for backward.
 
     Storages of ``exclude`` are not listed; when ``fn`` is an ``nn.Module`` its parameters and
-    buffers are excluded too (they are not activations). The result of ``fn`` is kept alive
-    until counting ends, so no storage is freed and reused while it is being counted.
+    buffers are excluded too (they are not activations).
     """
     excluded = {_storage_key(t) for t in exclude}
     if isinstance(fn, nn.Module):
         excluded.update(_storage_key(t) for t in (*fn.parameters(), *fn.buffers()))
-    seen: dict[tuple[str, int], SavedStorage] = {}
-    kept: list[Tensor] = []
+    storages: list[SavedStorage] = []
 
-    def pack(t: Tensor) -> Tensor:
-        key = _storage_key(t)
-        if key not in excluded and key not in seen:
-            seen[key] = SavedStorage(tuple(t.shape), t.dtype, t.untyped_storage().nbytes())
-            kept.append(t)
-        # Not t itself: a node that saves its own output would then hold, through the packed
-        # value, the tensor that holds the node — a cycle through C++ that no garbage
-        # collection frees. A detached alias shares storage and version counter, not grad_fn.
-        return t.detach()
+    def describe(key: tuple[str, int], t: Tensor, first: bool) -> None:
+        if first:
+            storages.append(SavedStorage(tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with counting_saves(excluded, describe):
         result = fn(*args, **kwargs)
-    storages = list(seen.values())
-    del result
-    kept.clear()
+        del result
     return storages
 
 

@@ -16,7 +16,7 @@ import warnings
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
 from .checks import (
@@ -367,3 +367,13 @@ class InPlaceABN(OverwriteInputOption, ABN):
         text = super().extra_repr()
         text += f", variant={self.variant}" if self.variant != 2 else ""
         return text + ("" if self.overwrite_input else ", overwrite_input=False")
+
+
+def holding_tensors_of(layer: nn.Module, source: nn.Module) -> nn.Module:
+    """``layer`` (built on the meta device) made to hold ``source``'s very tensors: each
+    parameter and buffer ``layer`` registers is replaced by ``source``'s of the same name, and
+    ``layer`` takes ``source``'s training mode. Optimizers and DDP hold references to those
+    tensors, and their ``requires_grad`` flags carry over; nothing is copied."""
+    for name in (*layer._parameters, *layer._buffers):
+        setattr(layer, name, getattr(source, name))
+    return layer.train(source.training)

@@ -13,7 +13,7 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
 from ..group_norm import GroupNormAct
-from ..memory import _storage_key, saved_tensor_bytes
+from ..memory import _storage_key, counting_saves, saved_tensor_bytes
 from ..modules import ABN
 from ..trial_runs import preserved, same_randomness
 from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
@@ -225,25 +225,18 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
         module = fx.GraphModule(model, graph)
         interpreter = _Attributing(module)
         excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-        seen: set[Any] = set()
         sizes: dict[str, int] = {}
         savers: dict[Any, set[str]] = {}
-        kept: list[Tensor] = []
 
-        def pack(t: Tensor) -> Tensor:
-            key = _storage_key(t)
+        def attribute(key: Any, t: Tensor, first: bool) -> None:
             current = interpreter.current
             savers.setdefault(key, set()).add(current)
-            if key not in excluded and key not in seen:
-                seen.add(key)
+            if first:
                 sizes[current] = sizes.get(current, 0) + t.untyped_storage().nbytes()
-                kept.append(t)
-            return t.detach()
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with counting_saves(excluded, attribute):
             out = interpreter.run(*args)
-        del out
-        kept.clear()
+            del out
     modules = dict(module.named_modules())
     by_name = {node.name: node for node in graph.nodes}
     result, input_savers = {}, {}

@@ -11,7 +11,7 @@ from torch import fx, nn
 
 from ..distributed import ABNSync, InPlaceABNSync
 from ..group_norm import GroupNormAct, InPlaceGroupNormAct
-from ..modules import ABN, InPlaceABN
+from ..modules import ABN, InPlaceABN, holding_tensors_of
 from .decide import IN_PLACE, OUTPUT_ONLY, Decision
 from .graph import Site
 
@@ -25,8 +25,7 @@ def new_layer(norm: nn.Module, decision: Decision) -> ABN | GroupNormAct:
         cls = InPlaceGroupNormAct if in_place else GroupNormAct
         layer = cls(norm.num_groups, norm.num_channels, norm.eps, norm.affine,
                     decision.activation, decision.activation_param, device="meta", **kwargs)
-        layer.weight, layer.bias = norm.weight, norm.bias
-        return layer.train(norm.training)
+        return holding_tensors_of(layer, norm)
     sync = type(norm) is nn.SyncBatchNorm
     cls = (InPlaceABNSync if in_place else ABNSync) if sync else (InPlaceABN if in_place else ABN)
     if sync:
@@ -34,10 +33,7 @@ def new_layer(norm: nn.Module, decision: Decision) -> ABN | GroupNormAct:
     layer = cls(norm.num_features, norm.eps, norm.momentum, norm.affine,
                 norm.track_running_stats, decision.activation, decision.activation_param,
                 device="meta", **kwargs)
-    for name in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
-        setattr(layer, name, getattr(norm, name))
-    layer.train(norm.training)
-    return layer
+    return holding_tensors_of(layer, norm)
 
 
 def _references(model: nn.Module) -> Counter:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..memory import _storage_key
+from ..memory import _storage_key, counting_saves
 from ..trial_runs import preserved, same_randomness
 from .cost import REST, OpCount, OpCounter
 from .segments import tensor_leaves
@@ -209,26 +209,15 @@ def recomputed_saves(modules: Sequence[nn.Module], inputs: Sequence[Tensor],
     ending in a product) is that unit's boundary output."""
     names = {_storage_key(t): identity for t, identity in zip(inputs, identities, strict=True)}
     excluded = {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
-    packed: dict[Any, int] = {}
-    held: list[Tensor] = []
-
-    def pack(t: Tensor) -> Tensor:
-        key = _storage_key(t)
-        if key not in excluded and key not in packed:
-            packed[key] = t.untyped_storage().nbytes()
-            held.append(t)
-        return t.detach()
-
     container = nn.ModuleList(modules)
     fn = modules[0] if len(modules) == 1 else _chain(modules)
-    with preserved(container), same_randomness(tuple(inputs)):
+    with preserved(container), same_randomness(tuple(inputs)), \
+            counting_saves(excluded) as packed:
         container.train()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = recomputed(fn, modules, *inputs, selective=selective, lean=lean)
+        out = recomputed(fn, modules, *inputs, selective=selective, lean=lean)
         for i, t in enumerate(tensor_leaves(out)):
             names.setdefault(_storage_key(t), ("out", last, i))
         del out
-    held.clear()
     saved = Saved()
     for key, nbytes in packed.items():
         if key in names:

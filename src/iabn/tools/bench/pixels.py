@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...memory import _storage_key, counting_saves
 from ...models import DeepLabV3Head, ResNeXt, SegmentationNet, deeplabv3_wider_resnet38
 from ...offloading import DEFAULT_LAYERS
 
@@ -77,12 +78,6 @@ def segmentation_model(body: str, norm_act: str, num_classes: int = NUM_CLASSES,
     raise ValueError(f"body={body!r}: use one of {', '.join(BODIES)}")
 
 
-def _storage_id(t: Tensor) -> int:
-    # The StorageImpl's address: unique among live storages on every device, meta included
-    # (where all data pointers are 0).
-    return t.untyped_storage()._cdata
-
-
 @dataclass(frozen=True)
 class ActivationBytes:
     """Bytes of distinct storages saved for backward by one training forward."""
@@ -98,13 +93,14 @@ class ActivationBytes:
 
 
 @contextmanager
-def _offload_candidates(model: nn.Module) -> Iterator[set[int]]:
-    """Collect the storages that enter a convolution or pooling layer of ``model``."""
-    inputs: set[int] = set()
+def _offload_candidates(model: nn.Module) -> Iterator[set[tuple[str, int]]]:
+    """Collect the storages (keys as iabn.memory counts them) that enter a convolution or
+    pooling layer of ``model``."""
+    inputs: set[tuple[str, int]] = set()
 
     def mark(module: nn.Module, args: tuple[Any, ...]) -> None:
         if args and isinstance(args[0], Tensor):
-            inputs.add(_storage_id(args[0]))
+            inputs.add(_storage_key(args[0]))
 
     handles = [m.register_forward_pre_hook(mark) for m in model.modules()
                if isinstance(m, DEFAULT_LAYERS)]
@@ -124,25 +120,14 @@ def activation_bytes(model: nn.Module, images: Tensor, target: Tensor | None = N
     (``meta`` for free counting at any size). ``model`` must be in training mode for the
     counts to be a training step's.
     """
-    excluded = {_storage_id(t) for t in (*model.parameters(), *model.buffers())}
-    sizes: dict[int, int] = {}
-    alive: list[Tensor] = []  # keeps every counted storage, so no id is reused while counting
-
-    def pack(t: Tensor) -> Tensor:
-        key = _storage_id(t)
-        if key not in excluded and key not in sizes:
-            sizes[key] = t.untyped_storage().nbytes()
-            alive.append(t)
-        return t.detach()  # not t: a node saving its own output would form a cycle
-
-    with _offload_candidates(model) as conv_inputs, \
-            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
+    with _offload_candidates(model) as conv_inputs, counting_saves(excluded) as sizes:
         output = model(images)
         if target is not None:
             output = F.cross_entropy(output, target)
-    offloaded = [n for key, n in sizes.items() if key in conv_inputs and n >= offload_min_bytes]
-    del output
-    alive.clear()
+        offloaded = [n for key, n in sizes.items()
+                     if key in conv_inputs and n >= offload_min_bytes]
+        del output
     return ActivationBytes(sum(sizes.values()), sum(offloaded), max(offloaded, default=0))
 
 
