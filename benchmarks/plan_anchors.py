@@ -41,7 +41,8 @@ training step above what was allocated before it (model, input, gradients of the
 Usage::
 
     python benchmarks/plan_anchors.py [--device cpu] [--batch 4] [--size 64] [--repeats 15]
-        [--json PATH] [--no-compiled-plan] [--no-anchor-plans] [--compile-backend inductor]
+        [--json PATH] [--no-compiled-plan] [--no-anchor-plans] [--control]
+        [--compile-backend inductor]
 """
 
 from __future__ import annotations
