@@ -751,12 +751,10 @@ def plan_target(report: Any) -> tuple[Target, dict[str, Any]]:
         result = next((r for r in report.get("results", []) if r.get("model") == PLAN_MODEL),
                       {})
         rows = result.get("rows", {})
-        row = rows.get(f"plan_{PLAN_BUDGET:g}")
-        if row is None:
-            pass
-        elif "bytes" not in row:
+        row = rows.get(f"plan_{PLAN_BUDGET:g}", {})
+        if row and "bytes" not in row:
             found = (found[0], None, row.get("out_of_reach") or row.get("failed") or "no plan")
-        elif row["ratio"] > 1 / 3:
+        elif row.get("ratio", 0) > 1 / 3:
             found = (found[0], None, f"the plan keeps {row['ratio']:.3f} of the bytes")
         elif "step_ratio" in row:
             found = (found[0], row["step_ratio"], None)

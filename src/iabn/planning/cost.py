@@ -168,7 +168,8 @@ def _recompute_overheads(speed: DeviceSpeed, device: torch.device,
              "selective": lambda: recomputed(layers, modules, x,
                                              selective=True).sum().backward()}
     seconds = {name: _best_seconds(step, device, 10) for name, step in steps.items()}
-    again = {"recompute": ops.seconds(speed), "selective": ops.seconds(speed, products=False)}
+    again = {"recompute": ops.seconds(speed),
+             "selective": ops.seconds(speed, lambda op: not op.product)}
     return {f"{name}_overhead_s": max(0.0, (seconds[name] - seconds["plain"] - again[name])
                                       / len(ops.ops)) for name in again}
 
@@ -230,29 +231,25 @@ class OpCount:
     def bytes(self) -> int:
         return sum(op.bytes for op in self.ops)
 
-    def seconds(self, speed: DeviceSpeed, products: bool = True) -> float:
-        """Predicted time of the operations (``products=False``: of all but products)."""
-        return sum(speed.seconds(op.flops, op.bytes) for op in self.ops
-                   if products or not op.product)
-
-    def _products_seconds(self, speed: DeviceSpeed, expansions_only: bool) -> float:
-        return sum(speed.seconds(op.flops, op.bytes) for op in self.ops
-                   if op.product and (op.expansion or not expansions_only))
+    def seconds(self, speed: DeviceSpeed,
+                which: Callable[[Op], bool] = lambda op: True) -> float:
+        """Predicted time of the operations (those ``which`` picks)."""
+        return sum(speed.seconds(op.flops, op.bytes) for op in self.ops if which(op))
 
     def recompute_seconds(self, speed: DeviceSpeed, compiled: bool = False) -> float:
         """Predicted extra time of recomputing these (forward) operations in backward."""
         if compiled:
-            return self._products_seconds(speed, expansions_only=False)
+            return self.seconds(speed, lambda op: op.product)
         return self.seconds(speed) + len(self.ops) * speed.recompute_overhead_s
 
     def selective_seconds(self, speed: DeviceSpeed, lean: bool = False,
                           compiled: bool = False) -> float:
         """Predicted extra time of recomputing them selectively: those other than products
         run again (:mod:`.selective`); ``lean``: the expansions too."""
-        again = self._products_seconds(speed, expansions_only=True) if lean else 0.0
+        again = self.seconds(speed, lambda op: op.expansion) if lean else 0.0
         if compiled:
             return again
-        return (again + self.seconds(speed, products=False)
+        return (again + self.seconds(speed, lambda op: not op.product)
                 + len(self.ops) * speed.selective_overhead_s)
 
     @property
