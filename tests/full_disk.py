@@ -6,6 +6,7 @@ on disk). Whatever opens the file (``open``, ``Path.write_text``, ``os.fdopen``,
 import builtins
 import errno
 import io
+import os
 
 
 class _FullDiskFile:
@@ -37,3 +38,26 @@ def install(monkeypatch):
 
     monkeypatch.setattr(io, "open", full_open)
     monkeypatch.setattr(builtins, "open", full_open)
+
+
+class _FillingRaw(io.FileIO):
+    """The kernel's side of a file on a disk with ``capacity`` bytes free: writes are taken
+    up to it, then fail with ENOSPC."""
+
+    def __init__(self, path, capacity: int):
+        super().__init__(path, "wb")
+        self._left = capacity
+
+    def write(self, data):
+        if self._left <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        written = super().write(bytes(memoryview(data)[: self._left]))
+        self._left -= written
+        return written
+
+
+def filling_file(path, capacity: int) -> io.BufferedWriter:
+    """``open(path, "wb")`` on a disk that fills after ``capacity`` bytes: Python's own
+    buffered writer over it, so writers (``torch.save``'s zip archive) react as they do to
+    a real full disk."""
+    return io.BufferedWriter(_FillingRaw(path, capacity))

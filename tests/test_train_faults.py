@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from iabn.tools.cli import main
-from iabn.tools.training import engine
+from iabn.tools.training import engine, snapshot
 from iabn.tools.training.engine import (
     EXIT_FAILED,
     EXIT_FINISHED,
@@ -356,23 +356,36 @@ def test_a_crop_the_network_cannot_run_on_is_refused_before_writing(tmp_path, ca
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("how", ["the write fails", "the disk fills part way"])
 def test_a_full_disk_while_writing_a_snapshot_keeps_the_older_ones(tmp_path, capsys,
-                                                                   monkeypatch):
+                                                                   monkeypatch, how):
+    """"the disk fills part way": torch.save's own reaction to a real full disk, a
+    RuntimeError ("unexpected pos ...") from closing its archive (seen on a CI machine)."""
+    import full_disk
+
     config = write_config(tmp_path / "c.json")
     run = tmp_path / "run"
     with one_torch_thread():
         assert main(["train", str(config), "--log-dir", str(run), "--stop-after-steps",
                      "4"]) == 3
     before = _files(run)
-    save = torch.save
+    if how == "the write fails":
+        save = torch.save
 
-    def full(obj, file, *args, **kwargs):
-        if isinstance(obj, dict) and "global_step" in obj:  # a snapshot, not a checksum
-            file.write(b"part of a snapshot")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return save(obj, file, *args, **kwargs)
+        def full(obj, file, *args, **kwargs):
+            if isinstance(obj, dict) and "global_step" in obj:  # a snapshot, not a checksum
+                file.write(b"part of a snapshot")
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return save(obj, file, *args, **kwargs)
 
-    monkeypatch.setattr(torch, "save", full)
+        monkeypatch.setattr(torch, "save", full)
+    else:
+        def snapshot_open(path, mode="r", *args, **kwargs):
+            if mode == "wb" and str(path).endswith(".tmp"):  # a snapshot's temporary file
+                return full_disk.filling_file(path, capacity=100_000)
+            return open(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(snapshot, "open", snapshot_open, raising=False)
     capsys.readouterr()
     with one_torch_thread():
         code = main(["train", str(config), "--log-dir", str(run), "--resume"])

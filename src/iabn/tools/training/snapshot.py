@@ -124,6 +124,23 @@ def _install(temporary: Path, path: Path) -> None:
     _write_checksum(path, digest)
 
 
+def _save(payload: dict[str, Any], file) -> None:
+    """``torch.save``, a failed write of ``file`` reaching the caller as the ``OSError`` it
+    is. When the disk fills part way through, torch's zip writer raises a ``RuntimeError``
+    ("unexpected pos ...") from closing the archive, with the ``OSError`` (ENOSPC) as its
+    context; the tools report ``OSError`` as a failed write and would show this one as a
+    crash."""
+    try:
+        torch.save(payload, file)
+    except RuntimeError as error:
+        cause = error.__context__
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__context__
+        if cause is None:
+            raise
+        raise cause from None
+
+
 def save_atomic(payload: dict[str, Any], path: str | Path) -> None:
     """``torch.save(payload)`` to ``path`` via a temporary file and a rename, then its
     checksum file (``last.pth``: the old one kept as ``previous.pth``)."""
@@ -131,7 +148,7 @@ def save_atomic(payload: dict[str, Any], path: str | Path) -> None:
     temporary = _temporary(path)
     try:
         with open(temporary, "wb") as file:
-            torch.save(payload, file)
+            _save(payload, file)
             file.flush()
             os.fsync(file.fileno())
         _install(temporary, path)
