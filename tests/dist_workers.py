@@ -327,8 +327,8 @@ def branch_activations_match_single_process(rank: int, world: int) -> None:
     summed over the ranks and the running statistics equal nn.BatchNorm2d + nn.SiLU/nn.GELU
     on the whole batch in one process, to 1e-10 of each quantity's largest value (measured:
     at most 3.2e-13; the bound is that of the local layer's float64 test). Batches of 3 and 5
-    samples, and of 4 and 0. IABN_BACKEND=triton is refused on every rank before anything is
-    written."""
+    samples, and of 4 and 0. The kernels are the ones IABN_BACKEND names (the Triton ones
+    keep their own bits and invert in their own passes)."""
     worst = 0.0
     for sizes in ([3, 5], [4, 0]):
         for activation in ("silu", "gelu"):
@@ -383,22 +383,6 @@ def branch_activations_match_single_process(rank: int, world: int) -> None:
                     worst = max(worst, *errors.values())
     if os.environ.get("IABN_PRINT_MEASURED"):
         print(f"rank {rank}: largest relative difference {worst:.3g}")
-    # The Triton kernels keep no bits: every rank raises before the statistics are gathered,
-    # its input and running statistics untouched.
-    from iabn.kernels.dispatch import use_backend
-
-    layer = iabn.InPlaceABNSync(3, activation="silu")
-    x = torch.randn(2, 3, 4)
-    before = x.clone()
-    with use_backend("triton"):
-        try:
-            layer(x)
-        except RuntimeError as error:
-            assert "IABN_BACKEND=triton does not support activation='silu'" in str(error)
-        else:
-            raise AssertionError("IABN_BACKEND=triton ran silu")
-    assert torch.equal(x, before) and torch.equal(layer.running_mean, torch.zeros(3))
-    assert layer.num_batches_tracked.item() == 0
 
 
 def _gather_batches(mine: torch.Tensor, sizes: list[int]) -> torch.Tensor:

@@ -32,6 +32,8 @@ import triton.language as tl
 from iabn.kernels import triton_kernels as k
 
 F32 = tl.float32
+#: The constexprs of the SiLU/GELU path, off (the kernels here run other activations).
+NO_BRANCH = {"NEWTON": 0, "CHEB": 0, "TAYLOR": False}
 LIMIT = 2**31
 ROWS_PAST = 2**30 + 64  # row length: row 2 starts past 2**31
 
@@ -75,9 +77,9 @@ def input_grad() -> float:
     zb, dzb = _fill(z[:, :128]), _fill(dz[:, :128])
     assert _far(dx, dx[:, :128])
     coeffs = torch.tensor([0.5, -2.0, 0.125])
-    k.input_grad_kernel[(3,)](z, dz, dx, coeffs, 3, ROWS_PAST, 1, 1, 0.0, 1e-30,
-                              CHANNEL_ON_ROWS=True, ACT=k.IDENTITY, BLOCK_R=1, BLOCK_K=128,
-                              ACC=F32)
+    k.input_grad_kernel[(3,)](z, dz, dx, coeffs, 3, ROWS_PAST, 1, 1, 0.0, 1e-30, coeffs, coeffs,
+                              CHANNEL_ON_ROWS=True, ACT=k.IDENTITY, **NO_BRANCH, BLOCK_R=1,
+                              BLOCK_K=128, ACC=F32)
     expected = 0.5 * dzb - 2.0 * zb + 0.125
     return _relative(dx[:, :128], expected)
 
@@ -125,9 +127,9 @@ def grad_sums_mc() -> float:
     assert _far(z, z[:, :64])
     zv, dzv = _fill(z[:, :64]), _fill(dz[:, :64])
     parts = torch.empty(2, 1, channels)
-    k.grad_sums_mc_kernel[(1, 1)](z, dz, parts, parts, 5, channels, 5, 0.0, 1e-30,
-                                  HAS_BIAS=False, ACT=k.IDENTITY, BLOCK_R=8, BLOCK_C=64,
-                                  ACC=F32)
+    k.grad_sums_mc_kernel[(1, 1)](z, dz, parts, parts, 5, channels, 5, 0.0, 1e-30, parts,
+                                  parts, HAS_BIAS=False, ACT=k.IDENTITY, **NO_BRANCH,
+                                  BLOCK_R=8, BLOCK_C=64, ACC=F32)
     return _grad_sums_error(parts, 64, zv, dzv)
 
 
@@ -137,9 +139,9 @@ def grad_sums_ncs() -> float:
     assert _far(z, z[:, 0, :])
     zv, dzv = _fill(z[:, 0, :]).reshape(-1, 1), _fill(dz[:, 0, :]).reshape(-1, 1)
     parts = torch.empty(2, 1, channels)
-    k.grad_sums_ncs_kernel[(1, 1)](z, dz, parts, parts, 2, channels, 4, 1, 0.0, 1e-30,
-                                   HAS_BIAS=False, ACT=k.IDENTITY, BLOCK_N=2, BLOCK_S=4,
-                                   ACC=F32)
+    k.grad_sums_ncs_kernel[(1, 1)](z, dz, parts, parts, 2, channels, 4, 1, 0.0, 1e-30, parts,
+                                   parts, HAS_BIAS=False, ACT=k.IDENTITY, **NO_BRANCH,
+                                   BLOCK_N=2, BLOCK_S=4, ACC=F32)
     return _grad_sums_error(parts, 1, zv, dzv)
 
 

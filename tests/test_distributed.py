@@ -22,15 +22,22 @@ def _spawn(world: int, scenario: str) -> None:
     mp.spawn(dist_workers.run, args=(world, _free_port(), scenario), nprocs=world, join=True)
 
 
-@pytest.mark.parametrize("kernels", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_matches_single_process_on_the_whole_batch(world, kernels, monkeypatch):
+KERNELS = ["reference", pytest.param("triton", marks=pytest.mark.slow)]
+
+
+def _use_kernels(kernels: str, monkeypatch) -> None:
     """The ranks inherit the environment: IABN_BACKEND picks their kernels; the Triton case
     runs under the interpreter on every machine (gloo moves CPU tensors)."""
     if kernels == "triton":
         pytest.importorskip("triton")
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("IABN_BACKEND", kernels)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_matches_single_process_on_the_whole_batch(world, kernels, monkeypatch):
+    _use_kernels(kernels, monkeypatch)
     _spawn(world, "matches_single_process")
 
 
@@ -39,12 +46,16 @@ def test_half_inputs_work_in_float32_pieces():
     _spawn(2, "half_inputs_in_pieces")
 
 
-def test_silu_and_gelu_match_single_process_on_the_whole_batch():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_silu_and_gelu_match_single_process_on_the_whole_batch(kernels, monkeypatch):
+    _use_kernels(kernels, monkeypatch)
     _spawn(2, "branch_activations_match_single_process")
 
 
 @pytest.mark.slow
-def test_silu_and_gelu_bfloat16_within_the_local_layer_s_bound():
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_silu_and_gelu_bfloat16_within_the_local_layer_s_bound(kernels, monkeypatch):
+    _use_kernels(kernels, monkeypatch)
     _spawn(2, "branch_half_inputs")
 
 

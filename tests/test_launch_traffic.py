@@ -9,6 +9,7 @@ activation; nothing is taken from the counter itself. The step is
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -345,18 +346,20 @@ def test_triton_kernels_write_only_what_they_declare():
     try:
         for name, kernel in zip(triton_kernels.TRAFFIC, kernels, strict=True):
             kernel.run = checked(name, kernel)
-        for channels_last in (False, True):
-            for training in (True, False):
-                layer = _layers()["triton"].train(training)
-                fmt = torch.channels_last if channels_last else torch.contiguous_format
-                x = torch.randn(SHAPE).contiguous(memory_format=fmt).requires_grad_()
-                grad = torch.randn(SHAPE).contiguous(memory_format=fmt)
-                with use_backend("triton"):
-                    layer(x.clone()).backward(grad)
+        for channels_last, training, activation in itertools.product(
+                (False, True), (True, False), ("leaky_relu", "silu")):
+            layer = _layers()["triton"].train(training)
+            layer.activation = activation
+            fmt = torch.channels_last if channels_last else torch.contiguous_format
+            x = torch.randn(SHAPE).contiguous(memory_format=fmt).requires_grad_()
+            grad = torch.randn(SHAPE).contiguous(memory_format=fmt)
+            with use_backend("triton"):
+                layer(x.clone()).backward(grad)
     finally:
         for kernel in kernels:
             kernel.__dict__.pop("run", None)
     assert changed["normalize_act_kernel"] == {"x_ptr"}
+    assert changed["normalize_branch_kernel"] == {"x_ptr", "bits_ptr"}
     assert changed["input_grad_kernel"] == {"dx_ptr"}
     assert set(changed) == set(triton_kernels.TRAFFIC)
 

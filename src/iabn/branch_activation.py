@@ -9,11 +9,13 @@ element, packed eight to a byte (``uint8``, 1/32 of a float32 activation); backw
 inputs), takes ``dy = phi'(y) dz`` and the batch-norm gradients from ``y`` exactly as the
 reference kernels do (:func:`iabn.kernels.reference.grads_from_y`).
 
-An ``autograd.Function`` on ATen operations of its own, like :mod:`iabn.group_norm`: the
-``iabn::`` operators and the Triton kernels carry no bits and refuse these activations (the
-Triton backend with an error here, before anything is written). The synchronised layer
-(:mod:`iabn.sync`) keeps the same bits: :func:`sync_forward_` and :func:`sync_local_sums` are
-its forward and the half of its backward before the all-reduce.
+An ``autograd.Function`` of its own, like :mod:`iabn.group_norm` (the ``iabn::`` operators
+carry no bits). On the reference kernels its forward and backward are the ATen operations
+here; with ``IABN_BACKEND=triton`` they are the Triton kernels' (their normalisation, bits
+and this module's Newton steps in one pass each: :mod:`iabn.kernels.triton_kernels`), with
+the constants and step counts of this module. The synchronised layer (:mod:`iabn.sync`)
+keeps the same bits: :func:`sync_forward_` and :func:`sync_local_sums` are its forward and
+the half of its backward before the all-reduce.
 
 The Newton steps. Near the minimum ``phi(y) - z* ~ c (y - y*)^2 / 2`` (``c = phi''(y*)``), so
 Newton on ``phi`` itself stalls there; it runs on functions that are close to linear across
@@ -36,6 +38,7 @@ in [-80, 30] and 1e-9 .. 1 from ``y*``: at most 3.7e-7 relative in float32, 2.9e
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -44,7 +47,7 @@ from torch import Tensor
 
 from . import activation as act
 from .kernels import reference, sync_reference
-from .kernels.dispatch import ENV, requested_backend
+from .kernels.dispatch import backend_for
 from .layer_config import LayerConfig
 from .ops import needs_grad as layer_needs_grad
 from .ops import overwritable, refuse_double_backward
@@ -222,13 +225,33 @@ def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
 
 # ------------------------------------------------------------------ the layer
 
+def triton_branch(kernels: ModuleType, z: Tensor, activation: str,
+                  bits: Tensor) -> Any:
+    """The Triton kernels' :class:`~iabn.kernels.triton_backend.Branch` of a layer whose
+    output is (or will be) ``z``: its bits, the constants of ``activation`` in the compute
+    dtype, and this module's Newton steps."""
+    compute = reference.compute_dtype(z.dtype)
+    consts = kernels.branch_constants(MINIMA[activation], TAYLOR[activation], compute, z.dtype,
+                                      z.device)
+    return kernels.Branch(bits, consts, ITERATIONS[compute], compute == torch.float32)
+
+
 def forward_(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
     running_var: Tensor | None, config: LayerConfig, bits: bool,
+    kernels: ModuleType = reference,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Overwrite ``x`` with ``phi(y)``; return ``(invstd, g, packed bits or None)``. The
-    normalisation (and running statistics) is the reference kernels'; ``y`` is compared with
-    ``y*`` in ``x``'s dtype, as the activation then reads it."""
+    """Overwrite ``x`` with ``phi(y)``; return ``(invstd, g, packed bits or None)``.
+
+    ``kernels``: :mod:`iabn.kernels.reference` (the reference normalisation, then ``y``
+    compared with ``y*`` in ``x``'s dtype, as the activation then reads it; bits in logical
+    order, :func:`pack_bits`) or the Triton backend (one fused pass; ``y`` compared in the
+    compute dtype; bits in the order of ``x``'s memory, which only its backward reads)."""
+    if kernels is not reference and x.numel():
+        packed = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8, device=x.device)
+        invstd, g = kernels.forward_(x, weight, bias, running_mean, running_var, config,
+                                     triton_branch(kernels, x, config.activation, packed))
+        return invstd, g, packed if bits else None
     invstd, g = reference.forward_(
         x, weight, bias, running_mean, running_var, config._replace(activation=act.IDENTITY)
     )
@@ -274,10 +297,15 @@ def recover_all(z: Tensor, index: list[tuple],
 def backward(
     z: Tensor, packed: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
     invstd: Tensor, g: Tensor, config: LayerConfig, output_mask: list[bool],
+    kernels: ModuleType = reference,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(dx, dgamma, dbeta)`` from ``z``, its branch bits and ``dz``."""
+    """``(dx, dgamma, dbeta)`` from ``z``, its branch bits and ``dz``, by the ``kernels``
+    that ran forward."""
     if z.numel() == 0:
         return reference.empty_grads(z, weight, bias, output_mask)
+    if kernels is not reference:
+        return kernels.backward(z, dz, weight, bias, invstd, g, config, output_mask,
+                                triton_branch(kernels, z, config.activation, packed))
     compute = reference.compute_dtype(z.dtype)
     index, recover_piece = recovery(z, packed, dz, config.activation)
     if compute != z.dtype:  # half inputs: nothing of the activation's size in float32
@@ -293,37 +321,42 @@ def backward(
 
 def sync_forward_(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor,
-    config: LayerConfig,
+    config: LayerConfig, kernels: ModuleType = reference,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`iabn.kernels.sync_reference.normalize_` with the branch bits: overwrite ``x``
     with ``phi(y)``, ``y`` normalised with the statistics merged over all ranks; return
     ``(invstd, g, packed bits)``."""
     sdtype = reference.stat_dtype(x, weight, None)
-    return forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), config.for_eval(), True)
+    return forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), config.for_eval(), True,
+                    kernels)
 
 
 def sync_local_sums(
     z: Tensor, packed: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor,
-    config: LayerConfig,
-) -> tuple[tuple[Tensor, Tensor] | sync_reference.Recovered, Tensor]:
+    config: LayerConfig, kernels: ModuleType = reference,
+) -> tuple[ModuleType, Any, Tensor]:
     """:func:`iabn.kernels.sync_reference.local_sums` with ``y`` recovered from ``z`` and its
-    branch bits: ``(saved, [sum(dy * xhat), sum(dy)])``. ``saved`` is the whole ``(y, dy)``
-    where the compute dtype is ``z``'s, and for half inputs a
+    branch bits: ``(module, saved, [sum(dy * xhat), sum(dy)])``; ``module.input_grad(saved,
+    ...)`` gives ``dx`` after the all-reduce. With the reference ``kernels``, ``saved`` is the
+    whole ``(y, dy)`` where the compute dtype is ``z``'s, and for half inputs a
     :class:`~iabn.kernels.sync_reference.Recovered` whose pieces are inverted again for
-    ``dx`` after the all-reduce (no float32 tensor of the activation's size, as in
-    :func:`backward`)."""
+    ``dx`` (no float32 tensor of the activation's size, as in :func:`backward`); the Triton
+    kernels invert in both of their passes."""
     if z.numel() == 0:  # nothing to invert: the identity's empty (y, dy) and zero sums
-        return sync_reference.local_sums(z, dz, bias, scale,
-                                         config._replace(activation=act.IDENTITY))
+        return sync_reference, *sync_reference.local_sums(
+            z, dz, bias, scale, config._replace(activation=act.IDENTITY))
+    if kernels is not reference:
+        branch = triton_branch(kernels, z, config.activation, packed)
+        return kernels, *kernels.local_sums(z, dz, bias, scale, config, branch)
     compute = reference.compute_dtype(z.dtype)
     index, recover_piece = recovery(z, packed, dz, config.activation)
     if compute != z.dtype:
         sums = reference.sums_over_pieces(index, recover_piece, scale, bias, compute)
-        return sync_reference.Recovered(z, index, recover_piece), sums
+        return sync_reference, sync_reference.Recovered(z, index, recover_piece), sums
     y, dy = recover_all(z, index, recover_piece)
     g = scale.to(compute)
     beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
-    return (y, dy), sync_reference.sums_from_y(y, dy, g, beta)
+    return sync_reference, (y, dy), sync_reference.sums_from_y(y, dy, g, beta)
 
 
 class BranchABNFunction(torch.autograd.Function):
@@ -335,10 +368,12 @@ class BranchABNFunction(torch.autograd.Function):
         ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None,
         running_mean: Tensor | None, running_var: Tensor | None, config: LayerConfig,
     ) -> Tensor:
-        invstd, g, packed = forward_(x, weight, bias, running_mean, running_var, config, True)
+        kernels = backend_for(x)
+        invstd, g, packed = forward_(x, weight, bias, running_mean, running_var, config, True,
+                                     kernels)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, packed, weight, bias, invstd, g)
-        ctx.config = config
+        ctx.config, ctx.kernels = config, kernels
         return x
 
     @staticmethod
@@ -348,18 +383,10 @@ class BranchABNFunction(torch.autograd.Function):
         z, packed, weight, bias, invstd, g = ctx.saved_tensors
         want_dx, want_dweight, want_dbias = ctx.needs_input_grad[:3]
         mask = [want_dx, want_dweight and weight is not None, want_dbias and bias is not None]
-        dx, dgamma, dbeta = backward(z, packed, dz, weight, bias, invstd, g, ctx.config, mask)
+        dx, dgamma, dbeta = backward(z, packed, dz, weight, bias, invstd, g, ctx.config, mask,
+                                     ctx.kernels)
         return (dx if mask[0] else None, dgamma if mask[1] else None,
                 dbeta if mask[2] else None, None, None, None)
-
-
-def check_backend(activation: str) -> None:
-    """Refuse ``IABN_BACKEND=triton``: its kernels keep no branch bits."""
-    if requested_backend() == "triton":
-        raise RuntimeError(
-            f"{ENV}=triton does not support activation={activation!r} (the Triton kernels keep "
-            f"no branch bit); set {ENV}=reference or auto for layers with silu or gelu"
-        )
 
 
 def inplace_abn(
@@ -367,11 +394,11 @@ def inplace_abn(
     weight: Tensor | None, bias: Tensor | None, config: LayerConfig,
 ) -> Tensor:
     """The in-place layer with ``silu``/``gelu`` (no validation but the backend's)."""
-    check_backend(config.activation)
+    kernels = backend_for(input)
     needs_grad = layer_needs_grad(input, weight, bias)
     if not needs_grad:
         with torch.no_grad():
-            forward_(input, weight, bias, running_mean, running_var, config, False)
+            forward_(input, weight, bias, running_mean, running_var, config, False, kernels)
         return input
     return BranchABNFunction.apply(
         overwritable(input), weight, bias, running_mean, running_var, config

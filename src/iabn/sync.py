@@ -112,8 +112,7 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         group: Any,
     ) -> Tensor:
         branch = config.activation in BRANCH_ACTIVATIONS
-        if branch:  # before the all-gather or any write: every rank raises alike
-            branch_activation.check_backend(config.activation)
+        kernels = backend_for(x)  # before the all-gather or any write: every rank raises alike
         moments = sync.local_moments(x)
         gathered = [torch.empty_like(moments) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, moments, group=group)
@@ -129,15 +128,15 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         packed = None
         if branch:
             invstd, scale, packed = branch_activation.sync_forward_(x, weight, bias, mean, var,
-                                                                    config)
+                                                                    config, kernels)
         else:
-            invstd, scale = sync.normalize_(backend_for(x), x, weight, bias, mean, var, config)
+            invstd, scale = sync.normalize_(kernels, x, weight, bias, mean, var, config)
         if running_mean is not None and running_var is not None:
             sync.update_running_stats_(running_mean, running_var, mean, var, total,
                                        config.momentum)
         ctx.mark_dirty(x)
         ctx.save_for_backward(x, packed, weight, bias, invstd, scale)
-        ctx.config, ctx.group, ctx.total = config, group, total
+        ctx.config, ctx.group, ctx.total, ctx.kernels = config, group, total, kernels
         return x
 
     @staticmethod
@@ -146,8 +145,8 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         z, packed, weight, bias, invstd, scale = ctx.saved_tensors
         c = ctx.config
         if packed is not None:  # silu, gelu: y from z and the branch bits
-            kernels = sync
-            saved, sums = branch_activation.sync_local_sums(z, packed, dz, bias, scale, c)
+            kernels, saved, sums = branch_activation.sync_local_sums(z, packed, dz, bias, scale,
+                                                                     c, ctx.kernels)
         else:
             kernels = sync_backend_for(z)
             saved, sums = kernels.local_sums(z, dz, bias, scale, c)

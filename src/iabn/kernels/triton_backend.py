@@ -20,6 +20,7 @@ incoming gradient may be shared (``a + b`` hands the same tensor to both branche
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -34,7 +35,66 @@ from . import reference
 from . import triton_kernels as k
 from .reference import dx_coefficients
 
-_ACTIVATION_CODES = {act.IDENTITY: k.IDENTITY, act.LEAKY_RELU: k.LEAKY_RELU, act.ELU: k.ELU}
+_ACTIVATION_CODES = {act.IDENTITY: k.IDENTITY, act.LEAKY_RELU: k.LEAKY_RELU, act.ELU: k.ELU,
+                     act.SILU: k.SILU, act.GELU: k.GELU}
+
+#: Chebyshev coefficients of ``(1 + 2t) exp(t^2) erfc(t)`` in ``s = (t - K) / (t + K)``,
+#: ``K = 3.75`` (:func:`.triton_kernels._erfcx`): interpolation at 25 Chebyshev nodes of the
+#: first kind, from mpmath's ``erfc`` at 40 digits (tests/test_triton_branch.py recomputes
+#: them). Float64 layers use all 25, float32 (and half) the first 16.
+ERFCX_SERIES = (
+    1.1775789345674017, -0.004590054580646478, -0.08424913336651792, 0.05920993999819189,
+    -0.026658668435305753, 0.009074997670705265, -0.002413163540417608,
+    0.0004907758365258086, -6.916973302501207e-05, 4.13902798607301e-06,
+    7.74038306619849e-07, -2.1886401049234397e-07, 1.076499946567091e-08,
+    4.521959811218287e-09, -7.754400208831352e-10, -6.318088340886467e-11,
+    2.8687950109312828e-11, 1.9455868542480252e-13, -9.654696750202875e-13,
+    3.2525481894915335e-14, 3.3478123773154764e-14, -1.8645662019034036e-15,
+    -1.2508924186828822e-15, 7.415558623884118e-17, 5.286883199226413e-17,
+)
+_ERFCX_TERMS = {torch.float32: 16, torch.float64: 25}
+
+
+class Branch(NamedTuple):
+    """What the kernels of SiLU and GELU take besides the tensors of the layer: the packed
+    branch bits (``None`` before forward made them), the table of constants
+    (:func:`branch_constants`), the Newton steps and whether the Taylor series is used."""
+
+    bits: Tensor | None
+    consts: Tensor
+    newton: int
+    taylor: bool
+
+
+@functools.cache
+def branch_constants(minimum: tuple[float, float, float], taylor: tuple[float, ...],
+                     compute: torch.dtype, stored: torch.dtype, device: torch.device) -> Tensor:
+    """The table the SiLU/GELU kernels read their constants from (indices in
+    :mod:`.triton_kernels`), in the compute dtype: the minimum ``(y*, z*, c)`` and the Taylor
+    series of :mod:`iabn.branch_activation`, what :func:`~iabn.branch_activation.invert`
+    derives from them, and :data:`ERFCX_SERIES`. ``stored``: the dtype of ``z``."""
+    y_star, z_star, c = minimum
+    info = torch.finfo(compute)
+
+    def rounded(value: float) -> float:
+        return float(torch.tensor(value, dtype=compute))
+
+    values = [0.0] * int(k.CHEB_FIRST)
+    values[k.Y_STAR], values[k.Z_HI] = rounded(y_star), rounded(z_star)
+    values[k.Z_LO] = z_star - rounded(z_star)
+    values[k.Y_LO] = y_star - rounded(y_star)
+    values[k.SLOPE_RIGHT] = math.sqrt(c / 2)
+    values[k.SLOPE_LEFT] = math.sqrt(c / (2 * -z_star))
+    values[k.LOG_STAR] = math.log(-z_star)
+    values[k.FLOOR] = 4 * math.sqrt(info.eps)
+    values[k.SMALLEST] = torch.finfo(stored).tiny * torch.finfo(stored).eps
+    values[k.TINY] = info.tiny
+    values[k.SQRT1_2] = math.sqrt(0.5)
+    values[k.LOG_SQRT_2PI] = 0.5 * math.log(2 * math.pi)
+    values[k.LOG_HALF] = math.log(0.5)
+    values[int(k.TAYLOR_FIRST):int(k.CHEB_FIRST)] = taylor
+    values += ERFCX_SERIES
+    return torch.tensor(values, dtype=compute, device=device)
 
 #: Elements per tile of every kernel; with 4 warps, 16 per thread.
 _TILE = 2048
@@ -166,9 +226,11 @@ def forward_(
     running_mean: Tensor | None,
     running_var: Tensor | None,
     config: LayerConfig,
+    branch: Branch | None = None,
 ) -> tuple[Tensor, Tensor]:
     """As :func:`.reference.forward_`: overwrite ``x`` with the layer's output, update the
-    running statistics in training, return ``(invstd, g)``."""
+    running statistics in training, return ``(invstd, g)``. SiLU and GELU take ``branch``,
+    whose ``bits`` (``ceil(numel / 8)`` bytes) receive the branch bits."""
     if x.numel() == 0:
         return reference.forward_(x, weight, bias, running_mean, running_var, config)
     training, momentum, eps, activation, activation_param, gamma_mode, _ = config
@@ -208,53 +270,75 @@ def forward_(
         UPDATE_RUNNING=update_running, GAMMA_ABS=gamma_mode == ABS,
         BLOCK_C=_FINALIZE_BLOCK, ACC=acc, **_LAUNCH,
     )
-    grid, k_blocks, block_r, block_k = _elementwise_grid(layout)
-    k.normalize_act_kernel[(grid,)](
-        work, coeffs, layout.rows, layout.cols, channels, k_blocks, float(activation_param),
-        CHANNEL_ON_ROWS=layout.channel_on_rows, ACT=_ACTIVATION_CODES[activation],
-        BLOCK_R=block_r, BLOCK_K=block_k, ACC=acc, **_LAUNCH,
-    )
+    if branch is not None:
+        numel, block_bytes = work.numel(), _TILE // 8  # a tile of elements, 8 to a byte
+        k.normalize_branch_kernel[(triton.cdiv(numel, _TILE),)](
+            work, branch.bits, coeffs, branch.consts, numel, layout.cols, channels,
+            CHANNEL_ON_ROWS=layout.channel_on_rows, ACT=_ACTIVATION_CODES[activation],
+            CHEB=_ERFCX_TERMS[adtype], BLOCK_BYTES=block_bytes, ACC=acc, **_LAUNCH,
+        )
+    else:
+        grid, k_blocks, block_r, block_k = _elementwise_grid(layout)
+        k.normalize_act_kernel[(grid,)](
+            work, coeffs, layout.rows, layout.cols, channels, k_blocks, float(activation_param),
+            CHANNEL_ON_ROWS=layout.channel_on_rows, ACT=_ACTIVATION_CODES[activation],
+            BLOCK_R=block_r, BLOCK_K=block_k, ACC=acc, **_LAUNCH,
+        )
     if work is not x:
         x.copy_(work)
     return invstd, scale
 
 
+def _branch_arguments(branch: Branch | None, unread: Tensor, adtype: torch.dtype) -> tuple[
+    tuple[Tensor, Tensor], dict
+]:
+    """The SiLU/GELU arguments of the backward kernels: ``(bits, consts)`` and the
+    ``constexpr`` ones (unread placeholders for the other activations)."""
+    if branch is None:
+        return (unread, unread), dict(NEWTON=0, CHEB=0, TAYLOR=False)
+    return (branch.bits, branch.consts), dict(NEWTON=branch.newton, CHEB=_ERFCX_TERMS[adtype],
+                                              TAYLOR=branch.taylor)
+
+
 def _grad_partials(z: Tensor, dz: Tensor, bias: Tensor | None, layout: Layout,
-                   activation: str, activation_param: float) -> tuple[Tensor, int]:
+                   activation: str, activation_param: float,
+                   branch: Branch | None = None) -> tuple[Tensor, int]:
     """``(parts, P)``: per-program partial ``[sum(dy), sum(dy * (y - beta))]``, ``(2, P, C)``."""
     channels = layout.c
     adtype = accumulation_dtype(z.dtype)
     config = _reduction_config(layout, z.device)
     parts = torch.empty(2, config.programs, channels, dtype=adtype, device=z.device)
+    pointers, constants = _branch_arguments(branch, parts, adtype)
     common = dict(HAS_BIAS=bias is not None, ACT=_ACTIVATION_CODES[activation],
                   BLOCK_R=config.block_a, BLOCK_C=config.block_b, ACC=_TL_DTYPES[adtype],
-                  **_LAUNCH)
+                  **constants, **_LAUNCH)
     bias_arg = bias if bias is not None else parts
     tiny = torch.finfo(adtype).eps
     if layout.channel_on_rows:
         common["BLOCK_N"], common["BLOCK_S"] = common.pop("BLOCK_R"), common.pop("BLOCK_C")
         k.grad_sums_ncs_kernel[config.grid](
             z, dz, bias_arg, parts, layout.n, channels, layout.s, config.per_program,
-            float(activation_param), tiny, **common,
+            float(activation_param), tiny, *pointers, **common,
         )
     else:
         k.grad_sums_mc_kernel[config.grid](
             z, dz, bias_arg, parts, layout.rows, channels, config.per_program,
-            float(activation_param), tiny, **common,
+            float(activation_param), tiny, *pointers, **common,
         )
     return parts, config.programs
 
 
 def _input_grad(z: Tensor, dz: Tensor, coeffs: Tensor, layout: Layout, activation: str,
-                activation_param: float) -> Tensor:
+                activation_param: float, branch: Branch | None = None) -> Tensor:
     """``dx = k1 * dy + k2 * y + k3`` with ``coeffs = (k1, k2, k3)``, ``(3, C)``."""
     dx = torch.empty_like(z)
     grid, k_blocks, block_r, block_k = _elementwise_grid(layout)
+    pointers, constants = _branch_arguments(branch, coeffs, coeffs.dtype)
     k.input_grad_kernel[(grid,)](
         z, dz, dx, coeffs, layout.rows, layout.cols, layout.c, k_blocks,
-        float(activation_param), torch.finfo(coeffs.dtype).eps,
+        float(activation_param), torch.finfo(coeffs.dtype).eps, *pointers,
         CHANNEL_ON_ROWS=layout.channel_on_rows, ACT=_ACTIVATION_CODES[activation],
-        BLOCK_R=block_r, BLOCK_K=block_k, ACC=_TL_DTYPES[coeffs.dtype], **_LAUNCH,
+        BLOCK_R=block_r, BLOCK_K=block_k, ACC=_TL_DTYPES[coeffs.dtype], **constants, **_LAUNCH,
     )
     return dx
 
@@ -278,9 +362,10 @@ def backward(
     scale: Tensor,
     config: LayerConfig,
     output_mask: list[bool],
+    branch: Branch | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """As :func:`.reference.backward` (``config.variant`` does not change the kernels'
-    arithmetic)."""
+    arithmetic); SiLU and GELU take ``branch``, with the bits forward wrote."""
     if z.numel() == 0:
         return reference.backward(z, dz, weight, bias, invstd, scale, config, output_mask)
     training, _, _, activation, activation_param, gamma_mode, _ = config
@@ -293,7 +378,8 @@ def backward(
     coeffs = torch.empty(3, channels, dtype=adtype, device=z.device)
     parts, programs = coeffs, 0  # no reductions needed: finalize only forms k1 = g * invstd
     if want_dgamma or want_dbeta or (want_dx and training):
-        parts, programs = _grad_partials(z, dz, bias, layout, activation, activation_param)
+        parts, programs = _grad_partials(z, dz, bias, layout, activation, activation_param,
+                                         branch)
     dgamma = torch.empty_like(weight) if want_dgamma else None
     dbeta = torch.empty_like(bias) if want_dbeta else None
     k.finalize_backward_kernel[(triton.cdiv(channels, _FINALIZE_BLOCK),)](
@@ -306,7 +392,8 @@ def backward(
         WANT_DBETA=want_dbeta, GAMMA_ABS=gamma_mode == ABS,
         BLOCK_C=_FINALIZE_BLOCK, ACC=_TL_DTYPES[adtype], **_LAUNCH,
     )
-    dx = _input_grad(z, dz, coeffs, layout, activation, activation_param) if want_dx else None
+    dx = (_input_grad(z, dz, coeffs, layout, activation, activation_param, branch)
+          if want_dx else None)
     return dx, dgamma, dbeta
 
 
@@ -315,6 +402,7 @@ def backward(
 
 def local_sums(
     z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
+    branch: Branch | None = None,
 ) -> tuple[tuple, Tensor]:
     """``(saved, sums)``: this rank's ``sums = [sum(dy * xhat), sum(dy)]`` ``(2, C)``, and
     what :func:`input_grad` needs (``z`` and ``dz``, read again there; nothing full-size is
@@ -322,12 +410,12 @@ def local_sums(
     activation, activation_param = config.activation, config.activation_param
     if z.numel() == 0:  # a rank without samples contributes zeros
         sums = torch.zeros(2, z.shape[1], dtype=accumulation_dtype(z.dtype), device=z.device)
-        return (z, dz, None, activation, activation_param), sums
+        return (z, dz, None, activation, activation_param, branch), sums
     z, dz, layout = dense_pair(z, dz)
-    parts, _ = _grad_partials(z, dz, bias, layout, activation, activation_param)
+    parts, _ = _grad_partials(z, dz, bias, layout, activation, activation_param, branch)
     sum_dy, sum_dy_centred = parts.sum(1)
     sums = torch.stack([sum_dy_centred / scale.to(parts.dtype), sum_dy])
-    return (z, dz, layout, activation, activation_param), sums
+    return (z, dz, layout, activation, activation_param, branch), sums
 
 
 def input_grad(
@@ -335,8 +423,9 @@ def input_grad(
     total: Tensor, out_dtype: torch.dtype,
 ) -> Tensor:
     """``dx`` from the sums over all ranks (see :func:`.sync_reference.input_grad`)."""
-    z, dz, layout, activation, activation_param = saved
+    z, dz, layout, activation, activation_param, branch = saved
     if layout is None:
         return torch.empty_like(z, dtype=out_dtype)
     coeffs = dx_coefficients(scale, invstd, bias, global_sums, total, global_sums.dtype)
-    return _input_grad(z, dz, coeffs, layout, activation, activation_param).to(out_dtype)
+    return _input_grad(z, dz, coeffs, layout, activation, activation_param,
+                       branch).to(out_dtype)

@@ -36,8 +36,10 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-#: Activation codes (``constexpr`` arguments).
-IDENTITY, LEAKY_RELU, ELU = 0, 1, 2
+#: Activation codes (``constexpr`` arguments). SILU and GELU keep a branch bit per element
+#: (:mod:`iabn.branch_activation`): their kernels take the packed bits and a table of
+#: constants (:data:`CONSTANTS`).
+IDENTITY, LEAKY_RELU, ELU, SILU, GELU = 0, 1, 2, 3, 4
 
 
 class Traffic(NamedTuple):
@@ -100,6 +102,218 @@ def _recover(z, dz, ACT: tl.constexpr, param, tiny):
     else:
         y = z
         dy = dz
+    return y, dy
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU and GELU: the branch bit and the Newton inversion of :func:`iabn.branch_activation.invert`,
+# step for step. Every constant that is not exact in float32 comes from a table in the compute
+# dtype (``consts``, :func:`.triton_backend.branch_constants`), at the indices below: a Python
+# float in a kernel is a float32 constant, which would cost a float64 layer its precision.
+
+#: Indices into ``consts`` (``constexpr``: a kernel reads no other globals).
+(Y_STAR, Z_HI, Z_LO, Y_LO, SLOPE_RIGHT, SLOPE_LEFT, LOG_STAR, FLOOR, SMALLEST, TINY, SQRT1_2,
+ LOG_SQRT_2PI, LOG_HALF, TAYLOR_FIRST) = (tl.constexpr(i) for i in range(14))
+#: The Taylor series has 9 coefficients; the Chebyshev series of ``erfcx`` follows it.
+CHEB_FIRST = tl.constexpr(int(TAYLOR_FIRST) + 9)
+
+
+@triton.jit
+def _const(consts_ptr, INDEX: tl.constexpr):
+    return tl.load(consts_ptr + INDEX)
+
+
+@triton.jit
+def _sigmoid(y):
+    """``1 / (1 + exp(-y))`` without overflow: ``e / (1 + e)`` with ``e = exp(-|y|)`` below 0
+    (keeps the subnormal outputs of SiLU's far tail that ``F.silu`` has)."""
+    e = tl.exp(-tl.abs(y))
+    return tl.where(y >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+@triton.jit
+def _log1p(x):
+    """``log(1 + x)``, exact for small ``x``: ``log(u) * x / (u - 1)``, ``u = 1 + x`` rounded
+    (the rounding of ``u`` cancels in the ratio). Triton has no ``log1p`` in its interpreter."""
+    u = 1.0 + x
+    d = u - 1.0
+    return tl.where(d == 0.0, x, tl.log(u) * (x / tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def _erfcx(t, consts_ptr, CHEB: tl.constexpr):
+    """``exp(t^2) erfc(t)`` for ``t >= 0``: ``q(s) / (1 + 2 t)``, ``q`` a Chebyshev series in
+    ``s = (t - K) / (t + K)`` (``(1 + 2t) erfcx(t)`` is smooth and bounded on ``[0, inf)``, as
+    Shepherd and Laframboise use it). Coefficients: :func:`.triton_backend.erfcx_series`,
+    measured within 7e-16 (25 terms, float64) and 2.3e-7 (16, float32) of the exact value.
+    Hand-written: the interpreter has no ``erfc`` and none of CUDA's libdevice."""
+    s = (t - 3.75) / (t + 3.75)
+    b1 = tl.zeros_like(t)
+    b2 = tl.zeros_like(t)
+    for i in tl.static_range(CHEB - 1, 0, -1):
+        b0 = 2.0 * s * b1 - b2 + tl.load(consts_ptr + CHEB_FIRST + i)
+        b2 = b1
+        b1 = b0
+    return (s * b1 - b2 + tl.load(consts_ptr + CHEB_FIRST)) / (1.0 + 2.0 * t)
+
+
+@triton.jit
+def _exp_neg_square(t):
+    """``exp(-t^2)`` without the rounding of ``t^2`` (an error of ``eps * t^2`` relative):
+    ``t = h + (t - h)`` with ``h`` on a grid of 1/64, whose square is exact."""
+    h = tl.floor(t * 64.0) / 64.0
+    return tl.exp(-(h * h)) * tl.exp(-((t - h) * (t + h)))
+
+
+@triton.jit
+def _half_erfc(t, consts_ptr, CHEB: tl.constexpr):
+    """``erfc(t) / 2`` for ``t >= 0`` (``Phi(-t sqrt 2)``)."""
+    return 0.5 * _exp_neg_square(t) * _erfcx(t, consts_ptr, CHEB)
+
+
+@triton.jit
+def _branch_value(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
+    """``phi(y)``: SiLU ``y * sigmoid(y)``; GELU ``y * Phi(y)``, ``Phi`` from ``erf`` for
+    ``y >= 0`` (as ``F.gelu``) and from ``erfc`` below (no cancellation in the tail)."""
+    if ACT == 3:
+        f = y * _sigmoid(y)
+    else:
+        r = _const(consts_ptr, SQRT1_2)
+        left = y * _half_erfc(tl.maximum(-y, 0.0) * r, consts_ptr, CHEB)
+        f = tl.where(y < 0, left, 0.5 * y * (1.0 + tl.math.erf(y * r)))
+    return f
+
+
+@triton.jit
+def _branch_derivative(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
+    """``phi'(y)``: ``s (1 + y (1 - s))``, ``s = sigmoid(y)``; ``Phi(y) + y phi_N(y)``."""
+    if ACT == 3:
+        s = _sigmoid(y)
+        d = s * (1.0 + y * (1.0 - s))
+    else:
+        r = _const(consts_ptr, SQRT1_2)
+        cdf = tl.where(y < 0, _half_erfc(tl.maximum(-y, 0.0) * r, consts_ptr, CHEB),
+                       0.5 * (1.0 + tl.math.erf(y * r)))
+        density = tl.exp(-0.5 * y * y - _const(consts_ptr, LOG_SQRT_2PI))
+        d = cdf + y * density
+    return d
+
+
+@triton.jit
+def _log_tail(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
+    """``log sigmoid(y)`` (SiLU) or ``log Phi(y)`` (GELU) for ``y < 0``, exact in the tail."""
+    if ACT == 3:
+        tail = y - _log1p(tl.exp(y))
+    else:
+        t = -y * _const(consts_ptr, SQRT1_2)
+        tail = _const(consts_ptr, LOG_HALF) + tl.log(_erfcx(t, consts_ptr, CHEB)) - t * t
+    return tail
+
+
+@triton.jit
+def _log_neg_derivative(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
+    """``d/dy log(-phi(y))`` for ``y < 0``."""
+    if ACT == 3:
+        d = _sigmoid(-y) + 1.0 / y
+    else:
+        log_density = -0.5 * y * y - _const(consts_ptr, LOG_SQRT_2PI)
+        d = tl.exp(log_density - _log_tail(y, ACT, consts_ptr, CHEB)) + 1.0 / y
+    return d
+
+
+@triton.jit
+def _above_minimum(f, consts_ptr):
+    """``f - z*`` with ``z*`` in two parts (exact near ``z*``)."""
+    return (f - _const(consts_ptr, Z_HI)) - _const(consts_ptr, Z_LO)
+
+
+@triton.jit
+def _phi_above_minimum(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr,
+                       TAYLOR: tl.constexpr):
+    """``(phi(y), phi(y) - z*)``, the latter from the Taylor series near ``y*`` when
+    ``TAYLOR`` (float32)."""
+    f = _branch_value(y, ACT, consts_ptr, CHEB)
+    d = _above_minimum(f, consts_ptr)
+    if TAYLOR:
+        u = (y - _const(consts_ptr, Y_STAR)) - _const(consts_ptr, Y_LO)
+        poly = tl.zeros_like(u) + tl.load(consts_ptr + TAYLOR_FIRST + 8)
+        for i in tl.static_range(7, -1, -1):
+            poly = poly * u + tl.load(consts_ptr + TAYLOR_FIRST + i)
+        d = tl.where(tl.abs(u) <= 0.3, poly * u * u, d)
+    return f, d
+
+
+@triton.jit
+def _log_ratio(f, d, log_f, consts_ptr):
+    """``log(z* / f)`` for ``z* <= f < 0``: ``log1p(d / -f)`` near the minimum, where it is
+    exact, ``log(-z*) - log(-f)`` in the tail."""
+    ratio = d / -f
+    tail = _const(consts_ptr, LOG_STAR) - log_f
+    return tl.maximum(tl.where(ratio <= 1.0, _log1p(tl.where(ratio <= 1.0, ratio, 0.0)), tail),
+                      0.0)
+
+
+@triton.jit
+def _invert(z, left, ACT: tl.constexpr, consts_ptr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
+            TAYLOR: tl.constexpr):
+    """``y`` with ``phi(y) = z`` on the branch ``left`` (``y < y*``) names."""
+    y_star = _const(consts_ptr, Y_STAR)
+    z_star = _const(consts_ptr, Z_HI)
+    slope_right = _const(consts_ptr, SLOPE_RIGHT)
+    slope_left = _const(consts_ptr, SLOPE_LEFT)
+    floor = _const(consts_ptr, FLOOR)
+    tiny = _const(consts_ptr, TINY)
+    # right branch: G(y) = sqrt(phi(y) - z*) = target_r
+    target_r = tl.sqrt(tl.maximum(_above_minimum(z, consts_ptr), 0.0))
+    y_r = tl.maximum(target_r / slope_right + y_star, z)
+    # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
+    z_left = tl.minimum(tl.maximum(z, z_star), -_const(consts_ptr, SMALLEST))
+    target_l = tl.sqrt(_log_ratio(z_left, tl.maximum(_above_minimum(z_left, consts_ptr), 0.0),
+                                  tl.log(-z_left), consts_ptr))
+    y_l = y_star - target_l / slope_left
+    if ACT == 3:
+        y_l = tl.minimum(y_l, y_star - target_l * target_l)
+    for _ in tl.static_range(NEWTON):
+        g = tl.sqrt(tl.maximum(_phi_above_minimum(y_r, ACT, consts_ptr, CHEB, TAYLOR)[1], 0.0))
+        g_slope = _branch_derivative(y_r, ACT, consts_ptr, CHEB) / tl.maximum(2.0 * g, tiny)
+        g_slope = tl.where(g > floor, g_slope, slope_right)
+        y_r = tl.maximum(y_r - (g - target_r) / g_slope, y_star)
+        f, d = _phi_above_minimum(y_l, ACT, consts_ptr, CHEB, TAYLOR)
+        f = tl.minimum(f, -tiny)
+        log_f = tl.log(-y_l) + _log_tail(y_l, ACT, consts_ptr, CHEB)
+        h = tl.sqrt(_log_ratio(f, tl.maximum(d, 0.0), log_f, consts_ptr))
+        h_slope = _log_neg_derivative(y_l, ACT, consts_ptr, CHEB) / tl.minimum(-2.0 * h, -tiny)
+        h_slope = tl.where(h > floor, h_slope, -slope_left)
+        y_l = tl.minimum(y_l - (h - target_l) / h_slope, y_star)
+    return tl.where(left, y_l, y_r)
+
+
+@triton.jit
+def _branch_bit(bits_ptr, offsets, mask):
+    """The saved bit ``y < y*`` of the elements at ``offsets`` (memory order, eight to a
+    byte, lowest bit first)."""
+    byte = tl.load(bits_ptr + (offsets >> 3), mask=mask, other=0).to(tl.int32)
+    return ((byte >> (offsets & 7).to(tl.int32)) & 1) != 0
+
+
+@triton.jit
+def _recover_branch(z, dz, bits_ptr, offsets, mask, ACT: tl.constexpr, consts_ptr,
+                    NEWTON: tl.constexpr, CHEB: tl.constexpr, TAYLOR: tl.constexpr):
+    """``(y, dy)`` of SiLU or GELU from ``z``, ``dz`` and the branch bits."""
+    y = _invert(z, _branch_bit(bits_ptr, offsets, mask), ACT, consts_ptr, NEWTON, CHEB, TAYLOR)
+    return y, _branch_derivative(y, ACT, consts_ptr, CHEB) * dz
+
+
+@triton.jit
+def _recover_any(z, dz, offsets, mask, ACT: tl.constexpr, param, tiny, bits_ptr, consts_ptr,
+                 NEWTON: tl.constexpr, CHEB: tl.constexpr, TAYLOR: tl.constexpr):
+    """``(y, dy)`` of any activation (``bits_ptr``, ``consts_ptr`` are read for SiLU and GELU
+    only)."""
+    if ACT >= 3:
+        y, dy = _recover_branch(z, dz, bits_ptr, offsets, mask, ACT, consts_ptr, NEWTON, CHEB,
+                                TAYLOR)
+    else:
+        y, dy = _recover(z, dz, ACT, param, tiny)
     return y, dy
 
 
@@ -317,6 +531,39 @@ def normalize_act_kernel(
 _declare(normalize_act_kernel, reads=("x_ptr", "coeffs_ptr"), writes=("x_ptr",))
 
 
+@triton.jit
+def normalize_branch_kernel(
+    x_ptr, bits_ptr, coeffs_ptr, consts_ptr, numel, K, C,
+    CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr, CHEB: tl.constexpr,
+    BLOCK_BYTES: tl.constexpr, ACC: tl.constexpr,
+):
+    """SiLU, GELU in place: ``x = phi(y)``, ``y = a[c] * x + b[c]``, and the bit ``y < y*`` of
+    every element into ``bits`` (``ceil(numel / 8)`` bytes, eight elements of consecutive
+    memory offsets to a byte, lowest bit first). A 1-D grid over blocks of ``BLOCK_BYTES``
+    whole bytes, so that no byte is shared between programs; the channel of each element
+    comes from its offset (``(o // K) % C`` on rows, ``o % C`` channels-last)."""
+    byte = tl.program_id(0).to(tl.int64) * BLOCK_BYTES + tl.arange(0, BLOCK_BYTES)
+    bit = tl.arange(0, 8)
+    offsets = byte[:, None] * 8 + bit[None, :]
+    mask = offsets < numel
+    if CHANNEL_ON_ROWS:  # noqa: SIM108 (a compile-time branch of the kernel)
+        c = (offsets // K) % C
+    else:
+        c = offsets % C
+    a = tl.load(coeffs_ptr + c, mask=mask, other=0.0)
+    b = tl.load(coeffs_ptr + C + c, mask=mask, other=0.0)
+    y = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(ACC) * a + b
+    z = _branch_value(y, ACT, consts_ptr, CHEB)
+    tl.store(x_ptr + offsets, z.to(x_ptr.dtype.element_ty), mask=mask)
+    left = mask & (y < _const(consts_ptr, Y_STAR))
+    packed = tl.sum(tl.where(left, 1 << bit[None, :], 0), axis=1)
+    tl.store(bits_ptr + byte, packed.to(tl.uint8), mask=byte * 8 < numel)
+
+
+_declare(normalize_branch_kernel, reads=("x_ptr", "coeffs_ptr", "consts_ptr"),
+         writes=("x_ptr", "bits_ptr"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward: partial sums (sum(dy), sum(dy * (y - beta))) -> parts[2, P, C], then
 # dx = k1[c] * dy + k2[c] * y + k3[c].
@@ -324,19 +571,23 @@ _declare(normalize_act_kernel, reads=("x_ptr", "coeffs_ptr"), writes=("x_ptr",))
 
 @triton.jit
 def _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT: tl.constexpr, param, tiny,
-               ACC: tl.constexpr):
+               bits_ptr, consts_ptr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
+               TAYLOR: tl.constexpr, ACC: tl.constexpr):
     """``(dy, dy * (y - beta))`` of one tile, zero where masked."""
     z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
     dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    y, dy = _recover(z, dz, ACT, param, tiny)
+    y, dy = _recover_any(z, dz, offsets, mask, ACT, param, tiny, bits_ptr, consts_ptr, NEWTON,
+                         CHEB, TAYLOR)
+    dy = tl.where(mask, dy, 0.0)
     return dy, tl.where(mask, dy * (y - beta), 0.0)
 
 
 @triton.jit
 def grad_sums_ncs_kernel(
     z_ptr, dz_ptr, bias_ptr, parts_ptr, N, C, S, tiles_per_program, param, tiny,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ACC: tl.constexpr,
+    bits_ptr, consts_ptr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
+    TAYLOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ACC: tl.constexpr,
 ):
     """Grid ``(C, P)``, tiles as :func:`moments_ncs_kernel`."""
     c = tl.program_id(0)
@@ -355,7 +606,8 @@ def grad_sums_ncs_kernel(
         s = (t % s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
         mask = (n < N)[:, None] & (s < S)[None, :]
         offsets = (n.to(tl.int64) * C + c)[:, None] * S + s[None, :]
-        dy, dy_centred = _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT, param, tiny, ACC)
+        dy, dy_centred = _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT, param, tiny,
+                                    bits_ptr, consts_ptr, NEWTON, CHEB, TAYLOR, ACC)
         sum_dy += dy
         sum_dy_y += dy_centred
     plane = programs * C
@@ -364,15 +616,16 @@ def grad_sums_ncs_kernel(
     tl.store(out + plane, tl.sum(tl.sum(sum_dy_y, axis=1), axis=0))
 
 
-_declare(grad_sums_ncs_kernel, reads=("z_ptr", "dz_ptr", "bias_ptr"),
+_declare(grad_sums_ncs_kernel, reads=("z_ptr", "dz_ptr", "bias_ptr", "bits_ptr", "consts_ptr"),
          writes=("parts_ptr",))
 
 
 @triton.jit
 def grad_sums_mc_kernel(
     z_ptr, dz_ptr, bias_ptr, parts_ptr, R, C, rows_per_program, param, tiny,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr,
+    bits_ptr, consts_ptr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
+    TAYLOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr,
 ):
     """Grid ``(cdiv(C, BLOCK_C), P)``, rows as :func:`moments_mc_kernel`."""
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -391,7 +644,8 @@ def grad_sums_mc_kernel(
         r = first + tl.arange(0, BLOCK_R)
         mask = (r < stop)[:, None] & c_mask[None, :]
         offsets = r.to(tl.int64)[:, None] * C + c[None, :]
-        dy, dy_centred = _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT, param, tiny, ACC)
+        dy, dy_centred = _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT, param, tiny,
+                                    bits_ptr, consts_ptr, NEWTON, CHEB, TAYLOR, ACC)
         sum_dy += dy
         sum_dy_y += dy_centred
     plane = programs * C
@@ -400,7 +654,7 @@ def grad_sums_mc_kernel(
     tl.store(out + plane, tl.sum(sum_dy_y, axis=0), mask=c_mask)
 
 
-_declare(grad_sums_mc_kernel, reads=("z_ptr", "dz_ptr", "bias_ptr"),
+_declare(grad_sums_mc_kernel, reads=("z_ptr", "dz_ptr", "bias_ptr", "bits_ptr", "consts_ptr"),
          writes=("parts_ptr",))
 
 
@@ -461,8 +715,9 @@ _declare(
 
 @triton.jit
 def input_grad_kernel(
-    z_ptr, dz_ptr, dx_ptr, coeffs_ptr, R, K, C, k_blocks, param, tiny,
-    CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr,
+    z_ptr, dz_ptr, dx_ptr, coeffs_ptr, R, K, C, k_blocks, param, tiny, bits_ptr, consts_ptr,
+    CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr, NEWTON: tl.constexpr,
+    CHEB: tl.constexpr, TAYLOR: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dx = k1[c] * dy + k2[c] * y + k3[c]`` with ``y, dy`` recovered from ``z, dz``.
@@ -473,10 +728,11 @@ def input_grad_kernel(
     k3 = _per_channel(coeffs_ptr + 2 * C, r, k, R, K, C, CHANNEL_ON_ROWS)
     z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
     dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    y, dy = _recover(z, dz, ACT, param, tiny)
+    y, dy = _recover_any(z, dz, offsets, mask, ACT, param, tiny, bits_ptr, consts_ptr, NEWTON,
+                         CHEB, TAYLOR)
     dx = k1 * dy + k2 * y + k3
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-_declare(input_grad_kernel, reads=("z_ptr", "dz_ptr", "coeffs_ptr"),
+_declare(input_grad_kernel, reads=("z_ptr", "dz_ptr", "coeffs_ptr", "bits_ptr", "consts_ptr"),
          writes=("dx_ptr",))
