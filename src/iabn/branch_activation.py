@@ -225,7 +225,7 @@ def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
 
 # ------------------------------------------------------------------ the layer
 
-def triton_branch(kernels: ModuleType, z: Tensor, activation: str,
+def _triton_branch(kernels: ModuleType, z: Tensor, activation: str,
                   bits: Tensor) -> Any:
     """The Triton kernels' :class:`~iabn.kernels.triton_backend.Branch` of a layer whose
     output is (or will be) ``z``: its bits, the constants of ``activation`` in the compute
@@ -250,7 +250,7 @@ def forward_(
     if kernels is not reference and x.numel():
         packed = torch.empty((x.numel() + 7) // 8, dtype=torch.uint8, device=x.device)
         invstd, g = kernels.forward_(x, weight, bias, running_mean, running_var, config,
-                                     triton_branch(kernels, x, config.activation, packed))
+                                     _triton_branch(kernels, x, config.activation, packed))
         return invstd, g, packed if bits else None
     invstd, g = reference.forward_(
         x, weight, bias, running_mean, running_var, config._replace(activation=act.IDENTITY)
@@ -305,7 +305,7 @@ def backward(
         return reference.empty_grads(z, weight, bias, output_mask)
     if kernels is not reference:
         return kernels.backward(z, dz, weight, bias, invstd, g, config, output_mask,
-                                triton_branch(kernels, z, config.activation, packed))
+                                _triton_branch(kernels, z, config.activation, packed))
     compute = reference.compute_dtype(z.dtype)
     index, recover_piece = recovery(z, packed, dz, config.activation)
     if compute != z.dtype:  # half inputs: nothing of the activation's size in float32
@@ -346,7 +346,7 @@ def sync_local_sums(
         return sync_reference, *sync_reference.local_sums(
             z, dz, bias, scale, config._replace(activation=act.IDENTITY))
     if kernels is not reference:
-        branch = triton_branch(kernels, z, config.activation, packed)
+        branch = _triton_branch(kernels, z, config.activation, packed)
         return kernels, *kernels.local_sums(z, dz, bias, scale, config, branch)
     compute = reference.compute_dtype(z.dtype)
     index, recover_piece = recovery(z, packed, dz, config.activation)

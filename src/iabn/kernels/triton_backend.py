@@ -57,10 +57,11 @@ _ERFCX_TERMS = {torch.float32: 16, torch.float64: 25}
 
 class Branch(NamedTuple):
     """What the kernels of SiLU and GELU take besides the tensors of the layer: the packed
-    branch bits (``None`` before forward made them), the table of constants
-    (:func:`branch_constants`), the Newton steps and whether the Taylor series is used."""
+    branch bits (``ceil(numel / 8)`` bytes; forward writes them, backward reads them), the
+    table of constants (:func:`branch_constants`), the Newton steps and whether the Taylor
+    series is used."""
 
-    bits: Tensor | None
+    bits: Tensor
     consts: Tensor
     newton: int
     taylor: bool
