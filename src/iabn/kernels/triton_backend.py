@@ -53,6 +53,8 @@ ERFCX_SERIES = (
     -1.2508924186828822e-15, 7.415558623884118e-17, 5.286883199226413e-17,
 )
 _ERFCX_TERMS = {torch.float32: 16, torch.float64: 25}
+#: The ``constexpr`` SiLU/GELU arguments of the backward kernels for the other activations.
+_NO_BRANCH = {"NEWTON": 0, "CHEB": 0, "TAYLOR": False}
 
 
 class Branch(NamedTuple):
@@ -296,7 +298,7 @@ def _branch_arguments(branch: Branch | None, unread: Tensor, adtype: torch.dtype
     """The SiLU/GELU arguments of the backward kernels: ``(bits, consts)`` and the
     ``constexpr`` ones (unread placeholders for the other activations)."""
     if branch is None:
-        return (unread, unread), dict(NEWTON=0, CHEB=0, TAYLOR=False)
+        return (unread, unread), _NO_BRANCH
     return (branch.bits, branch.consts), dict(NEWTON=branch.newton, CHEB=_ERFCX_TERMS[adtype],
                                               TAYLOR=branch.taylor)
 

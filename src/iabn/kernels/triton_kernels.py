@@ -38,7 +38,8 @@ import triton.language as tl
 
 #: Activation codes (``constexpr`` arguments). SILU and GELU keep a branch bit per element
 #: (:mod:`iabn.branch_activation`): their kernels take the packed bits and a table of
-#: constants (:data:`CONSTANTS`).
+#: constants (``consts``, below). Inside kernels the codes are written as literals (a kernel
+#: reads no non-``constexpr`` global): 1 leaky_relu, 2 elu, 3 silu, 4 gelu.
 IDENTITY, LEAKY_RELU, ELU, SILU, GELU = 0, 1, 2, 3, 4
 
 
@@ -144,7 +145,7 @@ def _log1p(x):
 def _erfcx(t, consts_ptr, CHEB: tl.constexpr):
     """``exp(t^2) erfc(t)`` for ``t >= 0``: ``q(s) / (1 + 2 t)``, ``q`` a Chebyshev series in
     ``s = (t - K) / (t + K)`` (``(1 + 2t) erfcx(t)`` is smooth and bounded on ``[0, inf)``, as
-    Shepherd and Laframboise use it). Coefficients: :func:`.triton_backend.erfcx_series`,
+    Shepherd and Laframboise use it). Coefficients: :data:`.triton_backend.ERFCX_SERIES`,
     measured within 7e-16 (25 terms, float64) and 2.3e-7 (16, float32) of the exact value.
     Hand-written: the interpreter has no ``erfc`` and none of CUDA's libdevice."""
     s = (t - 3.75) / (t + 3.75)
@@ -211,13 +212,14 @@ def _log_tail(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
 
 
 @triton.jit
-def _log_neg_derivative(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
-    """``d/dy log(-phi(y))`` for ``y < 0``."""
+def _log_neg_derivative(y, tail, ACT: tl.constexpr, consts_ptr):
+    """``d/dy log(-phi(y))`` for ``y < 0``; ``tail``: :func:`_log_tail` of ``y`` (GELU's
+    derivative reuses it rather than evaluate ``erfcx`` again)."""
     if ACT == 3:
         d = _sigmoid(-y) + 1.0 / y
     else:
         log_density = -0.5 * y * y - _const(consts_ptr, LOG_SQRT_2PI)
-        d = tl.exp(log_density - _log_tail(y, ACT, consts_ptr, CHEB)) + 1.0 / y
+        d = tl.exp(log_density - tail) + 1.0 / y
     return d
 
 
@@ -280,9 +282,9 @@ def _invert(z, left, ACT: tl.constexpr, consts_ptr, NEWTON: tl.constexpr, CHEB: 
         y_r = tl.maximum(y_r - (g - target_r) / g_slope, y_star)
         f, d = _phi_above_minimum(y_l, ACT, consts_ptr, CHEB, TAYLOR)
         f = tl.minimum(f, -tiny)
-        log_f = tl.log(-y_l) + _log_tail(y_l, ACT, consts_ptr, CHEB)
-        h = tl.sqrt(_log_ratio(f, tl.maximum(d, 0.0), log_f, consts_ptr))
-        h_slope = _log_neg_derivative(y_l, ACT, consts_ptr, CHEB) / tl.minimum(-2.0 * h, -tiny)
+        tail = _log_tail(y_l, ACT, consts_ptr, CHEB)
+        h = tl.sqrt(_log_ratio(f, tl.maximum(d, 0.0), tl.log(-y_l) + tail, consts_ptr))
+        h_slope = _log_neg_derivative(y_l, tail, ACT, consts_ptr) / tl.minimum(-2.0 * h, -tiny)
         h_slope = tl.where(h > floor, h_slope, -slope_left)
         y_l = tl.minimum(y_l - (h - target_l) / h_slope, y_star)
     return tl.where(left, y_l, y_r)
@@ -578,7 +580,7 @@ def _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT: tl.constexpr, param, tin
     dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
     y, dy = _recover_any(z, dz, offsets, mask, ACT, param, tiny, bits_ptr, consts_ptr, NEWTON,
                          CHEB, TAYLOR)
-    dy = tl.where(mask, dy, 0.0)
+    # masked elements: z = dz = 0, so dy = phi'(y) * 0 = 0 for every activation
     return dy, tl.where(mask, dy * (y - beta), 0.0)
 
 
