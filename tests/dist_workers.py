@@ -174,9 +174,9 @@ def functional_and_conversion(rank: int, world: int) -> None:
     assert type(back[1]) is iabn.InPlaceABN and type(back[2][0]) is iabn.ABN
     assert back[1].weight is weight
 
-    from iabn.distributed import active_ranks_group
+    from iabn.distributed import active_group
 
-    sub = active_ranks_group(rank != 0)
+    sub = active_group(rank != 0)
     if rank != 0:
         assert dist.get_world_size(sub) == world - 1
 

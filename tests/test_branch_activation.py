@@ -424,10 +424,11 @@ def test_synchronised_layers_take_them(activation, monkeypatch, backend, device)
     runs them over two processes). In one process they are the local layers: outputs and
     gradients equal nn.BatchNorm2d + nn.SiLU/nn.GELU in float64 to 1e-10 of the largest value,
     as test_float64_matches_torch."""
-    import iabn.sync
+    import iabn.distributed.groups
     from iabn.distributed import ABNSync, InPlaceABNSync
 
-    monkeypatch.setattr(iabn.sync, "_warned_single_process", True)  # (tested elsewhere)
+    # the one-time warning without a process group is tested in test_distributed.py
+    monkeypatch.setattr(iabn.distributed.groups, "_warned_single_process", True)
     x, dz = _data((4, 5, 3, 3), F64)
     w, b = _params(5)
     ref = run_torch(x, dz, w, b, activation, F64)

@@ -81,9 +81,9 @@ def test_functional_conversion_and_active_group():
 
 
 def test_without_process_group_behaves_like_inplace_abn_and_warns_once(monkeypatch):
-    import iabn.sync
+    import iabn.distributed.groups
 
-    monkeypatch.setattr(iabn.sync, "_warned_single_process", False)
+    monkeypatch.setattr(iabn.distributed.groups, "_warned_single_process", False)
     torch.manual_seed(0)
     sync_layer, local_layer = iabn.InPlaceABNSync(4), iabn.InPlaceABN(4)
     x = torch.randn(3, 4, 5, 5)
@@ -103,9 +103,9 @@ def test_abn_sync_across_ranks_leaves_its_input():
 def test_abn_sync_is_abn_not_an_in_place_layer(monkeypatch):
     """ABNSync subclasses ABN (it was an InPlaceABNSync that copied its input); without a
     process group it is nn.BatchNorm2d + activation exactly, zero weights included."""
-    import iabn.sync
+    import iabn.distributed.groups
 
-    monkeypatch.setattr(iabn.sync, "_warned_single_process", True)
+    monkeypatch.setattr(iabn.distributed.groups, "_warned_single_process", True)
     layer = iabn.ABNSync(4, activation="leaky_relu", activation_param=0.1).double()
     assert isinstance(layer, iabn.ABN) and not isinstance(layer, iabn.InPlaceABN)
     assert not layer._in_place

@@ -49,7 +49,7 @@ def __getattr__(name: str):
         module_name, attribute = _LAZY[name]
     elif (not name.startswith("_")
           and importlib.util.find_spec(f"{__name__}.{name}") is not None):
-        # another submodule (iabn.sync, iabn.ops, ...): `import iabn` used to load them all,
+        # another submodule (iabn.distributed, iabn.ops, ...): `import iabn` used to load them all,
         # and code reached them as attributes
         module_name, attribute = name, None
     else:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from . import activation as act
 from .checks import check_inputs, check_options
-from .kernels.reference import channel_view, scale_and_shift, stat_dtype
+from .kernels.common import channel_view, scale_and_shift, stat_dtype
 from .modules import ABN, InPlaceABN
 from .scale import SIGNED, gamma_grad
 

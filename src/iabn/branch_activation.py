@@ -13,9 +13,10 @@ An ``autograd.Function`` of its own, like :mod:`iabn.group_norm` (the ``iabn::``
 carry no bits). On the reference kernels its forward and backward are the ATen operations
 here; with ``IABN_BACKEND=triton`` they are the Triton kernels' (their normalisation, bits
 and this module's Newton steps in one pass each: :mod:`iabn.kernels.triton_kernels`), with
-the constants and step counts of this module. The synchronised layer (:mod:`iabn.sync`)
-keeps the same bits: :func:`sync_forward_` and :func:`sync_local_sums` are its forward and
-the half of its backward before the all-reduce.
+the constants and step counts of this module. The synchronised layer
+(:mod:`iabn.distributed.function`) keeps the same bits: :func:`forward_` with the merged
+statistics is its forward, :func:`sync_local_sums` the half of its backward before the
+all-reduce.
 
 The Newton steps. Near the minimum ``phi(y) - z* ~ c (y - y*)^2 / 2`` (``c = phi''(y*)``), so
 Newton on ``phi`` itself stalls there; it runs on functions that are close to linear across
@@ -38,7 +39,6 @@ in [-80, 30] and 1e-9 .. 1 from ``y*``: at most 3.7e-7 relative in float32, 2.9e
 from __future__ import annotations
 
 import math
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -46,7 +46,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import activation as act
-from .kernels import reference, sync_reference
+from .kernels import reference
+from .kernels.backend import KernelBackend
+from .kernels.common import LOW_PRECISION, compute_dtype, empty_grads
 from .kernels.dispatch import backend_for
 from .layer_config import LayerConfig
 from .ops import needs_grad as layer_needs_grad
@@ -73,7 +75,7 @@ def apply_(x: Tensor, activation: str) -> Tensor:
     """``x <- phi(x)``; half inputs are computed in float32 and rounded once."""
     if activation == act.SILU:
         return F.silu(x, inplace=True)
-    if x.dtype in reference.LOW_PRECISION:
+    if x.dtype in LOW_PRECISION:
         return x.copy_(value(x.float(), activation))
     return x.copy_(value(x, activation))
 
@@ -225,12 +227,12 @@ def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
 
 # ------------------------------------------------------------------ the layer
 
-def _triton_branch(kernels: ModuleType, z: Tensor, activation: str,
+def _triton_branch(kernels: KernelBackend, z: Tensor, activation: str,
                   bits: Tensor) -> Any:
     """The Triton kernels' :class:`~iabn.kernels.triton_backend.Branch` of a layer whose
     output is (or will be) ``z``: its bits, the constants of ``activation`` in the compute
     dtype, and this module's Newton steps."""
-    compute = reference.compute_dtype(z.dtype)
+    compute = compute_dtype(z.dtype)
     consts = kernels.branch_constants(MINIMA[activation], TAYLOR[activation], compute, z.dtype,
                                       z.device)
     return kernels.Branch(bits, consts, ITERATIONS[compute], compute == torch.float32)
@@ -239,7 +241,7 @@ def _triton_branch(kernels: ModuleType, z: Tensor, activation: str,
 def forward_(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
     running_var: Tensor | None, config: LayerConfig, bits: bool,
-    kernels: ModuleType = reference,
+    kernels: KernelBackend = reference,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Overwrite ``x`` with ``phi(y)``; return ``(invstd, g, packed bits or None)``.
 
@@ -267,7 +269,7 @@ def recovery(z: Tensor, packed: Tensor, dz: Tensor, activation: str) -> tuple[
     ``dz``, and the function that gives a piece's ``y`` (by :func:`invert`) and
     ``dy = phi'(y) dz`` in the compute dtype, as :func:`reference.grads_over_pieces` and
     :func:`reference.sums_over_pieces` take them."""
-    compute = reference.compute_dtype(z.dtype)
+    compute = compute_dtype(z.dtype)
     # Newton's temporaries (at their peak 16.25 float32 tensors of what it inverts, measured
     # with iabn.traffic) are a piece's, not the activation's: 1/64 of it for large
     # activations (reference.pieces)
@@ -297,16 +299,16 @@ def recover_all(z: Tensor, index: list[tuple],
 def backward(
     z: Tensor, packed: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
     invstd: Tensor, g: Tensor, config: LayerConfig, output_mask: list[bool],
-    kernels: ModuleType = reference,
+    kernels: KernelBackend = reference,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dx, dgamma, dbeta)`` from ``z``, its branch bits and ``dz``, by the ``kernels``
     that ran forward."""
     if z.numel() == 0:
-        return reference.empty_grads(z, weight, bias, output_mask)
+        return empty_grads(z, weight, bias, output_mask)
     if kernels is not reference:
         return kernels.backward(z, dz, weight, bias, invstd, g, config, output_mask,
                                 _triton_branch(kernels, z, config.activation, packed))
-    compute = reference.compute_dtype(z.dtype)
+    compute = compute_dtype(z.dtype)
     index, recover_piece = recovery(z, packed, dz, config.activation)
     if compute != z.dtype:  # half inputs: nothing of the activation's size in float32
         return reference.grads_over_pieces(z, weight, bias, invstd, g, config, output_mask,
@@ -319,44 +321,32 @@ def backward(
 
 # ------------------------------------------------------------------ the synchronised layer
 
-def sync_forward_(
-    x: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor,
-    config: LayerConfig, kernels: ModuleType = reference,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`iabn.kernels.sync_reference.normalize_` with the branch bits: overwrite ``x``
-    with ``phi(y)``, ``y`` normalised with the statistics merged over all ranks; return
-    ``(invstd, g, packed bits)``."""
-    sdtype = reference.stat_dtype(x, weight, None)
-    return forward_(x, weight, bias, mean.to(sdtype), var.to(sdtype), config.for_eval(), True,
-                    kernels)
-
-
 def sync_local_sums(
     z: Tensor, packed: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor,
-    config: LayerConfig, kernels: ModuleType = reference,
-) -> tuple[ModuleType, Any, Tensor]:
-    """:func:`iabn.kernels.sync_reference.local_sums` with ``y`` recovered from ``z`` and its
+    config: LayerConfig, kernels: KernelBackend = reference,
+) -> tuple[KernelBackend, Any, Tensor]:
+    """:func:`iabn.kernels.reference.local_sums` with ``y`` recovered from ``z`` and its
     branch bits: ``(module, saved, [sum(dy * xhat), sum(dy)])``; ``module.input_grad(saved,
     ...)`` gives ``dx`` after the all-reduce. With the reference ``kernels``, ``saved`` is the
     whole ``(y, dy)`` where the compute dtype is ``z``'s, and for half inputs a
-    :class:`~iabn.kernels.sync_reference.Recovered` whose pieces are inverted again for
+    :class:`~iabn.kernels.reference.Recovered` whose pieces are inverted again for
     ``dx`` (no float32 tensor of the activation's size, as in :func:`backward`); the Triton
     kernels invert in both of their passes."""
     if z.numel() == 0:  # nothing to invert: the identity's empty (y, dy) and zero sums
-        return sync_reference, *sync_reference.local_sums(
+        return reference, *reference.local_sums(
             z, dz, bias, scale, config._replace(activation=act.IDENTITY))
     if kernels is not reference:
         branch = _triton_branch(kernels, z, config.activation, packed)
         return kernels, *kernels.local_sums(z, dz, bias, scale, config, branch)
-    compute = reference.compute_dtype(z.dtype)
+    compute = compute_dtype(z.dtype)
     index, recover_piece = recovery(z, packed, dz, config.activation)
     if compute != z.dtype:
         sums = reference.sums_over_pieces(index, recover_piece, scale, bias, compute)
-        return sync_reference, sync_reference.Recovered(z, index, recover_piece), sums
+        return reference, reference.Recovered(z, index, recover_piece), sums
     y, dy = recover_all(z, index, recover_piece)
     g = scale.to(compute)
     beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
-    return sync_reference, (y, dy), sync_reference.sums_from_y(y, dy, g, beta)
+    return reference, (y, dy), reference.sums_from_y(y, dy, g, beta)
 
 
 class BranchABNFunction(torch.autograd.Function):

@@ -9,12 +9,15 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .activation import check_activation
-from .kernels.reference import LOW_PRECISION
+from .kernels.common import LOW_PRECISION
+from .layer_config import LayerConfig
 from .scale import check_gamma_mode
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -348,3 +351,28 @@ def check_argument_order(function: str, running_mean: Tensor | None,
                 f"iabn.compat.functions.{function if function != 'abn' else 'inplace_abn'}, "
                 f"which keeps the original order and defaults (training=True, |weight| + eps)"
             )
+
+
+def checked_call(
+    function: str, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+    weight: Tensor | None, bias: Tensor | None, training: bool, momentum: float, eps: float,
+    activation: str, activation_param: float, gamma_mode: str, variant: int = 2, *,
+    in_place: bool, branch: bool = False, group_of: Callable[[bool], Any] | None = None,
+) -> tuple[LayerConfig, Any]:
+    """The functional forms' prelude, before anything is written: the options, the order of
+    the running statistics, the tensors; return ``(config, group)``.
+
+    ``group_of(training)`` (the synchronised form's) gives the process group the call
+    normalises over, or ``None``; it runs after the options' checks and before the tensors',
+    since a synchronised call may hold a single value per channel. ``group`` is ``None``
+    without it.
+    """
+    check_options(activation, activation_param, gamma_mode, in_place=in_place, variant=variant,
+                  eps=eps, momentum=momentum, branch=branch)
+    check_argument_order(function, running_mean, running_var)
+    group = None if group_of is None else group_of(training)
+    check_inputs(input, running_mean, running_var, weight, bias, training, in_place=in_place,
+                 synchronised=group is not None)
+    config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode,
+                         variant)
+    return config, group

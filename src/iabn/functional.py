@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .checks import check_argument_order, check_inputs, check_options
-from .layer_config import LayerConfig
-from .sync import inplace_abn_sync
+from .checks import checked_call
+from .distributed.function import inplace_abn_sync
 from .unchecked import abn_unchecked, inplace_abn_unchecked
 
 
@@ -56,12 +55,9 @@ def inplace_abn(
         gamma_mode: ``"signed"`` (default, portable to ``nn.BatchNorm``) or ``"abs"``
             (``|gamma| + eps``, the original package); see :mod:`iabn.scale`.
     """
-    check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant,
-                  eps=eps, momentum=momentum, branch=True)
-    check_argument_order("inplace_abn", running_mean, running_var)
-    check_inputs(input, running_mean, running_var, weight, bias, training, in_place=True)
-    config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode,
-                         variant)
+    config, _ = checked_call("inplace_abn", input, running_mean, running_var, weight, bias,
+                             training, momentum, eps, activation, activation_param, gamma_mode,
+                             variant, in_place=True, branch=True)
     return inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
 
 
@@ -87,11 +83,9 @@ def abn(
     ``|weight| >= eps`` clamp that the in-place backward needs: ``abn`` is exactly
     ``F.batch_norm`` followed by the activation.
     """
-    check_options(activation, activation_param, gamma_mode, in_place=False, eps=eps,
-                  momentum=momentum)
-    check_argument_order("abn", running_mean, running_var)
-    check_inputs(input, running_mean, running_var, weight, bias, training, in_place=False)
-    config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode)
+    config, _ = checked_call("abn", input, running_mean, running_var, weight, bias, training,
+                             momentum, eps, activation, activation_param, gamma_mode,
+                             in_place=False)
     return abn_unchecked(input, running_mean, running_var, weight, bias, config)
 
 

@@ -55,7 +55,8 @@ from .checks import (
     check_options,
     check_per_call,
 )
-from .kernels.reference import LOW_PRECISION, at_most, part_count
+from .kernels.common import LOW_PRECISION
+from .kernels.reference import at_most, part_count
 from .modules import OverwriteInputOption, check_loaded_gamma_mode, note_gamma_mode
 from .ops import needs_grad as layer_needs_grad
 from .ops import overwritable

@@ -160,10 +160,16 @@ class ABN(_NormBase):
         the computation instead, see :meth:`_prepare`.)"""
         if not (self.training and self.track_running_stats):
             return 0.0
+        factor = self._running_factor(self.num_batches_tracked)
         self.num_batches_tracked.add_(1)
-        if self.momentum is None:
-            return 1.0 / float(self.num_batches_tracked)
-        return self.momentum
+        return factor
+
+    def _running_factor(self, counter: Tensor) -> float:
+        """The running statistics' update factor of a training step that tracks them:
+        ``momentum``, or with ``momentum=None`` the cumulative average's ``1 / n`` over the
+        ``counter`` batches seen before plus this one."""
+        momentum = self.momentum
+        return 1.0 / (float(counter) + 1) if momentum is None else momentum
 
     def _prepare(self, input: Tensor) -> tuple[
         Tensor | None, Tensor | None, Tensor | None, Tensor | None, LayerConfig, Tensor | None
@@ -197,8 +203,8 @@ class ABN(_NormBase):
         self._check(input, use_batch_stats, running_mean, running_var, weight, bias)
         if training and self.track_running_stats:
             momentum = self.momentum
-            if momentum is None:  # cumulative average over the batches seen, counting this one
-                momentum = 1.0 / (float(counter) + 1)
+            if momentum is None:
+                momentum = self._running_factor(counter)
         else:
             momentum, counter = 0.0, None
         config = self.__dict__.get("_call_config")
@@ -242,10 +248,14 @@ class ABN(_NormBase):
 
     def forward(self, input: Tensor) -> Tensor:
         weight, bias, running_mean, running_var, config, counter = self._prepare(input)
-        output = abn_unchecked(input, running_mean, running_var, weight, bias, config)
+        output = self._compute(input, running_mean, running_var, weight, bias, config)
         if counter is not None:
             counter.add_(1)
         return output
+
+    #: The computation after the checks, called as ``(input, running_mean, running_var,
+    #: weight, bias, config)``: the out-of-place one here, the in-place one in InPlaceABN.
+    _compute = staticmethod(abn_unchecked)
 
     def __prepare_scriptable__(self) -> ABN:
         # torch.jit.script calls this on every submodule before compiling: fail here, with the
@@ -355,13 +365,10 @@ class InPlaceABN(OverwriteInputOption, ABN):
         self.variant = variant
         self.overwrite_input = overwrite_input
 
-    def forward(self, input: Tensor) -> Tensor:
-        weight, bias, running_mean, running_var, config, counter = self._prepare(input)
-        output = inplace_abn_unchecked(self._to_overwrite(input), running_mean, running_var,
-                                       weight, bias, config)
-        if counter is not None:
-            counter.add_(1)
-        return output
+    def _compute(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+                 weight: Tensor | None, bias: Tensor | None, config: LayerConfig) -> Tensor:
+        return inplace_abn_unchecked(self._to_overwrite(input), running_mean, running_var,
+                                     weight, bias, config)
 
     def extra_repr(self) -> str:
         text = super().extra_repr()

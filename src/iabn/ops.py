@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels import reference
+from .kernels.common import stat_dtype
 from .kernels.dispatch import backend_for
 from .layer_config import LayerConfig
 
@@ -70,7 +70,7 @@ def inplace_abn_forward_(
 @inplace_abn_forward_.register_fake
 def _(x, weight, bias, running_mean, running_var, training, momentum, eps, activation,
       activation_param, gamma_mode):
-    dtype = reference.stat_dtype(x, weight, running_mean)
+    dtype = stat_dtype(x, weight, running_mean)
     channels = x.shape[1]
     return x.new_empty((channels,), dtype=dtype), x.new_empty((channels,), dtype=dtype)
 

@@ -26,11 +26,11 @@ import importlib.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import ModuleType
 
 from torch import Tensor
 
-from . import reference, sync_reference
+from . import reference
+from .backend import KernelBackend
 
 ENV = "IABN_BACKEND"
 CHOICES = ("auto", "reference", "triton")
@@ -46,7 +46,7 @@ def triton_interpreting() -> bool:
 
 
 @functools.cache
-def _triton_backend() -> ModuleType:
+def _triton_backend() -> KernelBackend:
     from . import triton_backend
 
     return triton_backend
@@ -100,8 +100,9 @@ def use_backend(name: str) -> Iterator[None]:
             os.environ[ENV] = old
 
 
-def backend_for(x: Tensor) -> ModuleType:
-    """The kernel module (``forward_``, ``backward``) that runs a layer on ``x``."""
+def backend_for(x: Tensor) -> KernelBackend:
+    """The kernel module that runs a layer on ``x``: its forward and backward, and the two
+    halves of the synchronised layer's backward (:class:`.backend.KernelBackend`)."""
     if requested_backend() != "triton":
         return reference
     if not has_triton():
@@ -117,9 +118,3 @@ def backend_for(x: Tensor) -> ModuleType:
         )
     return _triton_backend()
 
-
-def sync_backend_for(x: Tensor) -> ModuleType:
-    """The module with ``local_sums`` and ``input_grad``, the two halves of the synchronised
-    layer's backward around its all-reduce, for the backend :func:`backend_for` picks."""
-    kernels = backend_for(x)
-    return sync_reference if kernels is reference else kernels

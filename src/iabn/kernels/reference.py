@@ -16,36 +16,32 @@ the paper's reference).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .. import activation as act
 from ..layer_config import LayerConfig
-from ..scale import effective_scale, gamma_grad
 from . import scratch
+from .common import (
+    BATCH_NORM_BACKWARD,
+    LOW_PRECISION,
+    cast,
+    channel_view,
+    compute_dtype,
+    dx_coefficients,
+    effective_g,
+    empty_grads,
+    empty_invstd,
+    finish_grads,
+    is_dense_format,
+    running_invstd,
+    stat_dtype,
+)
 
-# Host cost matters here: at small feature maps a layer's time is mostly Python and dispatch
-# (benchmarks/host_overhead.py). Hence the resolved operator overloads and the
-# public ``torch.native_batch_norm(..., out=...)`` binding, the cheapest routes to the same
-# ATen kernels (measured on CPU: 9.6 vs 11.4 µs for the forward, 3.5 vs 4.1 for backward).
-_BATCH_NORM_BACKWARD = torch.ops.aten.native_batch_norm_backward.default
-
-#: Input dtypes whose statistics and backward are computed in float32.
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def stat_dtype(x: Tensor, weight: Tensor | None, running_mean: Tensor | None) -> torch.dtype:
-    """Dtype of the per-channel statistics: the parameters', else float32 for half inputs."""
-    for t in (weight, running_mean):
-        if t is not None:
-            return t.dtype
-    return torch.float32 if x.dtype in LOW_PRECISION else x.dtype
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the backward's per-channel factors: float32 for half inputs."""
-    return torch.float32 if dtype in LOW_PRECISION else dtype
+# The public ``torch.native_batch_norm(..., out=...)`` binding is the cheapest route to ATen's
+# forward kernel (measured on CPU: 9.6 vs 11.4 µs through the operator overload).
 
 
 def full_dtype(dtype: torch.dtype, activation: str, variant: int) -> torch.dtype:
@@ -66,55 +62,6 @@ def full_dtype(dtype: torch.dtype, activation: str, variant: int) -> torch.dtype
     if activation == act.ELU or variant == 1:
         return compute_dtype(dtype)
     return dtype
-
-
-def channel_view(v: Tensor, ndim: int) -> Tensor:
-    """``(C,)`` -> ``(C, 1, ..., 1)`` so that it broadcasts against ``(N, C, *spatial)``."""
-    return v.reshape(v.shape + (1,) * (ndim - 2))
-
-
-def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    # Tensor.to costs ~1 µs even when nothing changes; backward calls it ten times a layer.
-    return t if t.dtype == dtype else t.to(dtype)
-
-
-def effective_g(
-    weight: Tensor | None, eps: float, gamma_mode: str, channels: int, dtype: torch.dtype,
-    device: torch.device,
-) -> Tensor:
-    """``g`` ``(C,)`` in ``dtype``: ``scale(weight)``, or ones without affine parameters."""
-    if weight is not None:
-        return effective_scale(_cast(weight, dtype), eps, gamma_mode)
-    return torch.ones(channels, dtype=dtype, device=device)
-
-
-def running_invstd(running_var: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
-    """``1 / sqrt(running_var + eps)`` in ``dtype``: the eval-mode normalisation's."""
-    return torch.add(_cast(running_var, dtype), eps).rsqrt_()
-
-
-def empty_invstd(
-    training: bool, running_var: Tensor | None, eps: float, channels: int, dtype: torch.dtype,
-    device: torch.device,
-) -> Tensor:
-    """``invstd`` of a zero-size input: the running statistics' where they normalise, else NaN
-    (there are no batch statistics). Backward of an empty input reads neither value."""
-    if training or running_var is None:
-        return torch.full((channels,), float("nan"), dtype=dtype, device=device)
-    return running_invstd(running_var, eps, dtype)
-
-
-def scale_and_shift(
-    weight: Tensor | None, bias: Tensor | None, eps: float, gamma_mode: str, channels: int,
-    dtype: torch.dtype, device: torch.device,
-) -> tuple[Tensor, Tensor]:
-    """``(g, beta)`` ``(C,)`` in ``dtype``: ``scale(weight)`` and ``bias``, or 1 and 0."""
-    g = effective_g(weight, eps, gamma_mode, channels, dtype, device)
-    beta = (
-        _cast(bias, dtype) if bias is not None
-        else torch.zeros(channels, dtype=dtype, device=device)
-    )
-    return g, beta
 
 
 def forward_(
@@ -143,10 +90,10 @@ def forward_(
         # all safe on empty inputs (see empty_grads).
         return empty_invstd(training, running_var, eps, channels, sdtype, device), g
     # The kernel treats a missing bias as 0: no zeros tensor needed.
-    beta = _cast(bias, sdtype) if bias is not None else None
+    beta = cast(bias, sdtype) if bias is not None else None
     # For other strides the native kernel's ``out=`` write does not follow the input's
     # layout (measured: wrong values), so such inputs go through a dense copy.
-    work = x if scratch.is_dense_format(x) else x.contiguous()
+    work = x if is_dense_format(x) else x.contiguous()
     if training:
         save_mean = torch.empty(channels, dtype=sdtype, device=device)
         invstd = torch.empty(channels, dtype=sdtype, device=device)
@@ -218,7 +165,7 @@ def grads_from_y(
     want_dx, want_dgamma, want_dbeta = output_mask
     train_dx = want_dx and training
     sums = train_dx or want_dgamma or want_dbeta
-    invstd = _cast(invstd, g.dtype)
+    invstd = cast(invstd, g.dtype)
     if sums:
         inv_g = g.reciprocal()
         if variant == 1:
@@ -232,7 +179,7 @@ def grads_from_y(
             # docstring.
             center, inv_scale = beta, inv_g
             dx_weight = torch.mul(g, g).mul_(invstd) if train_dx else None
-        dx, dg, dbeta = _BATCH_NORM_BACKWARD(
+        dx, dg, dbeta = BATCH_NORM_BACKWARD(
             dy, y, dx_weight, None, None, center, inv_scale, True, eps,
             [train_dx, want_dgamma, want_dbeta],
         )
@@ -245,7 +192,7 @@ def grads_from_y(
         # 1 / sqrt(running_var + eps) on CPU: running_var = invstd^-2 and eps = 0 give both.
         # Its input is not read for dx (its CPU kernel reads it for a dot product it then
         # discards, with running_mean as the centre): dy stands in for y when y was not made.
-        dx = _BATCH_NORM_BACKWARD(
+        dx = BATCH_NORM_BACKWARD(
             dy, dy if y is None else y, g, beta, invstd.pow(-2), beta, invstd, False, 0.0,
             [True, False, False],
         )[0]
@@ -316,7 +263,7 @@ def grads_over_pieces(
             k1, k2, k3 = dx_coefficients(scale, invstd, bias, sums, z.numel() // z.shape[1],
                                          cdtype)
         else:  # dx = dy * g * invstd
-            k1, k2, k3 = _cast(scale, cdtype) * _cast(invstd, cdtype), None, None
+            k1, k2, k3 = cast(scale, cdtype) * cast(invstd, cdtype), None, None
         dx = input_grad_over_pieces(z, index, recover_piece, k1, k2, k3)
     return finish_grads(dx, dg, dbeta, z, weight, bias, gamma_mode, output_mask)
 
@@ -372,14 +319,14 @@ def sums_over_pieces(
     dtype: torch.dtype,
 ) -> Tensor:
     """``[sum(dy * xhat), sum(dy)]`` ``(2, C)`` in ``dtype``, summed over the pieces."""
-    g = _cast(scale, dtype)
-    beta = _cast(bias, dtype) if bias is not None else torch.zeros_like(g)
+    g = cast(scale, dtype)
+    beta = cast(bias, dtype) if bias is not None else torch.zeros_like(g)
     inv_g = g.reciprocal()
     sums = None
     for at in index:
         y, dy = recover_piece(at, True)
         # The reductions of the batch-norm backward, with the identity in the module docstring.
-        _, sum_dy_xhat, sum_dy = _BATCH_NORM_BACKWARD(
+        _, sum_dy_xhat, sum_dy = BATCH_NORM_BACKWARD(
             dy, y, g, None, None, beta, inv_g, True, 0.0, [False, True, True],
         )
         part = torch.stack([sum_dy_xhat, sum_dy])
@@ -406,39 +353,6 @@ def input_grad_over_pieces(
     return dx
 
 
-def dx_coefficients(
-    scale: Tensor, invstd: Tensor, bias: Tensor | None, sums: Tensor, count: Tensor | int,
-    dtype: torch.dtype,
-) -> Tensor:
-    """``(k1, k2, k3)`` ``(3, C)`` in ``dtype`` of ``dx = k1 * dy + k2 * y + k3``, which is
-    ``g * invstd * (dy - xhat * sum(dy * xhat) / n - sum(dy) / n)`` from ``sums`` =
-    ``[sum(dy * xhat), sum(dy)]`` over ``count`` (``n``) values per channel (over all ranks
-    for the synchronised layer)."""
-    g, invstd = _cast(scale, dtype), _cast(invstd, dtype)
-    beta = _cast(bias, dtype) if bias is not None else torch.zeros_like(g)
-    sum_dy_xhat, sum_dy = _cast(sums, dtype)
-    return torch.stack([
-        g * invstd,
-        -invstd * sum_dy_xhat / count,
-        invstd * (beta * sum_dy_xhat - g * sum_dy) / count,
-    ])
-
-
-def empty_grads(
-    z: Tensor, weight: Tensor | None, bias: Tensor | None, output_mask: list[bool],
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """The gradients of a zero-size input, as ``nn.BatchNorm`` gives them: an empty ``dx`` and
-    zero parameter gradients (sums over no values). ATen's batch-norm backward is not called:
-    with no samples (N = 0) its CPU kernel divides an integer by zero, which kills the process
-    with SIGFPE."""
-    want_dx, want_dgamma, want_dbeta = output_mask
-    return (
-        torch.empty_like(z) if want_dx else None,
-        torch.zeros_like(weight) if want_dgamma and weight is not None else None,
-        torch.zeros_like(bias) if want_dbeta and bias is not None else None,
-    )
-
-
 def recover(
     z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, activation: str,
     activation_param: float, dtype: torch.dtype | None = None, with_y: bool = True,
@@ -455,9 +369,9 @@ def recover(
     """
     cdtype = compute_dtype(z.dtype)
     full = cdtype if dtype is None else dtype
-    zc, dzc = _cast(z, full), _cast(dz, full)
-    g = _cast(scale, cdtype)
-    beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
+    zc, dzc = cast(z, full), cast(dz, full)
+    g = cast(scale, cdtype)
+    beta = cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
     y_out = dy_out = None
     if activation == act.LEAKY_RELU and scratch.worth_reusing(zc):
         y_out = scratch.empty_like(zc, scratch.INVERSE) if with_y else None
@@ -467,16 +381,62 @@ def recover(
     return y, dy, g, beta
 
 
-def finish_grads(
-    dx: Tensor | None, dg: Tensor | None, dbeta: Tensor | None, z: Tensor,
-    weight: Tensor | None, bias: Tensor | None, gamma_mode: str, output_mask: list[bool],
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Chain ``dg`` to ``dgamma``, drop what was not asked for, cast to the inputs' dtypes."""
-    _, want_dgamma, want_dbeta = output_mask
-    if dx is not None:
-        dx = _cast(dx, z.dtype)
-    dgamma = None
-    if want_dgamma and weight is not None and dg is not None:
-        dgamma = _cast(gamma_grad(dg, _cast(weight, dg.dtype), gamma_mode), weight.dtype)
-    keep_dbeta = want_dbeta and bias is not None and dbeta is not None
-    return dx, dgamma, _cast(dbeta, bias.dtype) if keep_dbeta else None
+# ------------------------------------------------------ the synchronised layer's two halves
+# The synchronised layer's backward, split around its one all-reduce (docs/design.md,
+# "Synchronised layers"): local_sums -> all-reduce of the sums -> input_grad.
+
+
+class Recovered(NamedTuple):
+    """What :func:`input_grad` needs of a half-precision backward: ``z``, whose float32 ``y``
+    and ``dy`` it recomputes piece by piece with ``recover_piece`` (``index`` and
+    ``recover_piece`` as :func:`grads_over_pieces` takes them: from :func:`recovery`, or for
+    silu/gelu with the branch bits from :func:`iabn.branch_activation.recovery`)."""
+
+    z: Tensor
+    index: list[tuple]
+    recover_piece: RecoverPiece
+
+
+def local_sums(
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
+) -> tuple[tuple[Tensor, Tensor] | Recovered, Tensor]:
+    """``(saved, sums)`` with ``sums = [sum(dy * xhat), sum(dy)]`` stacked ``(2, C)`` and
+    ``saved`` what :func:`input_grad` needs: ``(y, dy)`` as scratch tensors (see
+    :func:`recover`), valid until the next backward on this thread; for half
+    inputs, whose ``y`` and ``dy`` are float32, :class:`Recovered` (nothing full-size in float32
+    is kept across the all-reduce, or made)."""
+    activation, activation_param = config.activation, config.activation_param
+    if z.numel() and z.dtype in LOW_PRECISION:
+        index, recover_piece = recovery(z, dz, bias, scale, activation, activation_param)
+        sums = sums_over_pieces(index, recover_piece, scale, bias, compute_dtype(z.dtype))
+        return Recovered(z, index, recover_piece), sums
+    y, dy, g, beta = recover(z, dz, bias, scale, activation, activation_param)
+    if not z.numel():
+        return (y, dy), torch.zeros(2, g.shape[0], dtype=g.dtype, device=z.device)
+    return (y, dy), sums_from_y(y, dy, g, beta)
+
+
+def sums_from_y(y: Tensor, dy: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    """``[sum(dy * xhat), sum(dy)]`` stacked ``(2, C)`` from the whole ``y`` and ``dy``."""
+    # The reductions of the batch-norm backward, with the identity of this module's docstring.
+    _, sum_dy_xhat, sum_dy = BATCH_NORM_BACKWARD(
+        dy, y, g, None, None, beta, g.reciprocal(), True, 0.0, [False, True, True],
+    )
+    return torch.stack([sum_dy_xhat, sum_dy])
+
+
+def input_grad(
+    saved: tuple[Tensor, Tensor] | Recovered, bias: Tensor | None, scale: Tensor,
+    invstd: Tensor, global_sums: Tensor, total: Tensor, out_dtype: torch.dtype,
+) -> Tensor:
+    """``dx`` from :func:`local_sums`' ``saved`` and the sums over all ranks."""
+    if isinstance(saved, Recovered):
+        k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total,
+                                     compute_dtype(saved.z.dtype))
+        return input_grad_over_pieces(saved.z, saved.index, saved.recover_piece, k1, k2, k3)
+    y, dy = saved
+    ndim = y.dim()
+    k1, k2, k3 = dx_coefficients(scale, invstd, bias, global_sums, total, y.dtype)
+    dx = torch.addcmul(channel_view(k3, ndim), dy, channel_view(k1, ndim))
+    dx.addcmul_(y, channel_view(k2, ndim))
+    return cast(dx, out_dtype)

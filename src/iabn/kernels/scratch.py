@@ -23,6 +23,8 @@ import threading
 import torch
 from torch import Tensor
 
+from .common import is_dense_format
+
 _local = threading.local()
 
 #: Smallest tensor (bytes) worth a reused buffer: glibc's default mmap threshold, above which
@@ -30,16 +32,6 @@ _local = threading.local()
 MIN_BYTES = 128 * 1024
 #: Slots: one buffer each, so the two temporaries of one backward never share memory.
 INVERSE, GRADIENT = 0, 1
-
-
-def is_dense_format(t: Tensor) -> bool:
-    """True when ``t`` is contiguous, ``channels_last`` (4-D) or ``channels_last_3d`` (5-D):
-    the layouts PyTorch's batch-norm kernels write in place and that fill their storage."""
-    if t.is_contiguous():
-        return True
-    if t.dim() == 4:
-        return t.is_contiguous(memory_format=torch.channels_last)
-    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
 
 
 def worth_reusing(t: Tensor) -> bool:

@@ -28,9 +28,9 @@ from torch import Tensor
 
 from .. import activation as act
 from ..layer_config import LayerConfig
-from .reference import (
-    _BATCH_NORM_BACKWARD,
-    _cast,
+from .common import (
+    BATCH_NORM_BACKWARD,
+    cast,
     channel_view,
     compute_dtype,
     effective_g,
@@ -61,7 +61,7 @@ def forward(
     if x.numel() == 0:
         invstd = empty_invstd(training, running_var, eps, channels, sdtype, x.device)
         return torch.empty_like(x), invstd, g
-    beta = _cast(bias, sdtype) if bias is not None else None
+    beta = cast(bias, sdtype) if bias is not None else None
     y, _, invstd = torch.native_batch_norm(
         x, g, beta, running_mean, running_var, training, momentum, eps
     )
@@ -106,12 +106,12 @@ def backward(
     training, _, eps, activation, activation_param, gamma_mode, variant = config
     want_dx, want_dgamma, want_dbeta = output_mask
     cdtype = compute_dtype(z.dtype)
-    zc, dzc = _cast(z, cdtype), _cast(dz, cdtype)
+    zc, dzc = cast(z, cdtype), cast(dz, cdtype)
     y = act.invert(zc, activation, activation_param)
     dy = act.grad_from_output(dzc, zc, activation, activation_param)
-    g = _cast(scale, cdtype)
-    beta = _cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
-    invstd = _cast(invstd, cdtype)
+    g = cast(scale, cdtype)
+    beta = cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
+    invstd = cast(invstd, cdtype)
     inv_g = g.reciprocal()
     ndim = z.dim()
     if variant == 1:
@@ -121,7 +121,7 @@ def backward(
     else:
         bn_input, center, inv_scale = y, beta, inv_g
         dx_weight = g * g * invstd
-    dx, dg, dbeta = _BATCH_NORM_BACKWARD(
+    dx, dg, dbeta = BATCH_NORM_BACKWARD(
         dy, bn_input, dx_weight, None, None, center, inv_scale, True, eps,
         [want_dx and training, want_dgamma, want_dbeta],
     )

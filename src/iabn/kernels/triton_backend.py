@@ -33,7 +33,7 @@ from ..layer_config import LayerConfig
 from ..scale import ABS
 from . import reference
 from . import triton_kernels as k
-from .reference import dx_coefficients
+from .common import dx_coefficients, stat_dtype
 
 _ACTIVATION_CODES = {act.IDENTITY: k.IDENTITY, act.LEAKY_RELU: k.LEAKY_RELU, act.ELU: k.ELU,
                      act.SILU: k.SILU, act.GELU: k.GELU}
@@ -239,7 +239,7 @@ def forward_(
     training, momentum, eps, activation, activation_param, gamma_mode, _ = config
     work, layout = _dense(x)
     channels = layout.c
-    sdtype = reference.stat_dtype(x, weight, running_mean)
+    sdtype = stat_dtype(x, weight, running_mean)
     adtype = accumulation_dtype(x.dtype)
     acc = _TL_DTYPES[adtype]
     device = x.device
@@ -400,7 +400,7 @@ def backward(
     return dx, dgamma, dbeta
 
 
-# --- the synchronised layer's backward (same interface as :mod:`.sync_reference`) ----------
+# --- the synchronised layer's backward (the two halves of .backend.KernelBackend) ---------
 
 
 def local_sums(
@@ -425,7 +425,7 @@ def input_grad(
     saved: tuple, bias: Tensor | None, scale: Tensor, invstd: Tensor, global_sums: Tensor,
     total: Tensor, out_dtype: torch.dtype,
 ) -> Tensor:
-    """``dx`` from the sums over all ranks (see :func:`.sync_reference.input_grad`)."""
+    """``dx`` from the sums over all ranks (see :func:`.reference.input_grad`)."""
     z, dz, layout, activation, activation_param, branch = saved
     if layout is None:
         return torch.empty_like(z, dtype=out_dtype)

@@ -1,6 +1,6 @@
-"""The synchronised layers (``InPlaceABNSync``, ``ABNSync``), the converters between them and
-the local layers, and process groups (docs/design.md, "Synchronised layers"). The computation
-and its collectives are in :mod:`iabn.sync`.
+"""The synchronised layers (``InPlaceABNSync``, ``ABNSync``) and the converters between them
+and the local layers (docs/design.md, "Synchronised layers"). The computation and its
+collectives are in :mod:`.function`.
 
 Parameter gradients stay each rank's local sums; ``DistributedDataParallel`` averages them
 across ranks, as with ``nn.SyncBatchNorm``. Eval mode communicates nothing. The process group
@@ -12,69 +12,61 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import debug
-from .checks import check_inputs, check_options
-from .layer_config import LayerConfig
-from .modules import ABN, InPlaceABN, holding_tensors_of
-from .ops import overwritable
-from .scale import SIGNED
-from .sync import (
-    InPlaceABNSyncFunction,
-    _group_to_sync,
-    check_across_ranks,
-    inplace_abn_sync,
-    resolve_group,
-)
-
-
-def _synchronised_step(layer: ABN, input: Tensor, group: Any) -> Tensor:
-    """One training step of ``layer`` (an :class:`InPlaceABNSync` or :class:`ABNSync`) with
-    statistics over ``group``: overwrites ``input`` and returns it."""
-    _, running_mean, running_var = layer._normalisation()
-    check_inputs(input, running_mean, running_var, layer.weight, layer.bias, True,
-                 in_place=True, num_features=layer.num_features, synchronised=True)
-    if not layer._ranks_checked:
-        check_across_ranks(input, group)
-        layer._ranks_checked = True
-    tracking = layer.track_running_stats and running_mean is not None
-    momentum = layer.momentum
-    if momentum is None:  # cumulative average over the batches seen, counting this one
-        momentum = 1.0 / (float(layer.num_batches_tracked) + 1) if tracking else 0.0
-    config = LayerConfig(True, momentum, layer.eps, layer.activation, layer.activation_param,
-                         layer.gamma_mode)
-
-    def step(x: Tensor) -> Tensor:
-        return InPlaceABNSyncFunction.apply(
-            x, layer.weight, layer.bias, running_mean, running_var, config, group
-        )
-
-    # ABNSync hands in its own copy, which nobody else can read: nothing to poison there.
-    if layer._in_place and debug._ACTIVE and debug.intercepts():
-        out = debug.poisoned_call(step, input, "iabn.InPlaceABNSync")
-    else:
-        out = step(overwritable(input))
-    if tracking:  # counted only once the step succeeded on every rank
-        layer.num_batches_tracked.add_(1)
-    return out
+from .. import debug
+from ..checks import check_inputs, check_options
+from ..layer_config import LayerConfig
+from ..modules import ABN, InPlaceABN, holding_tensors_of
+from ..ops import overwritable
+from ..scale import SIGNED
+from .function import InPlaceABNSyncFunction, check_across_ranks
+from .groups import group_to_sync
 
 
 class _Synchronised:
     """What :class:`InPlaceABNSync` and :class:`ABNSync` share: in training with a multi-rank
-    group, :func:`_synchronised_step` on the tensor ``_to_overwrite`` gives (the input, or a
+    group, :meth:`_synchronised_step` on the tensor ``_to_overwrite`` gives (the input, or a
     copy: :class:`iabn.modules.OverwriteInputOption`'s for :class:`InPlaceABNSync`,
     :class:`ABNSync`'s own); otherwise the local layer's own ``forward``."""
 
     group: Any
 
     def forward(self, input: Tensor) -> Tensor:
-        group = _group_to_sync(self.group, self.training)
+        group = group_to_sync(self.group, self.training)
         if group is None:
             return super().forward(input)
-        return _synchronised_step(self, self._to_overwrite(input), group)
+        return self._synchronised_step(self._to_overwrite(input), group)
+
+    def _synchronised_step(self: Any, input: Tensor, group: Any) -> Tensor:
+        """One training step with statistics over ``group``: overwrites ``input`` and returns
+        it. The batch is counted in ``num_batches_tracked`` once the step has succeeded on
+        every rank, as the local layer counts it."""
+        _, running_mean, running_var = self._normalisation()
+        check_inputs(input, running_mean, running_var, self.weight, self.bias, True,
+                     in_place=True, num_features=self.num_features, synchronised=True)
+        if not self._ranks_checked:
+            check_across_ranks(input, group)
+            self._ranks_checked = True
+        tracking = self.track_running_stats and running_mean is not None
+        momentum = self._running_factor(self.num_batches_tracked) if tracking else 0.0
+        config = LayerConfig(True, momentum, self.eps, self.activation, self.activation_param,
+                             self.gamma_mode)
+        weight, bias = self.weight, self.bias
+
+        def step(x: Tensor) -> Tensor:
+            return InPlaceABNSyncFunction.apply(
+                x, weight, bias, running_mean, running_var, config, group
+            )
+
+        # ABNSync hands in its own copy, which nobody else can read: nothing to poison there.
+        if self._in_place and debug._ACTIVE and debug.intercepts():
+            out = debug.poisoned_call(step, input, "iabn.InPlaceABNSync")
+        else:
+            out = step(overwritable(input))
+        if tracking:  # counted only once the step succeeded on every rank
+            self.num_batches_tracked.add_(1)
+        return out
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.group is None else f", group={self.group}")
@@ -224,30 +216,9 @@ def _rebuild(old: ABN, cls: type[ABN], group: Any) -> ABN:
     return holding_tensors_of(new, old)
 
 
-def active_ranks_group(active: bool) -> Any:
-    """A process group of the ranks that pass ``active=True`` (e.g. those that have data).
-
-    Every rank of the world must call it, with its own flag (``torch.distributed.new_group``
-    requires that all ranks call it with the same member list, which the all-gather of the
-    flags provides). Inactive ranks get ``GroupMember.NON_GROUP_MEMBER`` back and must not run
-    the synchronised layers with it.
-    """
-    # NCCL only moves CUDA tensors; gloo moves CPU ones.
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        dist.get_backend() == "nccl") else torch.device("cpu")
-    flag = torch.tensor([1 if active else 0], dtype=torch.int64, device=device)
-    flags = [torch.empty_like(flag) for _ in range(dist.get_world_size())]
-    dist.all_gather(flags, flag)
-    return dist.new_group(ranks=[r for r, f in enumerate(flags) if int(f.item())])
-
-
 __all__ = [
     "ABNSync",
     "InPlaceABNSync",
-    "active_ranks_group",
-    "check_across_ranks",
     "convert_local",
     "convert_sync",
-    "inplace_abn_sync",
-    "resolve_group",
 ]
