@@ -23,8 +23,8 @@ from statistics import median
 
 import torch
 
-from iabn.blocks import STRATEGIES, BNActConv
 from iabn.memory import saved_tensor_bytes
+from iabn.memory.bn_act_conv import STRATEGIES, BNActConv
 from iabn.tools.bench import (
     RESNEXT101_STAGES,
     machine_info,

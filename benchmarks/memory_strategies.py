@@ -43,8 +43,8 @@ from torch.utils.checkpoint import checkpoint
 
 import iabn
 from iabn.memory import compiled_saved_bytes, saved_storages
+from iabn.memory.offloading import DEFAULT_LAYERS
 from iabn.models import create
-from iabn.offloading import DEFAULT_LAYERS
 from iabn.tools.bench import machine_info, results_folder, write_json
 
 MODELS = (("vgg19", "bn"), ("resnet50", "bn"), ("resnet50", "iabn"), ("resnet101", "bn"),

@@ -32,8 +32,8 @@ from statistics import median
 import torch
 from torch import nn
 
+from iabn.memory.offloading import OffloadModel
 from iabn.models import create
-from iabn.offloading import OffloadModel
 from iabn.tools.bench import machine_info, results_folder, write_json
 from memory_strategies import MODELS, body_and_head, offload_layers, run_checkpointed
 

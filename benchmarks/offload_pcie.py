@@ -36,8 +36,8 @@ from statistics import median
 import torch
 from torch import nn
 
+from iabn.memory.offloading import OffloadModel
 from iabn.models import MODELS, NORM_ACT_NAMES, create
-from iabn.offloading import OffloadModel
 from iabn.tools.bench import machine_info, results_folder, write_json
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")

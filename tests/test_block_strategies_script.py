@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from iabn.blocks import STRATEGIES
+from iabn.memory.bn_act_conv import STRATEGIES
 
 # a CPU smoke run, and the error of --device cuda where CUDA is missing.
 pytestmark = pytest.mark.without_gpu

@@ -4,8 +4,8 @@ keep exactly the tensors they promise."""
 import pytest
 import torch
 
-from iabn.blocks import STRATEGIES, BNActConv
 from iabn.memory import saved_storages
+from iabn.memory.bn_act_conv import STRATEGIES, BNActConv
 
 from helpers import randomise_
 

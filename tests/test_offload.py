@@ -11,8 +11,8 @@ from torch import nn
 
 import iabn
 from iabn.memory import saved_storages
+from iabn.memory.offloading import DEFAULT_LAYERS, Offloader, OffloadModel, offload
 from iabn.models import create
-from iabn.offloading import DEFAULT_LAYERS, Offloader, OffloadModel, offload
 
 # where CUDA exists the offloader copies only device memory; these check its host-copy path
 # (the CUDA path: tests/test_offload_cuda.py).

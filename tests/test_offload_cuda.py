@@ -5,7 +5,7 @@ can be compared bit for bit). The host-copy logic is tested in tests/test_offloa
 import pytest
 import torch
 
-from iabn.offloading import OffloadModel
+from iabn.memory.offloading import OffloadModel
 from test_offload import X, _grads, _reference
 
 pytestmark = pytest.mark.gpu

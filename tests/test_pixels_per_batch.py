@@ -14,8 +14,8 @@ from torch import nn
 
 import iabn
 from iabn.memory import saved_storages
+from iabn.memory.offloading import DEFAULT_LAYERS
 from iabn.models import norm_act_factory
-from iabn.offloading import DEFAULT_LAYERS
 from iabn.tools.bench.pixels import (
     ByteCounter,
     activation_bytes,

@@ -22,12 +22,12 @@ _LAZY = {
     "InPlaceABNSync": ("distributed", "InPlaceABNSync"),
     "convert_local": ("distributed", "convert_local"),
     "convert_sync": ("distributed", "convert_sync"),
-    "BNActConv": ("blocks", "BNActConv"),
+    "BNActConv": ("memory.bn_act_conv", "BNActConv"),
     "GroupNormAct": ("group_norm", "GroupNormAct"),
     "InPlaceGroupNormAct": ("group_norm", "InPlaceGroupNormAct"),
-    "OffloadModel": ("offloading", "OffloadModel"),
-    "Offloader": ("offloading", "Offloader"),
-    "offload": ("offloading", "offload"),
+    "OffloadModel": ("memory.offloading", "OffloadModel"),
+    "Offloader": ("memory.offloading", "Offloader"),
+    "offload": ("memory.offloading", "offload"),
     # the conversion package was a third of `import iabn`'s own time (12 of 35 ms, measured on
     # CPU with -X importtime), and iabn.plan also imports SciPy, to solve
     "convert": ("conversion", "convert"),

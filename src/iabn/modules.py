@@ -13,7 +13,7 @@ Any input rank from ``(N, C)`` to ``(N, C, D, H, W)`` is accepted, like the orig
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -384,3 +384,24 @@ def holding_tensors_of(layer: nn.Module, source: nn.Module) -> nn.Module:
     for name in (*layer._parameters, *layer._buffers):
         setattr(layer, name, getattr(source, name))
     return layer.train(source.training)
+
+
+Layer = TypeVar("Layer", bound=nn.Module)
+
+
+def rebuilt_as(source: nn.Module, cls: type[Layer], activation: str, activation_param: float,
+               **options: Any) -> Layer:
+    """A ``cls`` layer to take ``source``'s place, holding its very tensors
+    (:func:`holding_tensors_of`): built on the meta device with ``source``'s normalisation
+    settings (``num_features, eps, momentum, affine, track_running_stats`` of a batch norm,
+    ``nn.SyncBatchNorm`` or :class:`ABN`; ``num_groups, num_channels, eps, affine`` of an
+    ``nn.GroupNorm`` or :class:`iabn.GroupNormAct`), then ``activation, activation_param`` and
+    the keyword ``options``. ``iabn.convert``, ``convert_sync`` and ``convert_local`` change a
+    layer's class this way, so optimizers built on the old layer keep working."""
+    if isinstance(source, _NormBase):
+        settings = (source.num_features, source.eps, source.momentum, source.affine,
+                    source.track_running_stats)
+    else:
+        settings = (source.num_groups, source.num_channels, source.eps, source.affine)
+    layer = cls(*settings, activation, activation_param, device="meta", **options)
+    return holding_tensors_of(layer, source)

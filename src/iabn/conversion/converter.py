@@ -13,7 +13,7 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
 from ..group_norm import GroupNormAct
-from ..memory import _storage_key, counting_saves, saved_tensor_bytes
+from ..memory import _storage_key, attributing_saves, saved_tensor_bytes, state_keys
 from ..modules import ABN
 from ..trial_runs import preserved, same_randomness
 from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
@@ -224,19 +224,10 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
         model.train()
         module = fx.GraphModule(model, graph)
         interpreter = _Attributing(module)
-        excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-        sizes: dict[str, int] = {}
-        savers: dict[Any, set[str]] = {}
-
-        def attribute(key: Any, t: Tensor, first: bool) -> None:
-            current = interpreter.current
-            savers.setdefault(key, set()).add(current)
-            if first:
-                sizes[current] = sizes.get(current, 0) + t.untyped_storage().nbytes()
-
-        with counting_saves(excluded, attribute):
+        with attributing_saves(lambda: interpreter.current, state_keys(model)) as saves:
             out = interpreter.run(*args)
             del out
+    sizes, savers = saves.first_bytes, saves.savers
     modules = dict(module.named_modules())
     by_name = {node.name: node for node in graph.nodes}
     result, input_savers = {}, {}

@@ -11,7 +11,7 @@ from torch import fx, nn
 
 from ..distributed import ABNSync, InPlaceABNSync
 from ..group_norm import GroupNormAct, InPlaceGroupNormAct
-from ..modules import ABN, InPlaceABN, holding_tensors_of
+from ..modules import ABN, InPlaceABN, rebuilt_as
 from .decide import IN_PLACE, OUTPUT_ONLY, Decision
 from .graph import Site
 
@@ -23,17 +23,13 @@ def new_layer(norm: nn.Module, decision: Decision) -> ABN | GroupNormAct:
     kwargs = {"overwrite_input": decision.layer == IN_PLACE} if in_place else {}
     if type(norm) is nn.GroupNorm:
         cls = InPlaceGroupNormAct if in_place else GroupNormAct
-        layer = cls(norm.num_groups, norm.num_channels, norm.eps, norm.affine,
-                    decision.activation, decision.activation_param, device="meta", **kwargs)
-        return holding_tensors_of(layer, norm)
-    sync = type(norm) is nn.SyncBatchNorm
-    cls = (InPlaceABNSync if in_place else ABNSync) if sync else (InPlaceABN if in_place else ABN)
-    if sync:
-        kwargs["group"] = norm.process_group
-    layer = cls(norm.num_features, norm.eps, norm.momentum, norm.affine,
-                norm.track_running_stats, decision.activation, decision.activation_param,
-                device="meta", **kwargs)
-    return holding_tensors_of(layer, norm)
+    else:
+        sync = type(norm) is nn.SyncBatchNorm
+        cls = ((InPlaceABNSync if in_place else ABNSync) if sync
+               else (InPlaceABN if in_place else ABN))
+        if sync:
+            kwargs["group"] = norm.process_group
+    return rebuilt_as(norm, cls, decision.activation, decision.activation_param, **kwargs)
 
 
 def _references(model: nn.Module) -> Counter:

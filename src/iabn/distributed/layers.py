@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from .. import debug
 from ..checks import check_inputs, check_options
 from ..layer_config import LayerConfig
-from ..modules import ABN, InPlaceABN, holding_tensors_of
+from ..modules import ABN, InPlaceABN, rebuilt_as
 from ..ops import overwritable
 from ..scale import SIGNED
 from .function import InPlaceABNSyncFunction, check_across_ranks
@@ -209,11 +209,7 @@ def _rebuild(old: ABN, cls: type[ABN], group: Any) -> ABN:
     kwargs = {"gamma_mode": old.gamma_mode}
     if cls in (InPlaceABNSync, ABNSync):
         kwargs["group"] = group
-    new = cls(
-        old.num_features, old.eps, old.momentum, old.affine, old.track_running_stats,
-        old.activation, old.activation_param, device="meta", **kwargs,
-    )
-    return holding_tensors_of(new, old)
+    return rebuilt_as(old, cls, old.activation, old.activation_param, **kwargs)
 
 
 __all__ = [

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..memory import _storage_key, counting_saves
+from ..memory import _storage_key, counting_saves, state_keys
 from ..trial_runs import preserved, same_randomness
 from .cost import REST, OpCount, OpCounter
 from .segments import tensor_leaves
@@ -75,12 +75,12 @@ class Run:
 
 
 class _Recorder(Observer):
-    def __init__(self, excluded: set, capture: bool) -> None:
-        self.excluded = excluded
+    def __init__(self, capture: bool) -> None:
         self.capture = capture
         self.names: dict[Any, Identity] = {}
         self.sizes: dict[Identity, int] = {}
-        self.held: list[Tensor] = []  # everything named or saved stays alive: keys stay unique
+        # everything named stays alive (counting_saves holds what is saved): keys stay unique
+        self.held: list[Tensor] = []
         self.stack: list[int] = []
         self.packs: list[tuple[int, Any, int]] = []
         self.input_versions: dict[int, list[tuple[Tensor, int]]] = {}
@@ -117,12 +117,9 @@ class _Recorder(Observer):
     def owner(self) -> int:
         return self.stack[-1] if self.stack else REST
 
-    def pack(self, t: Tensor) -> Tensor:
-        key = _storage_key(t)
-        if key not in self.excluded:
-            self.packs.append((self.owner(), key, t.untyped_storage().nbytes()))
-            self.held.append(t)
-        return t.detach()
+    def saved(self, key: Any, t: Tensor, first: bool) -> None:
+        """counting_saves' callback: log every save, in order, with its owner."""
+        self.packs.append((self.owner(), key, t.untyped_storage().nbytes()))
 
 
 def observe(model: nn.Module, observer: Observer | None) -> None:
@@ -136,15 +133,14 @@ def record(model: nn.Module, args: tuple, *, capture_inputs: bool = False,
            count_ops: bool = False, backward: bool = False) -> Run:
     """One training forward of ``model`` (a planned skeleton whose wrappers know their units),
     recorded; ``model``'s buffers and modes are restored afterwards."""
-    excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-    recorder = _Recorder(excluded, capture_inputs)
+    recorder = _Recorder(capture_inputs)
     counter = OpCounter(recorder.owner) if count_ops else None
     backward_counter = None
     observe(model, recorder)
     try:
         with preserved(model), same_randomness(args):
             model.train()
-            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), \
+            with counting_saves(state_keys(model), recorder.saved), \
                     (counter if counter is not None else contextlib.nullcontext()):
                 out = model(*args)
             output_written = {unit for unit, t, v in recorder.outputs if t._version != v}
@@ -208,7 +204,7 @@ def recomputed_saves(modules: Sequence[nn.Module], inputs: Sequence[Tensor],
     ``identities``). ``last`` is the run's last unit: an output it keeps (a selective run
     ending in a product) is that unit's boundary output."""
     names = {_storage_key(t): identity for t, identity in zip(inputs, identities, strict=True)}
-    excluded = {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+    excluded = state_keys(*modules)
     container = nn.ModuleList(modules)
     fn = modules[0] if len(modules) == 1 else _chain(modules)
     with preserved(container), same_randomness(tuple(inputs)), \

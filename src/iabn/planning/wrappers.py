@@ -124,7 +124,7 @@ class Offloaders:
 
     def get(self, key: int) -> Any:
         if key not in self.by_key:
-            from ..offloading import Offloader
+            from ..memory.offloading import Offloader
 
             # min_bytes=0: every saved activation goes, so what stays on the device is exactly
             # what the segment's neighbours save themselves (the planner's accounting)
@@ -141,7 +141,7 @@ class Offloaders:
 def offloaded(fn: Callable[..., Any], offloader: Any, modules: Sequence[nn.Module],
               *args: Any) -> Any:
     """``fn(*args)`` with the tensors it saves for backward in host memory."""
-    from ..offloading import _storage_key
+    from ..memory.offloading import _storage_key
 
     offloader.keep = {_storage_key(t) for m in modules
                       for t in (*m.parameters(), *m.buffers())}

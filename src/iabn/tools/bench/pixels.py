@@ -19,7 +19,7 @@ every meta storage has data pointer 0. Every counted tensor stays referenced unt
 ends, so no key is reused for a different storage meanwhile.
 
 Offloading: :class:`iabn.OffloadModel` sends to host memory every saved storage that is the
-input of a convolution or pooling layer (:data:`iabn.offloading.DEFAULT_LAYERS`) and has at
+input of a convolution or pooling layer (:data:`iabn.memory.offloading.DEFAULT_LAYERS`) and has at
 least ``min_bytes`` bytes; everything else stays on the device. Its host copies cannot be made
 from meta tensors, so :func:`activation_bytes` applies the same rule itself (with forward
 pre-hooks on the same layer types) and reports the bytes that rule keeps; the test above checks
@@ -41,9 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...memory import _storage_key, counting_saves
+from ...memory import _storage_key, counting_saves, state_keys
+from ...memory.offloading import DEFAULT_LAYERS
 from ...models import DeepLabV3Head, ResNeXt, SegmentationNet, deeplabv3_wider_resnet38
-from ...offloading import DEFAULT_LAYERS
 
 #: Bodies of Table 3, both at output stride 8 (see :func:`segmentation_model`).
 BODIES = ("resnext101", "wider_resnet38_a2")
@@ -120,8 +120,7 @@ def activation_bytes(model: nn.Module, images: Tensor, target: Tensor | None = N
     (``meta`` for free counting at any size). ``model`` must be in training mode for the
     counts to be a training step's.
     """
-    excluded = {_storage_key(t) for t in (*model.parameters(), *model.buffers())}
-    with _offload_candidates(model) as conv_inputs, counting_saves(excluded) as sizes:
+    with _offload_candidates(model) as conv_inputs, counting_saves(state_keys(model)) as sizes:
         output = model(images)
         if target is not None:
             output = F.cross_entropy(output, target)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .kernels.scratch import is_dense_format
+from ..kernels.common import is_dense_format
 
 Predicate = Callable[[Tensor], bool]
 

@@ -1,16 +1,18 @@
-"""Activation-memory accounting (docs/design.md, "Memory accounting").
+"""The one saved-tensor hook that counts activation memory (:func:`counting_saves`), and the
+figures built on it: the storages and bytes a call keeps for backward, the same per owner
+(:func:`attributing_saves`), and the bytes a compiled model keeps (docs/design.md, "Memory
+accounting"; what is counted: :mod:`iabn.memory`).
 
-"Activation memory" is the bytes of the distinct storages that autograd keeps for backward.
-It is counted with ``torch.autograd.graph.saved_tensors_hooks`` while the forward runs and
-de-duplicated by storage, so a tensor saved by two consecutive layers (InPlace-ABN's output and
-the next convolution's input) counts once. The figure is exact and the same on every device.
+The converter's per-layer figures, the planner's runs and ``iabn bench``'s pixel counts count
+with :func:`counting_saves` too, so they key storages, leave out parameters and buffers and keep
+counted tensors alive the same way, and agree with :func:`saved_tensor_bytes`.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Collection, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,20 +28,29 @@ class SavedStorage:
     nbytes: int
 
 
-def _storage_key(t: Tensor) -> tuple[str, int]:
+StorageKey = tuple[str, int]
+
+
+def _storage_key(t: Tensor) -> StorageKey:
     # The storage object's address, not its data pointer: every tensor on the ``meta`` device
     # has data pointer 0, and counting at real sizes without memory is what meta is for.
     # (Counted tensors are held alive, so no address is reused while counting.)
     return str(t.device), t.untyped_storage()._cdata
 
 
-SavedCallback = Callable[[tuple[str, int], Tensor, bool], None]
+def state_keys(*modules: nn.Module) -> set[StorageKey]:
+    """The storage keys of ``modules``' parameters and buffers: what a count of activations
+    leaves out (they are the model itself, kept whether or not backward runs)."""
+    return {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+
+
+SavedCallback = Callable[[StorageKey, Tensor, bool], None]
 
 
 @contextlib.contextmanager
 def counting_saves(
-    excluded: Collection[tuple[str, int]] = (), on_saved: SavedCallback | None = None
-) -> Iterator[dict[tuple[str, int], int]]:
+    excluded: Collection[StorageKey] = (), on_saved: SavedCallback | None = None
+) -> Iterator[dict[StorageKey, int]]:
     """Count what autograd saves for backward inside the block: yields ``{storage key: bytes}``
     of the distinct storages saved (keys by :func:`_storage_key`, in first-save order), the
     storages in ``excluded`` (parameters, buffers) left out. ``on_saved(key, tensor, first)``
@@ -51,7 +62,7 @@ def counting_saves(
     otherwise hold, through the packed value, the tensor that holds the node, a cycle through
     C++ that no garbage collection frees (the alias shares storage and version counter, not
     grad_fn)."""
-    sizes: dict[tuple[str, int], int] = {}
+    sizes: dict[StorageKey, int] = {}
     held: list[Tensor] = []
 
     def pack(t: Tensor) -> Tensor:
@@ -72,6 +83,38 @@ def counting_saves(
         held.clear()
 
 
+@dataclass
+class AttributedSaves:
+    """What :func:`attributing_saves` counted, by owner (what ``owner()`` returned at the save:
+    a graph node's name, say)."""
+
+    #: owner -> bytes of the storages it was the first to save (their sum is the block's total)
+    first_bytes: dict[Hashable, int] = field(default_factory=dict)
+    #: storage key -> every owner that saved (part of) that storage
+    savers: dict[StorageKey, set[Hashable]] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def attributing_saves(
+    owner: Callable[[], Hashable], excluded: Collection[StorageKey] = ()
+) -> Iterator[AttributedSaves]:
+    """:func:`counting_saves` with each save attributed to ``owner()``, called as the save
+    happens (the code running then: a node of an ``fx.Interpreter``). A storage's bytes go to
+    its first saver, so the owners' bytes add up to the block's count, and every saver is
+    listed, to tell who else keeps a storage alive."""
+    saves = AttributedSaves()
+
+    def attribute(key: StorageKey, t: Tensor, first: bool) -> None:
+        current = owner()
+        saves.savers.setdefault(key, set()).add(current)
+        if first:
+            saves.first_bytes[current] = (saves.first_bytes.get(current, 0)
+                                          + t.untyped_storage().nbytes())
+
+    with counting_saves(excluded, attribute):
+        yield saves
+
+
 def saved_storages(
     fn: Callable[..., Any], *args: Any, exclude: Iterable[Tensor] = (), **kwargs: Any
 ) -> list[SavedStorage]:
@@ -82,10 +125,10 @@ def saved_storages(
     """
     excluded = {_storage_key(t) for t in exclude}
     if isinstance(fn, nn.Module):
-        excluded.update(_storage_key(t) for t in (*fn.parameters(), *fn.buffers()))
+        excluded |= state_keys(fn)
     storages: list[SavedStorage] = []
 
-    def describe(key: tuple[str, int], t: Tensor, first: bool) -> None:
+    def describe(key: StorageKey, t: Tensor, first: bool) -> None:
         if first:
             storages.append(SavedStorage(tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
 
@@ -98,7 +141,8 @@ def saved_storages(
 def saved_tensor_bytes(
     fn: Callable[..., Any], *args: Any, exclude: Iterable[Tensor] = (), **kwargs: Any
 ) -> int:
-    """Bytes of activation memory ``fn(*args, **kwargs)`` keeps for backward (see module doc)."""
+    """Bytes of activation memory ``fn(*args, **kwargs)`` keeps for backward (see the doc of
+    ``iabn.memory``)."""
     return sum(s.nbytes for s in saved_storages(fn, *args, exclude=exclude, **kwargs))
 
 
@@ -166,4 +210,6 @@ def compiled_saved_bytes(
     return total
 
 
-__all__ = ["SavedStorage", "compiled_saved_bytes", "saved_storages", "saved_tensor_bytes"]
+__all__ = ["AttributedSaves", "SavedCallback", "SavedStorage", "StorageKey", "attributing_saves",
+           "compiled_saved_bytes", "counting_saves", "saved_storages", "saved_tensor_bytes",
+           "state_keys"]

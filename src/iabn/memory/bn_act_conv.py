@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import activation as act
-from .checks import check_inputs, check_options
-from .kernels.common import channel_view, scale_and_shift, stat_dtype
-from .modules import ABN, InPlaceABN
-from .scale import SIGNED, gamma_grad
+from .. import activation as act
+from ..checks import check_inputs, check_options
+from ..kernels.common import channel_view, scale_and_shift, stat_dtype
+from ..modules import ABN, InPlaceABN
+from ..scale import SIGNED, gamma_grad
 
 STRATEGIES = ("standard", "checkpoint", "checkpoint_opt", "inplace_I", "inplace_II")
 
