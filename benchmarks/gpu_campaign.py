@@ -73,7 +73,7 @@ device name: on another kind of GPU use another ``--out`` (e.g. ``benchmarks/res
 unpack into that folder). ``--list`` prints the parts and their commands.
 
 ``--smoke`` rehearses the same orchestration on a CPU with each part's quickest settings (tiny
-shapes, ``--quick``, ``tests/test_errors.py`` instead of the suite; every network part runs one
+shapes, ``--quick``, ``tests/core/test_errors.py`` instead of the suite; every network part runs one
 quick eager cell, measured by the first and resumed by the others, and nothing is compiled:
 Inductor takes minutes on a CPU) into ``runs/benchmarks/campaign_smoke``; it never writes
 under ``benchmarks/results/``. For tests, ``--part-command-override 'PATTERN=COMMAND'``
@@ -203,8 +203,8 @@ def plan(smoke: bool) -> list[Part]:
     if smoke:
         parts = [
             part("suite", "suite", ["benchmarks/suite_log.py", "--log", f["suite"], "--",
-                                    "-p", "no:cacheprovider", "tests/test_errors.py"],
-                 ["suite"], note="smoke: tests/test_errors.py only"),
+                                    "-p", "no:cacheprovider", "tests/core/test_errors.py"],
+                 ["suite"], note="smoke: tests/core/test_errors.py only"),
             part("slope_errors", "slopes", ["benchmarks/slope_errors.py", "--device", "cpu",
                                             "--shapes", "2x3x8x8", "--dtypes", "float32",
                                             "--layouts", "nchw", "--json", f["slopes"]],

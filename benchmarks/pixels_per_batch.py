@@ -17,9 +17,9 @@ Methods: ``bn`` (standard BN + LeakyReLU), ``iabn`` (InPlace-ABN), ``iabn_offloa
 the device while backward uses it: a floor under offloading's real working set).
 
 These are activation bytes saved for backward (model + loss, exact, counted on PyTorch's meta
-device at the real sizes; equal to real CPU counts, see tests/test_pixels_per_batch.py), not GPU
-peak memory: weights, gradients, optimiser state, cuDNN workspaces, the backward transient and
-allocator fragmentation are not in them, and GPU peak memory is unmeasured here.
+device at the real sizes; equal to real CPU counts, see tests/tools/test_pixels_per_batch.py),
+not GPU peak memory: weights, gradients, optimiser state, cuDNN workspaces, the backward
+transient and allocator fragmentation are not in them, and GPU peak memory is unmeasured here.
 
 Usage::
 

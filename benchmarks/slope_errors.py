@@ -5,7 +5,7 @@ layout and seed. See :mod:`iabn.tools.bench.slopes` for what is counted and why.
 On a CUDA machine it runs the compiled kernels at the GPU sweep's sizes (100k-524k values per
 channel); elsewhere ``--device cpu`` runs the Triton kernels under the interpreter (it sets
 ``TRITON_INTERPRET=1`` itself), about 30 s per 6.4M-element case on 2 cores; the interpreter
-truncates float32 to bfloat16 where a GPU rounds (tests/triton_interpreter.py), which moves
+truncates float32 to bfloat16 where a GPU rounds (tests/support/triton_interpreter.py), which moves
 values by one unit in the last place, far below the counting tolerance. Results go to a JSON
 file with the machine, versions and date; a table is printed as each case finishes.
 

@@ -4,7 +4,7 @@ repository root (``examples`` is imported from the current folder, so put it on 
 
     PYTHONPATH=. iabn memory examples.zoo_models:resnet50_group_norm --input 8,3,224,224
 
-tests/test_convert_zoo.py builds the same models from these factories.
+tests/conversion/test_convert_zoo.py builds the same models from these factories.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Three kinds of test, told apart by markers (registered in pyproject.toml):
   kernels, which ``auto`` uses on CUDA by default.
 - ``without_gpu``: models a machine without CUDA (the tools pick CUDA when they see one, the
   offloader copies only device memory). Where CUDA is visible they are skipped here and
-  ``tests/test_machines.py`` runs them in a subprocess with ``CUDA_VISIBLE_DEVICES=``.
+  ``tests/core/test_machines.py`` runs them in a subprocess with ``CUDA_VISIBLE_DEVICES=``.
 
 Without CUDA the Triton kernels run under Triton's CPU interpreter. With CUDA they are compiled
 for the GPU, unless ``IABN_TEST_INTERPRET=1`` asks for the interpreter there too (the
@@ -29,7 +29,7 @@ from helpers import HAS_CUDA, INTERPRET, TRITON_DEVICE
 
 # One intra-op thread per test process unless OMP_NUM_THREADS says otherwise: the tests run
 # tiny tensors, on which a second OpenMP thread costs more in synchronisation than it computes
-# (tests/test_gradcheck.py on the 2-core machine: 50 s with 2 threads, 9.5 s with 1). The
+# (tests/core/test_gradcheck.py on the 2-core machine: 50 s with 2 threads, 9.5 s with 1). The
 # variable is inherited by the tools the tests start as subprocesses.
 if "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -45,7 +45,7 @@ if HAS_CUDA:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 NEEDS_CUDA = "needs a CUDA device (selected with -m gpu)"
-MODELS_NO_GPU = ("models a machine without CUDA: tests/test_machines.py runs it in a "
+MODELS_NO_GPU = ("models a machine without CUDA: tests/core/test_machines.py runs it in a "
                  "subprocess with CUDA_VISIBLE_DEVICES=")
 
 

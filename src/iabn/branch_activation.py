@@ -90,7 +90,7 @@ def derivative(y: Tensor, activation: str) -> Tensor:
 
 
 #: ``(y*, z*, c)`` per activation: where ``phi' = 0``, ``phi(y*)`` and ``c = phi''(y*)``, by
-#: float64 Newton steps on ``phi'`` (tests/test_branch_activation.py checks them against
+#: float64 Newton steps on ``phi'`` (tests/core/test_branch_activation.py checks them against
 #: torch's own derivatives). Plain floats: the compiler traces them as constants.
 MINIMA = {
     act.SILU: (-1.278464542761074, -0.27846454276107385, 0.2178117057198001),

@@ -30,7 +30,7 @@ not forced: the only marking the partitioner honours is selective activation che
 (``MUST_SAVE``), which, tried, also kept ``z`` of every layer inside a user's
 ``torch.utils.checkpoint`` region (where everything is otherwise recomputed), overrides
 ``activation_memory_budget`` and writes ``z`` where it would be fused away.
-``tests/test_compile.py`` checks what the graphs Inductor would compile keep.
+``tests/core/test_compile.py`` checks what the graphs Inductor would compile keep.
 
 **In place.** The function's output is a new tensor; :func:`inplace_abn` then copies it into
 the input, so the caller's tensor is overwritten as in eager mode, and returns the output,
@@ -63,7 +63,7 @@ from .kernels import traceable
 from .layer_config import LayerConfig
 
 #: Whether the compiler is given the traceable layer (else the opaque ``iabn::`` operators of
-#: :mod:`iabn.ops`). On for every supported torch: tests/test_compile.py passes on 2.11.0,
+#: :mod:`iabn.ops`). On for every supported torch: tests/core/test_compile.py passes on 2.11.0,
 #: 2.12.0, 2.13.0 and 2.14.1 (CPU). It was on from 2.14 only while the forward wrote the
 #: activation in place, which gave torch 2.11.0 wrong gradients ("No in-place operation makes
 #: the output" above).

@@ -24,7 +24,7 @@ is not needed). Backward recovers ``y = phi^-1(z)``, ``dy = phi'(y) * dz`` (from
 ``native_group_norm_backward(dy, input=xhat, mean=0, rstd=1, weight=g)`` computes exactly
 ``dbeta``, ``dg`` and the bracket (its normalised input ``(xhat - 0) * 1`` is ``xhat``), so
 ``dx`` is its first output times ``rstd`` of the sample and group (checked against
-``nn.GroupNorm`` in float64 by tests/test_group_norm.py). ``dweight = dg`` in signed mode,
+``nn.GroupNorm`` in float64 by tests/core/test_group_norm.py). ``dweight = dg`` in signed mode,
 ``dg`` times ``d|weight|/dweight`` in abs mode (:func:`iabn.scale.gamma_grad`).
 
 float16 and bfloat16 inputs are normalised by the same kernel as ``nn.GroupNorm`` (forward

@@ -11,7 +11,7 @@ ATen operations the compiler traces, fuses and differentiates through the backwa
 with no call back into Python per layer (docs/design.md, "Under torch.compile").
 
 Two operators remain registered, each with a fake implementation and checked by
-``torch.library.opcheck`` (``tests/test_compile.py``), for code that calls
+``torch.library.opcheck`` (``tests/core/test_compile.py``), for code that calls
 :class:`InPlaceABNFunction` itself while compiling, where :func:`kernels_for` gives them:
 
 ``iabn::inplace_abn_forward_``

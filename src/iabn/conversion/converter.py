@@ -218,7 +218,7 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
     """For each normalisation module called in ``graph``: bytes of the storages that it and
     the activation consuming its output are first to save for backward (training mode); the
     bytes of all of them, which is :func:`iabn.memory.saved_tensor_bytes` of the model (the
-    graph computes what the model computes; ``tests/test_convert_zoo.py`` compares them);
+    graph computes what the model computes; ``tests/conversion/test_convert_zoo.py`` compares them);
     and, for each convertible norm, the other nodes that save (part of) its input's storage."""
     with preserved(model), same_randomness(args):
         model.train()

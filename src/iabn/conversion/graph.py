@@ -354,10 +354,10 @@ _FRESH_METHODS = {"add", "sub"}
 
 #: Operations known to return a new tensor (never their argument itself nor a view of it, at
 #: any setting: ``F.pad`` by 0, pooling of size 1 and ``x + 0`` copy; checked in
-#: tests/test_convert_aliases.py). Every other operation may return its input or a view of it
-#: (views, ``dropout`` in eval mode or with ``p=0``, ``.to()``/``.contiguous()`` when nothing
-#: changes, ``nn.Identity``, ``+x``, ``einsum``), so a write into its result may be a write into
-#: its input.
+#: tests/conversion/test_convert_aliases.py). Every other operation may return its input or a
+#: view of it (views, ``dropout`` in eval mode or with ``p=0``, ``.to()``/``.contiguous()`` when
+#: nothing changes, ``nn.Identity``, ``+x``, ``einsum``), so a write into its result may be a
+#: write into its input.
 _NEW_FUNCTIONS = {
     *_FRESH_FUNCTIONS,
     operator.mul, operator.truediv, operator.floordiv, operator.mod, operator.pow,

@@ -52,7 +52,7 @@ def full_dtype(dtype: torch.dtype, activation: str, variant: int) -> torch.dtype
     per-channel tensors, so a half input needs no float32 copy (which would hold twice its
     bytes). Recovering ``y = z / a`` of leaky_relu in half precision rounds it once more
     where ``z < 0`` (relative ``2^-9`` in bfloat16), and ``dy`` is rounded as PyTorch's own
-    LeakyReLU backward rounds it: within the bounds of tests/test_dtypes.py (twice PyTorch's
+    LeakyReLU backward rounds it: within the bounds of tests/core/test_dtypes.py (twice PyTorch's
     error). Two cases are not, measured there in bfloat16: ``elu``, whose
     ``dy = dz * (z + alpha)`` and ``y = log1p(z / alpha)`` cancel near ``z = -alpha`` (bias
     gradient 2.3x PyTorch's error), and variant I, whose ``xhat`` rounded to bfloat16 puts

@@ -40,7 +40,7 @@ _ACTIVATION_CODES = {act.IDENTITY: k.IDENTITY, act.LEAKY_RELU: k.LEAKY_RELU, act
 
 #: Chebyshev coefficients of ``(1 + 2t) exp(t^2) erfc(t)`` in ``s = (t - K) / (t + K)``,
 #: ``K = 3.75`` (:func:`.triton_kernels._erfcx`): interpolation at 25 Chebyshev nodes of the
-#: first kind, from mpmath's ``erfc`` at 40 digits (tests/test_triton_branch.py recomputes
+#: first kind, from mpmath's ``erfc`` at 40 digits (tests/kernels/test_triton_branch.py recomputes
 #: them). Float64 layers use all 25, float32 (and half) the first 16.
 ERFCX_SERIES = (
     1.1775789345674017, -0.004590054580646478, -0.08424913336651792, 0.05920993999819189,

@@ -6,6 +6,6 @@ segment``), :mod:`.metrics`, :mod:`.losses` and :mod:`.bench` (benchmark helpers
 bench``, ``iabn memory`` and benchmarks/).
 
 The tools depend on the core (layers, kernels, memory, offloading, conversion, models), never
-the reverse: no module outside this package imports one inside it (tests/test_imports.py), so
+the reverse: no module outside this package imports one inside it (tests/core/test_imports.py), so
 ``import iabn`` does not load them.
 """

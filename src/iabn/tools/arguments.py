@@ -206,7 +206,7 @@ def parse_budget(text: str) -> int | float:
 
 
 #: The choices ``iabn.plan`` can make (``iabn.planning.ALLOWED``, which imports torch;
-#: tests/test_cli_startup.py checks that the two agree).
+#: tests/tools/test_cli_startup.py checks that the two agree).
 PLAN_CHOICES = ("inplace", "recompute", "offload")
 
 

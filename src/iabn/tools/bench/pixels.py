@@ -10,9 +10,10 @@ transient are not in it).
 
 Exact counts at 16 x 512 x 512 would take minutes and tens of GiB on a CPU, so the forward runs
 on PyTorch's ``meta`` device: tensors there have shapes, dtypes and storages but no data, and
-saved-tensor hooks see the same tensors as on a real device. ``tests/test_pixels_per_batch.py``
-checks that the meta counts equal :func:`iabn.memory.saved_tensor_bytes` and
-:class:`iabn.OffloadModel`'s kept bytes on real CPU tensors.
+saved-tensor hooks see the same tensors as on a real device.
+``tests/tools/test_pixels_per_batch.py`` checks that the meta counts equal
+:func:`iabn.memory.saved_tensor_bytes` and :class:`iabn.OffloadModel`'s kept bytes on real CPU
+tensors.
 
 Storages are keyed by their ``StorageImpl`` (``untyped_storage()._cdata``), not by data pointer:
 every meta storage has data pointer 0. Every counted tensor stays referenced until counting
