@@ -1,6 +1,7 @@
-"""The layers' lean eager path (docs/design.md, "Host cost"): what it keeps between calls is
-dropped when what it depends on changes, and the tensors it reads from nn.Module's tables
-are the ones ``layer.weight`` and the others would give, against ``torch.nn`` in float64."""
+"""The layers' lean eager path (docs/design.md, "The in-place contract", its "Host cost"
+paragraph): what it keeps between calls is dropped when what it depends on changes, and the
+tensors it reads from nn.Module's tables are the ones ``layer.weight`` and the others would
+give, against ``torch.nn`` in float64."""
 
 from __future__ import annotations
 

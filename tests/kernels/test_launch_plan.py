@@ -1,5 +1,5 @@
 """The ATen calls one training step of a layer makes on the reference backend: the launch plan
-of docs/design.md, "Host cost", held exactly.
+of docs/design.md, "The in-place contract" (its "Host cost" paragraph), held exactly.
 
 Every call costs host time (about 1-2 µs on CPU, a kernel launch on CUDA), so this is the
 number that must stay at the minimum the math needs. Counted with a ``TorchDispatchMode``,

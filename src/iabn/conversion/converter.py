@@ -13,7 +13,7 @@ from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves
 
 from ..group_norm import GroupNormAct
-from ..memory import _storage_key, attributing_saves, saved_tensor_bytes, state_keys
+from ..memory import attributing_saves, saved_tensor_bytes, state_keys, storage_key
 from ..modules import ABN
 from ..trial_runs import preserved, same_randomness
 from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
@@ -209,7 +209,7 @@ class _Attributing(fx.Interpreter):
         if n.op == "call_module" and is_convertible_norm(self._modules[n.target]):
             first = self.env.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
             if isinstance(first, Tensor):
-                self.norm_inputs[n.name] = _storage_key(first)
+                self.norm_inputs[n.name] = storage_key(first)
         return super().run_node(n)
 
 

@@ -20,9 +20,9 @@ two load when used, since ``bn_act_conv`` imports the layers.
 # helpers, for the converter, the planner and the tools
 from .saved import SavedCallback as SavedCallback
 from .saved import SavedStorage, compiled_saved_bytes, saved_storages, saved_tensor_bytes
-from .saved import _storage_key as _storage_key
 from .saved import attributing_saves as attributing_saves
 from .saved import counting_saves as counting_saves
 from .saved import state_keys as state_keys
+from .saved import storage_key as storage_key
 
 __all__ = ["SavedStorage", "compiled_saved_bytes", "saved_storages", "saved_tensor_bytes"]

@@ -31,7 +31,7 @@ class SavedStorage:
 StorageKey = tuple[str, int]
 
 
-def _storage_key(t: Tensor) -> StorageKey:
+def storage_key(t: Tensor) -> StorageKey:
     # The storage object's address, not its data pointer: every tensor on the ``meta`` device
     # has data pointer 0, and counting at real sizes without memory is what meta is for.
     # (Counted tensors are held alive, so no address is reused while counting.)
@@ -41,7 +41,7 @@ def _storage_key(t: Tensor) -> StorageKey:
 def state_keys(*modules: nn.Module) -> set[StorageKey]:
     """The storage keys of ``modules``' parameters and buffers: what a count of activations
     leaves out (they are the model itself, kept whether or not backward runs)."""
-    return {_storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
+    return {storage_key(t) for m in modules for t in (*m.parameters(), *m.buffers())}
 
 
 SavedCallback = Callable[[StorageKey, Tensor, bool], None]
@@ -52,7 +52,7 @@ def counting_saves(
     excluded: Collection[StorageKey] = (), on_saved: SavedCallback | None = None
 ) -> Iterator[dict[StorageKey, int]]:
     """Count what autograd saves for backward inside the block: yields ``{storage key: bytes}``
-    of the distinct storages saved (keys by :func:`_storage_key`, in first-save order), the
+    of the distinct storages saved (keys by :func:`storage_key`, in first-save order), the
     storages in ``excluded`` (parameters, buffers) left out. ``on_saved(key, tensor, first)``
     is called for each of those saves, ``first`` when its storage is saved for the first time.
 
@@ -66,7 +66,7 @@ def counting_saves(
     held: list[Tensor] = []
 
     def pack(t: Tensor) -> Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in excluded:
             first = key not in sizes
             if first:
@@ -123,7 +123,7 @@ def saved_storages(
     Storages of ``exclude`` are not listed; when ``fn`` is an ``nn.Module`` its parameters and
     buffers are excluded too (they are not activations).
     """
-    excluded = {_storage_key(t) for t in exclude}
+    excluded = {storage_key(t) for t in exclude}
     if isinstance(fn, nn.Module):
         excluded |= state_keys(fn)
     storages: list[SavedStorage] = []

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..memory import _storage_key, counting_saves, state_keys
+from ..memory import counting_saves, state_keys, storage_key
 from ..trial_runs import preserved, same_randomness
 from .cost import REST, OpCount, OpCounter
 from .segments import tensor_leaves
@@ -90,7 +90,7 @@ class _Recorder(Observer):
         self.input_names: dict[int, list[Identity]] = {}
 
     def _name(self, t: Tensor, identity: Identity) -> None:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in self.names:
             self.names[key] = identity
             self.sizes[identity] = t.untyped_storage().nbytes()
@@ -100,7 +100,7 @@ class _Recorder(Observer):
         tensors = tensor_leaves(tuple(inputs))
         for i, t in enumerate(tensors):
             self._name(t, ("in", unit, i))
-        self.input_names[unit] = [self.names[_storage_key(t)] for t in tensors]
+        self.input_names[unit] = [self.names[storage_key(t)] for t in tensors]
         self.input_versions[unit] = [(t, t._version) for t in tensors]
         if self.capture:
             self.inputs[unit] = tuple(t.detach().clone() for t in tensors)
@@ -203,7 +203,7 @@ def recomputed_saves(modules: Sequence[nn.Module], inputs: Sequence[Tensor],
     ``inputs`` (the first unit's recorded input, whose boundary identities are
     ``identities``). ``last`` is the run's last unit: an output it keeps (a selective run
     ending in a product) is that unit's boundary output."""
-    names = {_storage_key(t): identity for t, identity in zip(inputs, identities, strict=True)}
+    names = {storage_key(t): identity for t, identity in zip(inputs, identities, strict=True)}
     excluded = state_keys(*modules)
     container = nn.ModuleList(modules)
     fn = modules[0] if len(modules) == 1 else _chain(modules)
@@ -212,7 +212,7 @@ def recomputed_saves(modules: Sequence[nn.Module], inputs: Sequence[Tensor],
         container.train()
         out = recomputed(fn, modules, *inputs, selective=selective, lean=lean)
         for i, t in enumerate(tensor_leaves(out)):
-            names.setdefault(_storage_key(t), ("out", last, i))
+            names.setdefault(storage_key(t), ("out", last, i))
         del out
     saved = Saved()
     for key, nbytes in packed.items():

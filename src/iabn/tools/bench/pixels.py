@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...memory import _storage_key, counting_saves, state_keys
+from ...memory import counting_saves, state_keys, storage_key
 from ...memory.offloading import DEFAULT_LAYERS
 from ...models import DeepLabV3Head, ResNeXt, SegmentationNet, deeplabv3_wider_resnet38
 
@@ -101,7 +101,7 @@ def _offload_candidates(model: nn.Module) -> Iterator[set[tuple[str, int]]]:
 
     def mark(module: nn.Module, args: tuple[Any, ...]) -> None:
         if args and isinstance(args[0], Tensor):
-            inputs.add(_storage_key(args[0]))
+            inputs.add(storage_key(args[0]))
 
     handles = [m.register_forward_pre_hook(mark) for m in model.modules()
                if isinstance(m, DEFAULT_LAYERS)]
