@@ -12,6 +12,8 @@ from iabn.kernels import dispatch, reference
 from iabn.kernels.backend import KernelBackend
 from iabn.layer_config import LayerConfig
 
+from helpers import TRITON_DEVICE
+
 CONTRACT = ("forward_", "backward", "local_sums", "input_grad")
 
 
@@ -40,13 +42,15 @@ def test_backend_signatures_keep_the_contract(module, function):
     assert all(p.default is not inspect.Parameter.empty for p in extra), extra
 
 
-def test_every_backend_dispatch_returns_keeps_it(monkeypatch):
-    """backend_for returns a module of _backends() whatever IABN_BACKEND says (Triton only
-    where it can run), so the layers need no second dispatcher for the synchronised halves."""
-    x = torch.zeros(2, 3)
-    monkeypatch.setenv(dispatch.ENV, "reference")
-    assert dispatch.backend_for(x) is reference
-    assert all(hasattr(dispatch.backend_for(x), name) for name in CONTRACT)
+@pytest.mark.parametrize("choice", dispatch.CHOICES)
+def test_every_backend_dispatch_returns_keeps_it(monkeypatch, choice):
+    """backend_for returns one of the modules checked above whatever IABN_BACKEND says, so the
+    layers need no second dispatcher for the synchronised halves."""
+    if choice == "triton" and not dispatch.has_triton():
+        pytest.skip("Triton is not installed")
+    x = torch.zeros(2, 3, device=TRITON_DEVICE if choice == "triton" else "cpu")
+    monkeypatch.setenv(dispatch.ENV, choice)
+    assert dispatch.backend_for(x) in list(_backends())
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

@@ -159,16 +159,27 @@ def inplace_abn_sync(
     )
     if synced_group is None:
         return inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
-    if debug._ACTIVE and debug.intercepts():  # iabn.debug.poison_overwritten
-        return debug.poisoned_call(
-            lambda copy: InPlaceABNSyncFunction.apply(
-                copy, weight, bias, running_mean, running_var, config, synced_group
-            ),
-            input, "iabn.distributed.inplace_abn_sync",
-        )
-    return InPlaceABNSyncFunction.apply(
-        overwritable(input), weight, bias, running_mean, running_var, config, synced_group
-    )
+    return synchronised_call(input, weight, bias, running_mean, running_var, config,
+                             synced_group, "iabn.distributed.inplace_abn_sync")
 
 
-__all__ = ["InPlaceABNSyncFunction", "check_across_ranks", "inplace_abn_sync"]
+def synchronised_call(
+    input: Tensor, weight: Tensor | None, bias: Tensor | None, running_mean: Tensor | None,
+    running_var: Tensor | None, config: LayerConfig, group: Any, name: str,
+    poison: bool = True,
+) -> Tensor:
+    """:class:`InPlaceABNSyncFunction` on ``input`` after the checks, the one path of the
+    functional form and the modules: with :func:`iabn.debug.poison_overwritten` active (and
+    ``poison``: not for a copy nobody else can read) through the debug mode's poisoned call,
+    which names the call ``name``."""
+
+    def step(x: Tensor) -> Tensor:
+        return InPlaceABNSyncFunction.apply(x, weight, bias, running_mean, running_var, config,
+                                            group)
+
+    if poison and debug._ACTIVE and debug.intercepts():
+        return debug.poisoned_call(step, input, name)
+    return step(overwritable(input))
+
+
+__all__ = ["InPlaceABNSyncFunction", "check_across_ranks", "inplace_abn_sync", "synchronised_call"]

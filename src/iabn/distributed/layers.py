@@ -14,13 +14,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .. import debug
 from ..checks import check_inputs, check_options
 from ..layer_config import LayerConfig
 from ..modules import ABN, InPlaceABN, rebuilt_as
-from ..ops import overwritable
 from ..scale import SIGNED
-from .function import InPlaceABNSyncFunction, check_across_ranks
+from .function import check_across_ranks, synchronised_call
 from .groups import group_to_sync
 
 
@@ -52,18 +50,9 @@ class _Synchronised:
         momentum = self._running_factor(self.num_batches_tracked) if tracking else 0.0
         config = LayerConfig(True, momentum, self.eps, self.activation, self.activation_param,
                              self.gamma_mode)
-        weight, bias = self.weight, self.bias
-
-        def step(x: Tensor) -> Tensor:
-            return InPlaceABNSyncFunction.apply(
-                x, weight, bias, running_mean, running_var, config, group
-            )
-
         # ABNSync hands in its own copy, which nobody else can read: nothing to poison there.
-        if self._in_place and debug._ACTIVE and debug.intercepts():
-            out = debug.poisoned_call(step, input, "iabn.InPlaceABNSync")
-        else:
-            out = step(overwritable(input))
+        out = synchronised_call(input, self.weight, self.bias, running_mean, running_var, config,
+                                group, "iabn.InPlaceABNSync", poison=self._in_place)
         if tracking:  # counted only once the step succeeded on every rank
             self.num_batches_tracked.add_(1)
         return out
