@@ -20,6 +20,11 @@ with providers interleaved within each repeat. Also reported:
 - the largest relative error of each provider's output and input gradient against a float64
   ``nn.BatchNorm2d`` computation on the same input.
 
+With ``--profile``, one more forward + backward of every provider runs under
+``torch.profiler`` (``iabn.tools.bench.profile``): its kernel launches, their summed device time
+against the wall time, and the top kernels; a layer short of its bandwidth target is explained
+by these (``profile`` in each row of mode ``full``).
+
 Results go to a JSON file (with device name, versions and date) and are appended to a CSV.
 Plot with ``benchmarks/plot_gpu_speed.py``. ``--device cpu --quick`` is a smoke run for CI:
 CPU times say nothing about GPU behaviour.
@@ -28,6 +33,7 @@ Usage::
 
     python benchmarks/gpu_speed.py [--repeats 50] [--dtypes float32,bfloat16]
         [--layouts nchw,channels_last] [--providers eager,compile,reference,triton]
+        [--shapes 32x256x56x56,...] [--profile]
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from torch import nn
 
 import iabn
 from iabn.tools.bench import RESNEXT101_STAGES, machine_info, results_folder, write_json
+from iabn.tools.bench.profile import format_profile, profile_call
 
 PAPER_SHAPES = [*((32, c, s, s) for c, s in RESNEXT101_STAGES), (8, 256, 128, 128)]
 QUICK_SHAPES = [(4, 8, 6, 6), (2, 16, 3, 5)]
@@ -189,6 +196,12 @@ def bench_config(shape, dtype, layout, providers, args, timer, copy_gbps) -> lis
     for provider, layer in layers.items():
         out_err, grad_err = max_relative_errors(layer, leaf, grad, channels)
         peak = peak_step_mib(layer, leaf, grad)
+        profiled = None
+        if args.profile:
+            leaf.grad = None
+            x = leaf.clone()
+            profiled = profile_call(lambda layer=layer, x=x: layer(x).backward(grad), device)
+            print(f"    {provider}: {format_profile(profiled)}", file=sys.stderr, flush=True)
         for mode in MODES:
             ms = median(times[provider, mode])
             gbps = MIN_TRAFFIC[mode] * tensor_bytes / (ms * 1e-3) / 1e9
@@ -197,6 +210,7 @@ def bench_config(shape, dtype, layout, providers, args, timer, copy_gbps) -> lis
                 "layout": layout, "provider": provider, "mode": mode, "median_ms": ms,
                 "effective_gbps": gbps, "fraction_of_copy": gbps / copy_gbps,
                 "peak_step_mib": peak, "output_rel_err": out_err, "grad_rel_err": grad_err,
+                **({"profile": profiled} if mode == "full" and profiled else {}),
             })
     return rows
 
@@ -228,6 +242,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--layouts", default="nchw,channels_last")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--shapes", default=None,
+                        help="NxCxHxW,... (default: the paper's shapes; --quick: tiny ones)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one forward + backward per provider (kernels, time)")
     parser.add_argument("--json", type=Path, default=RESULTS / "gpu_speed.json")
     parser.add_argument("--csv", type=Path, default=RESULTS / "gpu_speed.csv")
     args = parser.parse_args(argv)
@@ -244,7 +262,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "--quick only for a smoke run of the script)")
     if args.quick:
         args.repeats, args.warmup = min(args.repeats, 3), 1
+    args.shapes = (parse_shapes(args.shapes, parser) if args.shapes is not None
+                   else QUICK_SHAPES if args.quick else PAPER_SHAPES)
     return args
+
+
+def parse_shapes(text: str, parser: argparse.ArgumentParser) -> list[tuple[int, ...]]:
+    shapes = []
+    for item in text.split(","):
+        try:
+            shape = tuple(int(n) for n in item.strip().lower().split("x"))
+        except ValueError:
+            shape = ()
+        if len(shape) != 4 or min(shape) < 1:
+            parser.error(f"--shapes: {item.strip()!r} is not NxCxHxW (four positive integers, "
+                         f"e.g. 32x256x56x56)")
+        shapes.append(shape)
+    return shapes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,20 +287,21 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(device)
     copy_gbps = copy_bandwidth(device, max(args.repeats // 5, 3))
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s", file=sys.stderr)
-    shapes = QUICK_SHAPES if args.quick else PAPER_SHAPES
     rows: list[dict] = []
-    configs = [(s, d, lay) for s in shapes for d in args.dtypes for lay in args.layouts]
+    configs = [(s, d, lay) for s in args.shapes for d in args.dtypes for lay in args.layouts]
     for index, (shape, dtype, layout) in enumerate(configs, 1):
         print(f"[{index}/{len(configs)}] {shape} {dtype} {layout}", file=sys.stderr, flush=True)
         rows.extend(bench_config(shape, dtype, layout, args.providers, args, timer, copy_gbps))
     info = machine_info(device)
     write_json(args.json, {"machine": info, "copy_gbps": copy_gbps, "repeats": args.repeats,
-                           "rows": rows})
+                           "warmup": args.warmup, "rows": rows})
     new_file = not args.csv.exists()
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("a", newline="") as handle:
-        fields = ["date_utc", "device_name", "torch_version", "triton_version", *rows[0]]
-        writer = csv.DictWriter(handle, fieldnames=fields)
+        # flat columns only: a row's profile (a nested record) stays in the JSON
+        fields = ["date_utc", "device_name", "torch_version", "triton_version",
+                  *(key for key in rows[0] if key != "profile")]
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         if new_file:
             writer.writeheader()
         for row in rows:

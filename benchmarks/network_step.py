@@ -30,6 +30,11 @@ Memory, per provider:
   with the batch; per-channel statistics and autocast's weight copies do not), which the third
   count checks (``saved_bytes_linear``).
 
+With ``--profile``, one more step of every provider runs under ``torch.profiler``
+(``iabn.tools.bench.profile``): the kernels it launched, their summed device time against the
+step's wall time, and the top kernels (``profile`` of each provider): a step slower than its
+target is explained by where its time goes, device or host.
+
 Largest batch in a fixed memory budget (``--budget-gib``, eager cells only):
 
 - ``largest_batch_saved``: the largest batch whose saved bytes stay within the budget, solved
@@ -58,7 +63,7 @@ Usage::
         [--layouts channels_last,nchw] [--modes eager,compile,reduce_overhead]
         [--providers bn,iabn,...]
         [--repeats 8] [--warmup 3] [--budget-gib 16] [--max-batch 1024] [--no-peak-search]
-        [--cudnn-benchmark] [--threads N] [--quick] [--resume]
+        [--cudnn-benchmark] [--threads N] [--quick] [--resume] [--profile]
         [--json benchmarks/results/network_step_<device>.json] [--png PATH]
 """
 
@@ -94,6 +99,7 @@ from iabn.tools.bench import (
     write_json,
     write_text_atomic,
 )
+from iabn.tools.bench.profile import format_profile, profile_call
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 #: Models and their batch in the whole-network table (224 x 224 images).
@@ -372,6 +378,9 @@ def run_cell(cell: Cell, providers: list[str], device: torch.device, args: argpa
         out["samples_ms"] = samples[provider]
         out["peak_step_bytes"] = (peak_step_bytes(runner, images, labels)
                                   if device.type == "cuda" else None)
+        if args.profile:
+            out["profile"] = profile_call(lambda r=runner: r.step(images, labels), device)
+            log(f"    {provider}: {format_profile(out['profile'])}")
         fit = fit_saved_bytes(runner, cell) if cell.mode == "eager" else None
         out["saved_bytes"] = fit.at_batch if fit else None
         out["saved_bytes_fixed"] = fit.fixed if fit else None
@@ -629,6 +638,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true",
                         help="keep the cells already in the JSON file (same device and "
                              "settings) and measure only the others: split a long run")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step per provider (kernels, device vs wall time)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--png", type=Path, default=None,
                         help="default: the JSON path with .png")

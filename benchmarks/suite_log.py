@@ -6,7 +6,9 @@ that switching ``IABN_BACKEND=auto`` to the Triton kernels rests on a green run 
 This script runs ``python -m pytest -q`` with the given arguments (default ``-n 8`` when
 pytest-xdist is installed), streams its output, and writes the header and the whole output to
 ``runs/benchmarks/suite_<device>.log``, or with ``IABN_COMMIT_RESULTS=1`` the committed
-``benchmarks/results/suite_<device>.log`` (atomically). It exits with pytest's exit code.
+``benchmarks/results/suite_<device>.log`` (atomically). It exits with pytest's exit code. On
+SIGINT (a time limit: the GPU campaign caps its test parts) pytest reports the failures it has
+seen, and the log is written with that report.
 
 Usage::
 
@@ -81,9 +83,19 @@ def main(argv: list[str] | None = None) -> int:
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
-    for line in process.stdout:
-        print(line, end="", flush=True)
-        lines.append(line.rstrip("\n"))
+
+    def copy_output() -> None:
+        for line in process.stdout:
+            print(line, end="", flush=True)
+            lines.append(line.rstrip("\n"))
+
+    try:
+        copy_output()
+    except KeyboardInterrupt:
+        # a time limit's SIGINT reaches pytest too (one process group): it reports the
+        # failures it has seen and ends; keep that and write the log
+        lines.append("=== suite_log: interrupted (SIGINT); pytest's report follows")
+        copy_output()
     code = process.wait()
     lines.append(f"exit code: {code}")
     from iabn.tools.bench import results_folder
