@@ -1,34 +1,33 @@
 """The GPU checks and measurements still outstanding, as one resumable command (the campaign).
 
-On an H100/H200 it runs, in this order, each part as a subprocess of its own (a crash or a
-failure of one part is recorded with its exit status and the tail of its log, and the campaign
-goes on with the next):
+On an H100/H200 it runs its parts ordered by value (``ORDER``), each as a subprocess of its own
+(a crash or a failure of one part is recorded with its exit status and the tail of its log, and
+the campaign goes on with the next). A fresh campaign's first call gives the verdict, within
+``FIRST_CALL_BUDGET_S`` (480 s) by the caps of its four parts (``CAP_S``: each part is stopped
+at its own cap, SIGINT first so that pytest reports what it saw):
 
-1. ``suite``: the whole test suite, the tests marked ``slow`` included (``-m "slow or not
-   slow"``), with ``-n 8`` through ``benchmarks/suite_log.py`` (``suite_cuda.log``);
-2. ``slope_errors``: ``benchmarks/slope_errors.py`` on CUDA (``slope_errors_cuda.json``);
-3. ``host_overhead``: ``benchmarks/host_overhead.py --device cuda``; ``gpu_speed``:
-   ``benchmarks/gpu_speed.py`` with eager BN, iabn's reference kernels and iabn's Triton
-   kernels (``gpu_speed.json``), ``gpu_speed_plot`` (``gpu_speed.png``) and
-   ``gpu_speed_compile`` (eager and compiled BN, ``gpu_speed_compile.json``);
-4. ``net_<mode>_<model>_<dtype>_<layout>``: one cell each of ``benchmarks/network_step.py``
-   (providers bn, iabn, iabn_triton; 12 GiB for the largest batch), all into one
-   ``network_step_cuda.json`` through its ``--resume``: modes eager, compile and
-   reduce_overhead (``torch.compile(mode="reduce-overhead")``); ResNet-50 b64 (channels-last
-   and NCHW), ResNeXt-101 b32 and WideResNet-38-A2 b16 (channels-last) at 224 x 224; float32
-   and bfloat16 autocast;
-5. offloading VGG-19 (BN) b32 at 128 x 128: ``offload_pcie`` (``benchmarks/offload_pcie.py``:
-   pinned copy bandwidth and the bytes ``OffloadModel`` transfers) and ``offload_pareto``
-   (``benchmarks/memory_time_pareto.py``: step time and peak memory of eager,
-   ``OffloadModel``, ``torch.autograd.graph.save_on_cpu`` and ``torch.compile`` with
-   ``activation_memory_budget=0.5``);
-6. ``plan``: ``benchmarks/plan_anchors.py --device cuda`` (``plan_anchors_cuda.json``):
-   torchvision ResNet-50 (BatchNorm) b64 at 224 x 224, float32, eager; ``iabn.plan`` at 1/3 of
-   the model's activation bytes against the model as given and ``checkpoint_sequential`` over
-   sqrt(n) segments (and a plan at its bytes), step time and allocator peak side by side;
-7. the summary ``gpu_campaign_summary.md``: the targets met / missed / unmeasured, read from the
-   parts' files only (a figure no part measured on a GPU is "unmeasured", never estimated);
-   rewritten after every part.
+1. ``gpu_tests``: the ``gpu``-marked tests on CUDA (the Triton kernels compiled for the device
+   among them), ``-n 8 --maxfail=20``, capped at 140 s, through ``benchmarks/suite_log.py``
+   (``gpu_tests_cuda.log``);
+2. ``layer``: one layer, 32 x 256 x 56 x 56 channels-last, float32 and bfloat16, forward +
+   backward of BN + LeakyReLU (cuDNN), iabn reference and iabn Triton, profiled
+   (``benchmarks/gpu_speed.py --profile``, ``layer_cuda.json``);
+3. ``net_eager_r50_bf16_cl``, ``net_eager_r50_fp32_cl``: the headline, ResNet-50 b64 at 224,
+   channels-last, eager, providers bn, iabn and iabn_triton, 20 interleaved steps, allocator
+   peak and a profiled step (``benchmarks/network_step.py --profile``,
+   ``network_step_cuda.json``);
+
+then, as later calls find time: the same compiled (bf16, then fp32), ResNeXt-101 and
+WideResNet-38-A2 eager, the largest batch in a 12 GiB cap (``batch_*``: real steps, its own
+``network_batch_cuda.json``), reduce-overhead, the whole suite with the slow tests (``suite``),
+offloading VGG-19 (BN) b32 at 128 x 128 (``offload_pcie``: pinned copy bandwidth and the bytes
+``OffloadModel`` transfers; ``offload_pareto``: eager, ``OffloadModel``, ``save_on_cpu`` and
+``torch.compile`` with ``activation_memory_budget=0.5``), ``plan`` (``iabn.plan`` at 1/3 of
+ResNet-50's activation bytes against the model as given and ``checkpoint_sequential``),
+``slope_errors``, the other network cells, ``host_overhead`` and the full ``gpu_speed`` tables.
+The summary ``gpu_campaign_summary.md`` (the targets met / missed / unmeasured, read from the
+parts' files only: a figure no part measured on a GPU is "unmeasured", never estimated; the
+layer's and the networks' rows with their profiles) is rewritten after every part.
 
 Everything goes to ``--out`` (default ``benchmarks/results/`` with ``IABN_COMMIT_RESULTS=1``,
 else ``runs/benchmarks/campaign``): the parts' files, ``gpu_campaign_state.json`` (each part's
@@ -62,6 +61,9 @@ this checkout's ``git rev-parse HEAD`` after ``--commit``), as the device tool's
 
     IABN_COMMIT_RESULTS=1 python3 benchmarks/gpu_campaign.py --resume --budget-s 540 \\
         --commit <HASH> --bundle $OUT/campaign.tar.gz
+
+(the first call ends after the verdict in about 245 s on an H100, measured 2026-11-27, and
+starts the next part only if its allowance fits what is left)
 
 then here, from the repository root, unpack what came back into ``benchmarks/results/`` (the
 state file travels with the next call's working tree, so the same command continues)::
@@ -116,7 +118,7 @@ STATE = "gpu_campaign_state.json"
 SUMMARY = "gpu_campaign_summary.md"
 LOGS = "gpu_campaign_logs"
 COMMITTED = ROOT / "benchmarks" / "results"
-GROUPS = ("suite", "slopes", "host", "gpu_speed", "network", "batch", "offload", "plan")
+GROUPS = ("tests", "suite", "slopes", "host", "gpu_speed", "network", "batch", "offload", "plan")
 #: The whole-network table: model -> (short name, batch, layouts).
 NETWORK = {"resnet50": ("r50", 64, ("channels_last", "nchw")),
            "resnext101": ("rx101", 32, ("channels_last",)),
@@ -260,7 +262,7 @@ def plan(smoke: bool) -> list[Part]:
                  "--budget-gib", str(NETWORK_BUDGET_GIB), "--max-batch", str(BATCH_MAX)]
     smoke_note = {"note": "smoke: tiny shapes"} if smoke else {}
     parts = [
-        part("gpu_tests", "suite", ["benchmarks/suite_log.py", "--log", f["gpu_tests"], "--",
+        part("gpu_tests", "tests", ["benchmarks/suite_log.py", "--log", f["gpu_tests"], "--",
                                     *tests], ["gpu_tests"],
              note="smoke: tests/core/test_errors.py only" if smoke
              else "the gpu-marked tests, the Triton kernels compiled for the device among them"),
@@ -464,11 +466,13 @@ def machine(smoke: bool, commit: str | None) -> dict[str, Any]:
     }
     git = _output(["git", "-C", str(ROOT), "rev-parse", "HEAD"]) if (ROOT / ".git").exists() \
         else None
-    if git:
+    if git and commit and not git.startswith(commit):
+        # the device machine's copy of the tree can carry a stale .git (seen on an H100: the
+        # session's first commit, with the working tree of a later one): the hash given wins
+        info.update(commit=commit, commit_source="--commit", git_head=git)
+    elif git:
         dirty = _output(["git", "-C", str(ROOT), "status", "--porcelain"])
         info.update(commit=git, commit_source="git", commit_dirty=bool(dirty))
-        if commit and not git.startswith(commit):
-            info["commit_given"] = commit
     else:
         info.update(commit=commit or "unknown",
                     commit_source="--commit (no .git here)" if commit else "unknown")

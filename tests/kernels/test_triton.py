@@ -199,6 +199,10 @@ def test_every_kernel_compiles_for_a_hopper_gpu(hopper_builds):
     assert {build["kernel"] for build in hopper_builds} == kernels
     for build in hopper_builds:
         assert build["cubin_bytes"] > 0, build
+        # momentum, eps, slopes, tiny and counts arrive as float64 (the GPU would get them
+        # rounded to float32 otherwise: a float64 layer then misses PyTorch by 1e-8)
+        assert build["f32_params"] == 0, build
+    assert sum(build["f64_params"] for build in hopper_builds) > 0
 
 
 FAR_OFFSETS_SCRIPT = Path(__file__).resolve().parents[1] / "support" / "far_offsets.py"

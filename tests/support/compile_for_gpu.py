@@ -2,7 +2,8 @@
 
 Triton ships ``ptxas``, so the whole pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin) runs on a
 CPU machine. Printed as JSON for tests/kernels/test_triton.py, one entry per specialisation: the
-kernel's name and the cubin's size. Run without
+kernel's name, the cubin's size and how many float32 and float64 scalar parameters its PTX
+declares. Run without
 ``TRITON_INTERPRET`` (the interpreter replaces the kernels by Python functions).
 """
 
@@ -87,7 +88,9 @@ def signature(kernel, pointers: dict[str, str], constexprs: dict) -> dict[str, s
         elif name.endswith("_ptr"):
             types[name] = pointers.get(name, "*fp32")
         else:
-            types[name] = "fp32" if name in FLOAT_ARGS else "i32"
+            # a float argument's type is its annotation (tl.float64), as at a real launch
+            annotated = kernel.params[kernel.arg_names.index(name)].annotation_type
+            types[name] = annotated or ("fp32" if name in FLOAT_ARGS else "i32")
     return types
 
 
@@ -96,7 +99,12 @@ def main() -> None:
     for kernel, pointers, constexprs in CASES:
         source = ASTSource(kernel, signature(kernel, pointers, constexprs), constexprs=constexprs)
         compiled = triton.compile(source, target=TARGET, options={"enable_fp_fusion": True})
-        builds.append({"kernel": kernel.fn.__name__, "cubin_bytes": len(compiled.asm["cubin"])})
+        ptx = compiled.asm["ptx"]
+        # the scalar parameters' types as the GPU receives them (a float32 one rounds a
+        # float64 layer's momentum, eps or slope)
+        builds.append({"kernel": kernel.fn.__name__, "cubin_bytes": len(compiled.asm["cubin"]),
+                       "f32_params": ptx.count(".param .f32"),
+                       "f64_params": ptx.count(".param .f64")})
     print(json.dumps(builds))
 
 

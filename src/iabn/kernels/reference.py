@@ -172,12 +172,14 @@ def grads_from_y(
             # The eval-mode batch-norm kernel forms it as (y - beta) / sqrt(1 + 0) * (1/g).
             center, inv_scale = torch.zeros_like(g), torch.ones_like(g)
             y = torch.native_batch_norm(y, inv_g, None, beta, inv_scale, False, 0.0, 0.0)[0]
-            dx_weight = g * invstd if train_dx else None
+            dx_weight = g * invstd if train_dx else g
         else:
             # Variant II: feed y itself; center and scale of the identity in the module
             # docstring.
             center, inv_scale = beta, inv_g
-            dx_weight = torch.mul(g, g).mul_(invstd) if train_dx else None
+            dx_weight = torch.mul(g, g).mul_(invstd) if train_dx else g
+        # Without dx the weight is not read, but it must be a tensor: CUDA's kernel returns an
+        # empty grad_weight for a missing weight, and one of its paths takes its device.
         dx, dg, dbeta = BATCH_NORM_BACKWARD(
             dy, y, dx_weight, None, None, center, inv_scale, True, eps,
             [train_dx, want_dgamma, want_dbeta],

@@ -111,6 +111,10 @@ def _recover(z, dz, ACT: tl.constexpr, param, tiny):
 # step for step. Every constant that is not exact in float32 comes from a table in the compute
 # dtype (``consts``, :func:`.triton_backend.branch_constants`), at the indices below: a Python
 # float in a kernel is a float32 constant, which would cost a float64 layer its precision.
+# For the same reason every float argument of a kernel is annotated ``tl.float64``: unannotated,
+# Triton passes a Python float as float32 (momentum 0.1 then updates the running statistics
+# 1.5e-8 off, eps 1e-5 moves a float64 output by 1e-13; the interpreter keeps float64, so only
+# a GPU showed it), and kernels cast them to ``ACC`` before tile arithmetic.
 
 #: Indices into ``consts`` (``constexpr``: a kernel reads no other globals).
 (Y_STAR, Z_HI, Z_LO, Y_LO, SLOPE_RIGHT, SLOPE_LEFT, LOG_STAR, FLOOR, SMALLEST, TINY, SQRT1_2,
@@ -425,7 +429,7 @@ _declare(moments_mc_kernel, reads=("x_ptr",), writes=("parts_ptr",))
 @triton.jit
 def finalize_forward_kernel(
     parts_ptr, programs, weight_ptr, bias_ptr, running_mean_ptr, running_var_ptr, invstd_ptr,
-    scale_ptr, coeffs_ptr, C, momentum, eps,
+    scale_ptr, coeffs_ptr, C, momentum: tl.float64, eps: tl.float64,
     TRAINING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     UPDATE_RUNNING: tl.constexpr, GAMMA_ABS: tl.constexpr, BLOCK_C: tl.constexpr,
     ACC: tl.constexpr,
@@ -517,11 +521,12 @@ def _per_channel(ptr, r, k, R, K, C, CHANNEL_ON_ROWS: tl.constexpr):
 
 @triton.jit
 def normalize_act_kernel(
-    x_ptr, coeffs_ptr, R, K, C, k_blocks, param,
+    x_ptr, coeffs_ptr, R, K, C, k_blocks, param: tl.float64,
     CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
 ):
     """In place: ``x = phi(a[c] * x + b[c])``. 1-D grid over ``(row block, column block)``."""
+    param = tl.full((), param, ACC)  # a float64 argument, computed in ACC
     mask, offsets, r, k = _elementwise_tile(tl.program_id(0), k_blocks, R, K, BLOCK_R, BLOCK_K)
     a = _per_channel(coeffs_ptr, r, k, R, K, C, CHANNEL_ON_ROWS)
     b = _per_channel(coeffs_ptr + C, r, k, R, K, C, CHANNEL_ON_ROWS)
@@ -586,12 +591,13 @@ def _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT: tl.constexpr, param, tin
 
 @triton.jit
 def grad_sums_ncs_kernel(
-    z_ptr, dz_ptr, bias_ptr, parts_ptr, N, C, S, tiles_per_program, param, tiny,
-    bits_ptr, consts_ptr,
+    z_ptr, dz_ptr, bias_ptr, parts_ptr, N, C, S, tiles_per_program, param: tl.float64,
+    tiny: tl.float64, bits_ptr, consts_ptr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
     TAYLOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ACC: tl.constexpr,
 ):
     """Grid ``(C, P)``, tiles as :func:`moments_ncs_kernel`."""
+    param, tiny = tl.full((), param, ACC), tl.full((), tiny, ACC)  # float64 arguments, in ACC
     c = tl.program_id(0)
     p = tl.program_id(1)
     programs = tl.num_programs(1)
@@ -624,12 +630,13 @@ _declare(grad_sums_ncs_kernel, reads=("z_ptr", "dz_ptr", "bias_ptr", "bits_ptr",
 
 @triton.jit
 def grad_sums_mc_kernel(
-    z_ptr, dz_ptr, bias_ptr, parts_ptr, R, C, rows_per_program, param, tiny,
-    bits_ptr, consts_ptr,
+    z_ptr, dz_ptr, bias_ptr, parts_ptr, R, C, rows_per_program, param: tl.float64,
+    tiny: tl.float64, bits_ptr, consts_ptr,
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
     TAYLOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr,
 ):
     """Grid ``(cdiv(C, BLOCK_C), P)``, rows as :func:`moments_mc_kernel`."""
+    param, tiny = tl.full((), param, ACC), tl.full((), tiny, ACC)  # float64 arguments, in ACC
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     p = tl.program_id(1)
     programs = tl.num_programs(1)
@@ -663,7 +670,7 @@ _declare(grad_sums_mc_kernel, reads=("z_ptr", "dz_ptr", "bias_ptr", "bits_ptr", 
 @triton.jit
 def finalize_backward_kernel(
     parts_ptr, programs, weight_ptr, bias_ptr, invstd_ptr, scale_ptr,
-    dgamma_ptr, dbeta_ptr, coeffs_ptr, C, count,
+    dgamma_ptr, dbeta_ptr, coeffs_ptr, C, count: tl.float64,
     TRAINING: tl.constexpr, HAS_BIAS: tl.constexpr, WANT_DGAMMA: tl.constexpr,
     WANT_DBETA: tl.constexpr, GAMMA_ABS: tl.constexpr, BLOCK_C: tl.constexpr,
     ACC: tl.constexpr,
@@ -717,13 +724,15 @@ _declare(
 
 @triton.jit
 def input_grad_kernel(
-    z_ptr, dz_ptr, dx_ptr, coeffs_ptr, R, K, C, k_blocks, param, tiny, bits_ptr, consts_ptr,
+    z_ptr, dz_ptr, dx_ptr, coeffs_ptr, R, K, C, k_blocks, param: tl.float64, tiny: tl.float64,
+    bits_ptr, consts_ptr,
     CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr, NEWTON: tl.constexpr,
     CHEB: tl.constexpr, TAYLOR: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
 ):
     """``dx = k1[c] * dy + k2[c] * y + k3[c]`` with ``y, dy`` recovered from ``z, dz``.
     Grid as :func:`normalize_act_kernel`; ``dx`` is a separate buffer (never ``dz``)."""
+    param, tiny = tl.full((), param, ACC), tl.full((), tiny, ACC)  # float64 arguments, in ACC
     mask, offsets, r, k = _elementwise_tile(tl.program_id(0), k_blocks, R, K, BLOCK_R, BLOCK_K)
     k1 = _per_channel(coeffs_ptr, r, k, R, K, C, CHANNEL_ON_ROWS)
     k2 = _per_channel(coeffs_ptr + C, r, k, R, K, C, CHANNEL_ON_ROWS)
