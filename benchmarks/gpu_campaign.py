@@ -39,21 +39,20 @@ into one ``.tar.gz`` (members relative to ``--out``; rewritten atomically after 
 a device machine that returns only 8 files.
 
 Resuming and time: ``--resume`` continues the campaign in ``--out`` (or starts it): parts
-already done or failed are skipped. ``--parts`` selects parts by name, group (suite, slopes,
-host, gpu_speed, network, offload, plan) or shell pattern (``'net_eager_*'``); ``--rerun`` runs
-selected parts again even when done or failed (a network part keeps a cell the JSON already
-holds without an error: network_step's own ``--resume``). With ``--budget-s`` the campaign
-starts a part only when its expected time fits what is left (less ``--reserve-s`` for the
-summary and the bundle), except the first part of a call, which always starts. A part still
+already done or failed are skipped. ``--parts`` selects parts by name, group (tests, suite,
+slopes, host, gpu_speed, network, batch, offload, plan) or shell pattern (``'net_eager_*'``);
+``--rerun`` runs selected parts again even when done or failed (a network part keeps a cell the
+JSON already holds without an error: network_step's own ``--resume``). With ``--budget-s`` the
+campaign starts a part only when its expected time fits what is left (less ``--reserve-s`` for
+the summary and the bundle), except the first part of a call, which always starts. A part still
 running when the budget ends is stopped (its process group killed): started after other parts,
-it is "interrupted" and runs first in the next call; started first, it had the whole budget
-and is "failed" (run it alone with a larger ``--budget-s``). Expected times are the measured
+it is "interrupted" and runs first in the next call; started first, it had the whole budget and
+is "failed" (run it alone with a larger ``--budget-s``). Expected times are the measured
 durations of finished parts of the same kind (x1.25), else planning allowances
 (``Part.expect_s``, or ``--expect-s PATTERN=SECONDS``; for the budget only, never reported as
-measurements). The last thing printed is a short table of the parts and targets, what is
-left and the command to continue. Exit status: 0 all selected parts done, 1 all ran but some
-failed, 3 stopped by the budget with parts left, 2 a usage error (one line on stderr, nothing
-written).
+measurements). The last thing printed is a short table of the parts and targets, what is left
+and the command to continue. Exit status: 0 all selected parts done, 1 all ran but some failed,
+3 stopped by the budget with parts left, 2 a usage error (one line on stderr, nothing written).
 
 On the device machine (its ``python3`` has torch; the tree arrives without ``.git``, so paste
 this checkout's ``git rev-parse HEAD`` after ``--commit``), as the device tool's command, with
@@ -840,20 +839,28 @@ def layer_targets(*reports: Any) -> list[Target]:
     return targets
 
 
-def pytest_counts(path: Path) -> dict[str, int] | None:
-    """The counts of pytest's result line in a log (passed, failed, error, skipped, ...);
-    None without one."""
+#: One count of pytest's result line ("3 failed, 230 passed, 12 skipped in 95.1s").
+PYTEST_COUNT = re.compile(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)")
+
+
+def pytest_result_line(path: Path) -> str | None:
+    """The last pytest result line of a log (None without a log or one)."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return None
-    for line in reversed(lines):
-        found = re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected)",
-                           line)
-        if found and " in " in line:
-            return {("error" if kind.startswith("error") else kind): int(n)
-                    for n, kind in found}
-    return None
+    return next((line.strip("= ") for line in reversed(lines)
+                 if PYTEST_COUNT.search(line) and " in " in line), None)
+
+
+def pytest_counts(path: Path) -> dict[str, int] | None:
+    """The counts of pytest's result line in a log (passed, failed, error, skipped, ...);
+    None without one."""
+    line = pytest_result_line(path)
+    if line is None:
+        return None
+    return {("error" if kind.startswith("error") else kind): int(n)
+            for n, kind in PYTEST_COUNT.findall(line)}
 
 
 def tests_target(path: Path, smoke: bool) -> Target:
@@ -930,10 +937,9 @@ def suite_result(path: Path) -> str:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return "no log"
-    result = next((line.strip("= ") for line in reversed(lines)
-                   if re.search(r"\d+ (passed|failed|error)", line) and " in " in line), None)
     code = next((line for line in reversed(lines) if line.startswith("exit code:")), None)
-    return "; ".join(x for x in (result, code) if x) or "no pytest result in the log"
+    return ("; ".join(x for x in (pytest_result_line(path), code) if x)
+            or "no pytest result in the log")
 
 
 def _profile_text(profile: Any) -> str:

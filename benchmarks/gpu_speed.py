@@ -52,7 +52,13 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.tools.bench import RESNEXT101_STAGES, machine_info, results_folder, write_json
+from iabn.tools.bench import (
+    RESNEXT101_STAGES,
+    machine_info,
+    parse_shapes,
+    results_folder,
+    write_json,
+)
 from iabn.tools.bench.profile import format_profile, profile_call
 
 PAPER_SHAPES = [*((32, c, s, s) for c, s in RESNEXT101_STAGES), (8, 256, 128, 128)]
@@ -262,23 +268,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "--quick only for a smoke run of the script)")
     if args.quick:
         args.repeats, args.warmup = min(args.repeats, 3), 1
-    args.shapes = (parse_shapes(args.shapes, parser) if args.shapes is not None
-                   else QUICK_SHAPES if args.quick else PAPER_SHAPES)
+    try:
+        args.shapes = (parse_shapes(args.shapes) if args.shapes is not None
+                       else QUICK_SHAPES if args.quick else PAPER_SHAPES)
+    except ValueError as error:
+        parser.error(f"--shapes: {error}")
     return args
-
-
-def parse_shapes(text: str, parser: argparse.ArgumentParser) -> list[tuple[int, ...]]:
-    shapes = []
-    for item in text.split(","):
-        try:
-            shape = tuple(int(n) for n in item.strip().lower().split("x"))
-        except ValueError:
-            shape = ()
-        if len(shape) != 4 or min(shape) < 1:
-            parser.error(f"--shapes: {item.strip()!r} is not NxCxHxW (four positive integers, "
-                         f"e.g. 32x256x56x56)")
-        shapes.append(shape)
-    return shapes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,16 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         # Triton reads the variable when its kernels are defined: start again with it set
         os.environ["TRITON_INTERPRET"] = "1"
         os.execv(sys.executable, [sys.executable, *sys.argv])
-    from iabn.tools.bench import machine_info, write_json
+    from iabn.tools.bench import machine_info, parse_shapes, write_json
     from iabn.tools.bench.slopes import study
 
     try:
-        shapes = [tuple(int(v) for v in s.split("x"))
-                  for s in (args.shapes or (GPU_SHAPES if device != "cpu" else CPU_SHAPES))
-                  .split(",")]
+        shapes = parse_shapes(args.shapes or (GPU_SHAPES if device != "cpu" else CPU_SHAPES))
         dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
-        if any(len(s) != 4 for s in shapes) or not all(
-                isinstance(d, torch.dtype) for d in dtypes):
+        if not all(isinstance(d, torch.dtype) for d in dtypes):
             raise ValueError
     except (ValueError, AttributeError):
         print(f"error: --shapes takes NxCxHxW,... and --dtypes torch dtype names; got "

@@ -143,7 +143,8 @@ def set_threads(threads: int | None) -> int:
     return torch.get_num_threads()
 
 
-def _synchronize(device: torch.device | None) -> None:
+def synchronize(device: torch.device | None) -> None:
+    """Wait for ``device``'s queued work (a CUDA device; nothing to wait for elsewhere)."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -155,11 +156,11 @@ def _time_call(step: Step, iters: int, device: torch.device | None = None,
     # Collect garbage before, not during, the timed loop: a collection triggered inside it
     # would be charged to whichever provider happened to be running.
     gc.collect()
-    _synchronize(device)
+    synchronize(device)
     start = clock()
     for _ in range(iters):
         step()
-    _synchronize(device)
+    synchronize(device)
     return (clock() - start) * 1e3 / iters
 
 
@@ -198,6 +199,22 @@ def time_interleaved(
     return samples
 
 
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """``"NxCxHxW,..."`` as shapes of four positive integers; ValueError naming the item
+    otherwise."""
+    shapes = []
+    for item in text.split(","):
+        try:
+            shape = tuple(int(n) for n in item.strip().lower().split("x"))
+        except ValueError:
+            shape = ()
+        if len(shape) != 4 or min(shape) < 1:
+            raise ValueError(f"{item.strip()!r} is not NxCxHxW (four positive integers, e.g. "
+                             f"32x256x56x56)")
+        shapes.append(shape)
+    return shapes
+
+
 def progress_printer(prefix: str, repeats: int) -> RepeatCallback:
     """A ``time_interleaved`` callback printing one line per repeat to stderr."""
 
@@ -210,6 +227,7 @@ def progress_printer(prefix: str, repeats: int) -> RepeatCallback:
 
 __all__ = [
     "RESNEXT101_STAGES", "OutputPathError", "check_output_file", "check_output_folder",
-    "machine_info", "progress_printer", "set_threads", "time_interleaved", "train_step",
-    "training_step", "write_atomic", "write_json", "write_text_atomic",
+    "machine_info", "parse_shapes", "progress_printer", "set_threads", "synchronize",
+    "time_interleaved", "train_step", "training_step", "write_atomic", "write_json",
+    "write_text_atomic",
 ]

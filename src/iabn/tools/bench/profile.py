@@ -19,13 +19,10 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from . import synchronize
+
 #: Kernel names are C++ templates; the table keeps their first characters.
 NAME_CHARS = 120
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def profile_call(call: Callable[[], object], device: torch.device, top: int = 8) -> dict[str, Any]:
@@ -44,11 +41,11 @@ def profile_call(call: Callable[[], object], device: torch.device, top: int = 8)
 def _profile(call: Callable[[], object], device: torch.device, top: int) -> dict[str, Any]:
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    _synchronize(device)
+    synchronize(device)
     with profile(activities=activities) as prof:
         start = time.perf_counter()
         call()
-        _synchronize(device)
+        synchronize(device)
         wall_ms = (time.perf_counter() - start) * 1e3
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
