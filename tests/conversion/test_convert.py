@@ -88,7 +88,7 @@ def _randomise(model):
     return model.double()
 
 
-def test_in_place_where_the_input_is_used_once_exact_bytes_and_equal_outputs():
+def test_in_place_where_the_input_is_used_once_exact_bytes_and_equal_outputs(analysis):
     model = _randomise(ConvNormAct())
     x = _x()
     converted, report = iabn.convert(model, x)
@@ -107,7 +107,7 @@ def test_in_place_where_the_input_is_used_once_exact_bytes_and_equal_outputs():
     assert_same_model(model, converted, x)
 
 
-def test_the_model_given_is_not_modified():
+def test_the_model_given_is_not_modified(analysis):
     model = _randomise(ConvNormAct())
     before = copy.deepcopy(model.state_dict())
     iabn.convert(model, _x())
@@ -117,7 +117,7 @@ def test_the_model_given_is_not_modified():
     assert model.training
 
 
-def test_converted_model_statistics_are_not_advanced_by_the_measurements():
+def test_converted_model_statistics_are_not_advanced_by_the_measurements(analysis):
     model = _randomise(ConvNormAct())
     converted, _ = iabn.convert(model, _x())
     assert int(converted.bn.num_batches_tracked) == int(model.bn.num_batches_tracked) == 0
@@ -153,7 +153,7 @@ class Residual(nn.Module):
         return self.act(self.bn(h)) + h
 
 
-def test_a_norm_input_saved_by_another_branch_gets_abn():
+def test_a_norm_input_saved_by_another_branch_gets_abn(analysis):
     """h feeds the norm and a convolution, which saves h for backward: a layer that keeps only
     its output would save nothing, so the norm gets ABN (which does not invert)."""
     model = _randomise(TwoBranches())
@@ -169,7 +169,8 @@ def test_a_norm_input_saved_by_another_branch_gets_abn():
 
 @pytest.mark.parametrize("activation", [nn.ELU(0.5), nn.LeakyReLU(0.2), nn.SiLU()],
                          ids=["elu", "leaky_relu", "silu"])
-def test_a_norm_input_read_again_by_an_addition_gets_the_output_only_layer(activation):
+def test_a_norm_input_read_again_by_an_addition_gets_the_output_only_layer(activation,
+                                                                            analysis):
     """layer(h) + h: the addition saves nothing, so the output-only layer (a new output, only
     it kept) frees h, which ABN (and BatchNorm + activation) keep: one activation less."""
     model = _randomise(Residual())
@@ -199,7 +200,7 @@ class InputNorm(nn.Module):
         return self.act(self.bn(x))
 
 
-def test_a_norm_on_the_model_input_is_not_in_place():
+def test_a_norm_on_the_model_input_is_not_in_place(analysis):
     model = _randomise(InputNorm())
     x = _x()
     converted, report = iabn.convert(model, x)
@@ -225,12 +226,13 @@ class WrittenLater(nn.Module):
         return y
 
 
-def test_a_norm_output_written_in_place_later_is_left_alone():
+def test_a_norm_output_written_in_place_later_is_left_alone(analysis):
     model = _randomise(WrittenLater())
     x = _x()
     converted, report = iabn.convert(model, x)
     (row,) = report.rows
-    assert row.decision == "untouched" and "iadd writes into the norm's output" in row.reason
+    written = "iadd" if analysis == "torch.fx" else ".add_()"  # `+=` as each way records it
+    assert row.decision == "untouched" and f"{written} writes into the norm's output" in row.reason
     assert type(converted.bn) is nn.BatchNorm2d
 
 
@@ -305,7 +307,7 @@ def test_policy_leaky_relu_equals_the_model_with_leaky_relu(model_class):
     assert_same_model(reference, converted, x)
 
 
-def test_zero_weights_keep_the_model_under_lossless_and_go_in_place_under_leaky_relu():
+def test_zero_weights_keep_the_model_under_lossless_and_go_in_place_under_leaky_relu(analysis):
     model = _randomise(ConvNormAct())
     with torch.no_grad():
         model.bn.weight[0] = 0.0  # e.g. a zero-initialised last norm of a residual branch
@@ -348,6 +350,27 @@ def test_train_and_eval_graphs_both_hold():
     assert "aux_conv" not in copied.eval().code and "aux_conv" in copied.train().code
 
 
+@pytest.mark.parametrize("model_class", [FunctionalRelu, SharedRelu, AuxiliaryHead])
+def test_a_recorded_run_swaps_modules_only(model_class, monkeypatch):
+    """Without fx's graph there is no code to generate: an activation that is a function call
+    or a shared module stays, the norm is decided without it, and the class is kept."""
+    from analysis_paths import force_recording
+
+    force_recording(monkeypatch)
+    model = _randomise(model_class())
+    x = _x()
+    converted, report = iabn.convert(model, x, policy="leaky_relu")
+    assert type(converted) is model_class and report.result == "modules swapped"
+    assert "torch.fx cannot trace" in report.result_reason
+    assert "input shape 2x3x5x5" in report.result_reason
+    unfused = {row.name for row in report.rows if "is not fused" in row.reason}
+    assert unfused == ({"aux_bn"} if model_class is AuxiliaryHead
+                       else {row.name for row in report.rows})
+    assert all("only modules can be swapped" in row.reason for row in report.rows
+               if row.name in unfused)
+    assert_same_model(model, converted, x)
+
+
 def test_converted_state_dict_loads_into_the_original_class():
     model = _randomise(SharedRelu())
     converted, _ = iabn.convert(model, _x(), policy="leaky_relu")
@@ -378,19 +401,20 @@ class DataDependent(nn.Module):
         return y if y.sum() > 0 else -y
 
 
-def test_untraceable_models_get_module_rules_and_a_warning():
+def test_forwards_branching_on_values_get_module_rules_and_a_warning():
     model = _randomise(DataDependent())
     x = _x()
-    with pytest.warns(ConversionWarning, match="could not trace DataDependent"):
+    with pytest.warns(ConversionWarning, match=r"cannot trace DataDependent .* reads tensor "
+                      r"values into Python \(bool\(\) at test_convert.py:\d+\)"):
         converted, report = iabn.convert(model, x)
-    assert report.result == "not traced"
+    assert report.result == "module rules only"
     assert [row.decision for row in report.rows] == ["ABN", "untouched"]
     assert type(converted.body[1]) is iabn.ABN and isinstance(converted.body[2], nn.Identity)
     assert report.rows[0].saved_before is None
     assert_same_model(model, converted, x)
 
 
-def test_shared_norm_modules_are_left_alone():
+def test_shared_norm_modules_are_left_alone(analysis):
     class Twice(nn.Module):
         def __init__(self):
             super().__init__()
@@ -404,7 +428,7 @@ def test_shared_norm_modules_are_left_alone():
     assert report.rows[0].decision == "untouched" and "more than once" in report.rows[0].reason
 
 
-def test_batchnorm1d_and_3d():
+def test_batchnorm1d_and_3d(analysis):
     model = nn.Sequential(nn.Linear(6, C), nn.BatchNorm1d(C), nn.LeakyReLU(0.01),
                           nn.Linear(C, 2)).double()
     x = torch.randn(5, 6, dtype=torch.float64)

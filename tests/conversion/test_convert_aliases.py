@@ -26,12 +26,21 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 import iabn
+from analysis_paths import ANALYSES, force_recording
 
 C = 6
 # Conversion computes the same float64 operations in another order. The largest difference
 # measured over these models (outputs, gradients, kept tensors; torch 2.14.1, CPU) is 2.8e-14,
 # most are exactly 0 (the norms stay or become ABN): 1e-12 is ~35x that, as in test_convert.py.
 TOL = 1e-12
+
+
+@pytest.fixture(autouse=True, params=ANALYSES)
+def analysis(request, monkeypatch):
+    """Every model here is checked on both ways to a graph: fx's trace and a recorded run."""
+    if request.param == "recorded run":
+        force_recording(monkeypatch)
+    return request.param
 
 
 def _x(seed=0):
@@ -135,12 +144,16 @@ class StochasticDepthBlock(nn.Module):
 
 
 @pytest.mark.parametrize("p", [0.0, 0.2])
-def test_stochastic_depth_block_backward_in_both_modes(p):
+def test_stochastic_depth_block_backward_in_both_modes(p, analysis):
     pytest.importorskip("torchvision", reason="torchvision's StochasticDepth")
     _, rows = _convert_and_compare(StochasticDepthBlock(p))
     row = rows["block.4"]
     assert row.decision == "untouched"
-    assert "stochastic_depth, which iabn cannot vet" in row.reason
+    # fx sees the wrapped function; a run sees what it returned: the norm's output itself
+    # (eval mode, or p == 0), which `+=` writes into
+    words = ("stochastic_depth, which iabn cannot vet" if analysis == "torch.fx" else
+             ".add_() writes into the norm's output in place")
+    assert words in row.reason
 
 
 def _type_same(y):
@@ -164,7 +177,9 @@ _third_party.__module__ = "torchextras.layers"
 _third_party = fx.wrap(_third_party)
 
 
-# (name, operation after the norm's activation, words the reason must contain)
+# (name, operation after the norm's activation, words the reason must contain); where a
+# recorded run words it otherwise, RECORDED_WORDS has its words
+
 ALIASING = {
     "Dropout(0)": (nn.Dropout(0.0), "output of Dropout, which may return"),
     "Dropout(0.1)": (nn.Dropout(0.1), "output of Dropout, which may return"),
@@ -190,6 +205,13 @@ ALIASING = {
     # through the module's global name, which fx.wrap patches while tracing
     "torch-named package": (lambda y: _third_party(y),
                             "goes to _third_party, which iabn cannot vet"),
+}
+
+
+RECORDED_WORDS = {
+    "+y": "output of .positive(), which may return",
+    # the function returns its input: the run sees `+=` write into the norm's output itself
+    "torch-named package": ".add_() writes into the norm's output in place",
 }
 
 
@@ -222,8 +244,10 @@ class WrittenThroughAliasNoActivation(WrittenThroughAlias):
 
 @pytest.mark.parametrize("activation", [True, False], ids=["LeakyReLU", "none"])
 @pytest.mark.parametrize("name", list(ALIASING))
-def test_a_write_through_an_operation_that_may_return_its_input(name, activation):
+def test_a_write_through_an_operation_that_may_return_its_input(name, activation, analysis):
     op, words = ALIASING[name]
+    if analysis == "recorded run":
+        words = RECORDED_WORDS.get(name, words)
     if isinstance(op, Passthrough):
         timm = pytest.importorskip("timm", reason="registers the module as not traced")
         timm.layers.register_notrace_module(Passthrough)
@@ -231,7 +255,8 @@ def test_a_write_through_an_operation_that_may_return_its_input(name, activation
     _, rows = _convert_and_compare(model)
     assert rows["bn"].decision == "untouched", rows["bn"]
     if name == "Identity" and not activation:  # the Identity is the activation fused
-        words = "iadd writes into the norm's output in place"
+        words = ("iadd" if analysis == "torch.fx" else ".add_()") + (
+            " writes into the norm's output in place")
     assert words in rows["bn"].reason, rows["bn"].reason
 
 

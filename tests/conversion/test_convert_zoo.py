@@ -167,7 +167,7 @@ def _zoo_params(names):
 
 
 @pytest.mark.parametrize("name", _zoo_params(ZOO))
-def test_lossless_conversion_is_the_same_model(name):
+def test_lossless_conversion_is_the_same_model(name, analysis):
     build, size = ZOO[name]
     torch.manual_seed(0)
     model = build().double()
@@ -256,3 +256,29 @@ def test_timm_batchnormact_by_activation():
     assert type(converted.bn1) is iabn.InPlaceABN and converted.bn1.activation_param == 0.01
     # float64; tests/conversion/test_convert.py measures at most 5.7e-14 on such models
     assert report.max_difference_train <= 1e-12 and report.max_difference_eval <= 1e-12
+
+
+@pytest.mark.parametrize("name", _zoo_params(ZOO))
+def test_a_recorded_run_decides_as_the_trace(name, monkeypatch):
+    """Both ways to a graph feed the same rules: where fx's conversion is a module swap, a
+    recorded run gives every layer the same decision and the model the same bytes; where fx
+    fused activations that only a generated module can remove, the recorded run keeps them
+    and its model saves no less."""
+    from analysis_paths import force_recording
+
+    build, size = ZOO[name]
+    torch.manual_seed(0)
+    model = build().double()
+    x = torch.randn(2, 3, size, size, dtype=torch.float64)
+    _, traced = iabn.convert(model, x, verify=False)
+    force_recording(monkeypatch)
+    _, recorded = iabn.convert(model, x, verify=False)
+    assert recorded.result == "modules swapped"
+    assert recorded.saved_before == traced.saved_before
+    if traced.result == "modules swapped":
+        assert [(r.name, r.decision, r.saved_before, r.saved_after) for r in recorded.rows] == \
+               [(r.name, r.decision, r.saved_before, r.saved_after) for r in traced.rows]
+    else:
+        assert recorded.saved_after >= traced.saved_after
+    print(f"{name}: fx {traced.result} {traced.saved_after / traced.saved_before:.3f}x, "
+          f"recorded {recorded.saved_after / recorded.saved_before:.3f}x")

@@ -455,3 +455,128 @@ def test_active_group_in_a_one_rank_gloo_world(tmp_path):
     """, tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# ---- slope 0: the original accepted ReLU in its in-place layers ---------------------------
+
+@pytest.fixture
+def zero_slope_unwarned(monkeypatch):
+    """The process-wide "warned once" flag cleared for this test."""
+    from iabn.compat import abn
+
+    monkeypatch.setattr(abn, "_warned_zero_slope", False)
+
+
+@pytest.mark.parametrize("how", ["positional", "keywords", "integer zero"])
+def test_zero_slope_in_place_layer_is_exact_relu_and_warns_once(how, zero_slope_unwarned):
+    """segmentation_models_pytorch's decoder_use_norm="inplace" builds InPlaceABN(C,
+    activation="leaky_relu", activation_param=0.0). The original's backward inverted only
+    where the output is negative (never, with ReLU): its gradients were wrong. Here the layer
+    is batch norm with the original's |weight| + eps, then ReLU, exact; its input is kept."""
+    c, eps = 5, 1e-5
+    w, b, rm, rv = _params(c, zero=True)
+    with pytest.warns(compat.abn.ZeroSlopeWarning, match="no memory is saved") as caught:
+        if how == "positional":
+            layer = compat.InPlaceABN(c, eps, 0.1, True, True, "leaky_relu", 0.0)
+        elif how == "keywords":
+            layer = compat.InPlaceABN(c, activation="leaky_relu", activation_param=0.0)
+        else:
+            layer = compat.InPlaceABN(c, activation_param=0)
+        compat.InPlaceABN(c, activation="leaky_relu", activation_param=0.0)  # no second one
+    assert len(caught) == 1
+    assert isinstance(layer, compat.InPlaceABN) and isinstance(layer, iabn.InPlaceABN)
+    assert "activation_param=0.0" in repr(layer)
+    layer = layer.double()
+    with torch.no_grad():
+        for t, v in ((layer.weight, w), (layer.bias, b), (layer.running_mean, rm),
+                     (layer.running_var, rv)):
+            t.copy_(v)
+    rw, rb = w.clone().requires_grad_(), b.clone().requires_grad_()
+    rm_ref, rv_ref = rm.clone(), rv.clone()
+    torch.manual_seed(2)
+    x = torch.randn(4, c, 3, 3, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(4, c, 3, 3, dtype=torch.float64)
+    for training in (True, False):
+        layer.train(training)
+        h = x * 1
+        h_before = h.detach().clone()
+        ref = _reference(x, rw, rb, rm_ref, rv_ref, training, 0.1, eps, "relu", 0.0, True)
+        out = layer(h)
+        assert torch.equal(h, h_before)  # not overwritten: ReLU's input cannot be recovered
+        # the same ATen operations as the reference: equal to the last bit (measured)
+        torch.testing.assert_close(out, ref, rtol=0, atol=0)
+        for ours, theirs in zip(_grads(out, (x, layer.weight, layer.bias), dy),
+                                _grads(ref, (x, rw, rb), dy), strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+        torch.testing.assert_close(layer.running_mean, rm_ref, rtol=0, atol=0)
+        torch.testing.assert_close(layer.running_var, rv_ref, rtol=0, atol=0)
+
+
+def test_zero_slope_layer_state_dict_copy_and_other_slopes(zero_slope_unwarned):
+    import copy
+    import pickle
+
+    with pytest.warns(compat.abn.ZeroSlopeWarning):
+        layer = compat.InPlaceABN(4, activation="leaky_relu", activation_param=0.0)
+    plain = compat.InPlaceABN(4)
+    assert set(layer.state_dict()) == set(plain.state_dict())
+    plain.load_state_dict(layer.state_dict())
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert type(clone) is type(layer) and "activation_param=0.0" in repr(clone)
+    # a slope > 0 stays the in-place layer; a negative one is still refused
+    assert compat.InPlaceABN(4, activation_param=0.01).overwrite_input
+    with pytest.raises(ValueError, match=r"activation_param=-0\.1"):
+        compat.InPlaceABN(4, activation_param=-0.1)
+    # iabn's own layer keeps refusing slope 0, with its message
+    with pytest.raises(ValueError, match="a zero slope is relu"):
+        iabn.InPlaceABN(4, activation_param=0.0)
+
+
+def test_zero_slope_functional_is_exact_relu(zero_slope_unwarned):
+    c, eps = 5, 1e-5
+    w, b, rm, rv = _params(c)
+    ours_w, ours_b = w.clone().requires_grad_(), b.clone().requires_grad_()
+    rw, rb = w.clone().requires_grad_(), b.clone().requires_grad_()
+    rm_ours, rv_ours, rm_ref, rv_ref = rm.clone(), rv.clone(), rm.clone(), rv.clone()
+    torch.manual_seed(2)
+    x = torch.randn(4, c, 3, 3, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn_like(x)
+    with pytest.warns(compat.abn.ZeroSlopeWarning):
+        out = functions.inplace_abn(x * 1, ours_w, ours_b, rm_ours, rv_ours, True, 0.1, eps,
+                                    "leaky_relu", 0.0)
+    ref = _reference(x, rw, rb, rm_ref, rv_ref, True, 0.1, eps, "relu", 0.0, True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for ours, theirs in zip(_grads(out, (x, ours_w, ours_b), dy), _grads(ref, (x, rw, rb), dy),
+                            strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    torch.testing.assert_close(rm_ours, rm_ref, rtol=0, atol=0)
+
+
+def test_zero_slope_decoder_block_through_the_opt_in(opted_in, zero_slope_unwarned):
+    """A decoder block as segmentation_models_pytorch builds it with decoder_use_norm=
+    "inplace" (conv without bias, then InPlaceABN with slope 0), written against
+    ``import inplace_abn``: it runs and matches conv + BatchNorm(|w| + eps) + ReLU."""
+    import inplace_abn
+
+    torch.manual_seed(0)
+    with pytest.warns(compat.abn.ZeroSlopeWarning):
+        block = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False),
+                              inplace_abn.InPlaceABN(6, activation="leaky_relu",
+                                                     activation_param=0.0)).double()
+    reference = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1, bias=False), nn.BatchNorm2d(6),
+                              nn.ReLU()).double()
+    reference.load_state_dict(block.state_dict())
+    with torch.no_grad():
+        block[1].weight.uniform_(-1, 1)
+        reference[1].weight.copy_(block[1].weight.abs() + block[1].eps)
+    x = torch.randn(2, 3, 5, 5, dtype=torch.float64)
+    out, expected = block(x), reference(x)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    dy = torch.randn_like(out)
+    (out * dy).sum().backward()
+    (expected * dy).sum().backward()
+    torch.testing.assert_close(block[0].weight.grad, reference[0].weight.grad, rtol=0,
+                               atol=0)
+    sign = torch.where(block[1].weight.detach() < 0, -1.0, 1.0).to(torch.float64)
+    torch.testing.assert_close(block[1].weight.grad, sign * reference[1].weight.grad, rtol=0,
+                               atol=0)

@@ -10,10 +10,49 @@ works on iabn's layers (``load_original``, ``convert_sync``, state dicts) works 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from .. import distributed, modules
 from ..scale import ABS, SIGNED
+
+
+class ZeroSlopeWarning(UserWarning):
+    """An in-place layer of the original API was given a leaky ReLU of slope 0 (ReLU): it
+    computes exactly, but keeps its input as ``ABN`` does, so it saves no memory."""
+
+
+_warned_zero_slope = False
+
+
+def is_zero_slope(activation: Any, activation_param: Any) -> bool:
+    """``leaky_relu`` with slope 0: ReLU, which the original package accepted in its in-place
+    layers (and differentiated wrongly: its backward inverted only where the output is
+    negative, which ReLU's never is)."""
+    return (activation == "leaky_relu" and isinstance(activation_param, (int, float))
+            and not isinstance(activation_param, bool) and activation_param == 0)
+
+
+def warn_zero_slope(where: str) -> None:
+    """The one warning of a process about slope-0 in-place layers."""
+    global _warned_zero_slope
+    if _warned_zero_slope:
+        return
+    _warned_zero_slope = True
+    warnings.warn(
+        f"{where}(activation='leaky_relu', activation_param=0.0) is ReLU, which cannot be "
+        f"inverted: iabn computes it exactly, as ABN does (its input kept for backward), so "
+        f"no memory is saved there; activation_param=0.01 saves it (a leaky ReLU the layer "
+        f"inverts). Warned once per process.", ZeroSlopeWarning, stacklevel=4)
+
+
+def _activation_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any]:
+    """``activation`` and ``activation_param`` of a call with the original's positional order
+    ``(num_features, eps, momentum, affine, track_running_stats, activation,
+    activation_param)``."""
+    activation = args[5] if len(args) > 5 else kwargs.get("activation", "leaky_relu")
+    param = args[6] if len(args) > 6 else kwargs.get("activation_param", 0.01)
+    return activation, param
 
 
 class ABN(modules.ABN):
@@ -46,7 +85,17 @@ class ABN(modules.ABN):
 
 
 class InPlaceABN(modules.InPlaceABN, ABN):
-    """The original ``InPlaceABN``: overwrites its input; scale ``|weight| + eps``."""
+    """The original ``InPlaceABN``: overwrites its input; scale ``|weight| + eps``.
+
+    ``activation="leaky_relu", activation_param=0.0`` (ReLU, which the original accepted and
+    segmentation_models_pytorch's ``decoder_use_norm="inplace"`` uses) builds a layer of the
+    private subclass :class:`_ZeroSlopeInPlaceABN`: exact, computed as ``ABN`` computes it
+    (input kept, not overwritten, no memory saved), with one :class:`ZeroSlopeWarning`."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> InPlaceABN:
+        if cls is InPlaceABN and is_zero_slope(*_activation_arguments(args, kwargs)):
+            cls = _ZeroSlopeInPlaceABN
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -62,6 +111,39 @@ class InPlaceABN(modules.InPlaceABN, ABN):
             num_features, eps, momentum, affine, track_running_stats, activation,
             activation_param, gamma_mode=ABS,
         )
+
+
+class _ZeroSlopeInPlaceABN(InPlaceABN):
+    """``InPlaceABN(C, activation="leaky_relu", activation_param=0.0)`` of the original API:
+    batch norm (scale ``|weight| + eps``, as the original's in-place layer) and ReLU, computed
+    out of place as :class:`iabn.ABN` does: ReLU's input cannot be recovered from its output,
+    so the layer keeps what BatchNorm + ReLU keep and leaves its input as it is."""
+
+    _in_place = False
+    _needs_inverse = False
+    _compute = modules.ABN.__dict__["_compute"]
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        activation: str = "leaky_relu",
+        activation_param: float = 0.01,
+    ) -> None:
+        warn_zero_slope("InPlaceABN")
+        ABN.__init__(self, num_features, eps, momentum, affine, track_running_stats, "relu",
+                     0.0, gamma_mode=ABS)
+        self.variant = 2
+        self.__dict__["_in_place"] = False
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
+                f"activation=leaky_relu, activation_param=0.0 (ReLU: computed as ABN, not in "
+                f"place), gamma_mode={self.gamma_mode}")
 
 
 class InPlaceABNSync(distributed.InPlaceABNSync, ABN):
@@ -90,4 +172,4 @@ class InPlaceABNSync(distributed.InPlaceABNSync, ABN):
         self.group = group
 
 
-__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync"]
+__all__ = ["ABN", "InPlaceABN", "InPlaceABNSync", "ZeroSlopeWarning"]

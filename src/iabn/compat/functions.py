@@ -16,6 +16,7 @@ from torch import Tensor
 
 from .. import functional
 from ..scale import ABS
+from .abn import is_zero_slope, warn_zero_slope
 
 
 # TorchScript cannot compile iabn's layer (an autograd Function with Python-side checks), so
@@ -34,7 +35,15 @@ def inplace_abn(
     activation: str = "leaky_relu",
     activation_param: float = 0.01,
 ) -> Tensor:
-    """``x <- act((|weight| + eps) * xhat + bias)``; see :func:`iabn.functional.inplace_abn`."""
+    """``x <- act((|weight| + eps) * xhat + bias)``; see :func:`iabn.functional.inplace_abn`.
+
+    ``activation="leaky_relu", activation_param=0.0`` is ReLU, which cannot be inverted: it
+    is computed exactly as :func:`iabn.functional.abn` computes it, and returns a new tensor
+    (``x`` is kept for backward, so it is not overwritten), with one warning."""
+    if is_zero_slope(activation, activation_param):
+        warn_zero_slope("inplace_abn")
+        return functional.abn(x, running_mean, running_var, weight, bias, training, momentum,
+                              eps, "relu", 0.0, gamma_mode=ABS)
     return functional.inplace_abn(
         x, running_mean, running_var, weight, bias, training, momentum, eps, activation,
         activation_param, gamma_mode=ABS,

@@ -17,13 +17,22 @@ from ..memory import attributing_saves, saved_tensor_bytes, state_keys, storage_
 from ..modules import ABN
 from ..trial_runs import preserved, same_randomness
 from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
-from .graph import find_sites, is_convertible_norm, module_activation, node_activation, trace
+from .graph import (
+    Traced,
+    find_sites,
+    is_convertible_norm,
+    module_activation,
+    node_activation,
+    trace,
+)
+from .recording import record
 from .report import ConversionReport, LayerRow
 from .rewrite import as_graph_module, new_layer, removal_obstacle, swap, swap_obstacle
 
 
 class ConversionWarning(UserWarning):
-    """The model could not be traced; only module-level rules were applied."""
+    """The model's forward branches on tensor values where torch.fx cannot trace it; only
+    module-level rules were applied."""
 
 
 def convert(
@@ -100,10 +109,19 @@ def convert(
     work = _deepcopy(model)
 
     say("tracing the model in train and eval mode")
+    recorded_saves = None
     try:
         traced = {mode: trace(original, mode) for mode in (True, False)}
     except Exception as error:  # fx raises many kinds for untraceable code
-        return _convert_untraced(original, work, args, policy, verify, error, say)
+        say(f"torch.fx cannot trace it ({type(error).__name__}); recording a run in train "
+            f"and eval mode instead")
+        traced, recorded_saves = _record_both(original, args)
+        not_traced = _fx_failure(original, error)
+        if traced[True].value_reads or traced[False].value_reads:
+            reads = list(dict.fromkeys([*traced[True].value_reads, *traced[False].value_reads]))
+            why = (f"{not_traced}, and its forward reads tensor values into Python "
+                   f"({_listed(reads)}), so other inputs may take paths this run did not")
+            return _convert_untraced(original, work, args, policy, verify, why, say)
     graphs = {mode: t.graph for mode, t in traced.items()}
 
     modules = dict(original.named_modules())
@@ -113,7 +131,13 @@ def convert(
     kept = next((e.how for t in traced.values() for e in t.escapes.values() if e.needs_class),
                 None)
     unfusable = None
-    if kept is not None:
+    if recorded_saves is not None:  # only module swaps: a recorded graph is not code to run
+        obstacle = removal_obstacle(original, list(graphs.values()))
+
+        def unfusable(node):
+            why = obstacle(node)
+            return why and f"{why}, and {not_traced}, so only modules can be swapped"
+    elif kept is not None:
         obstacle = removal_obstacle(original, list(graphs.values()))
 
         def unfusable(node):
@@ -123,7 +147,11 @@ def convert(
     sites = {mode: find_sites(t.graph, modules, t.escapes, unfusable)
              for mode, t in traced.items()}
     say("counting the bytes the original model saves for backward")
-    before_nodes, saved_before, input_savers = _bytes_per_node(original, graphs[True], args)
+    if recorded_saves is None:
+        before_nodes, saved_before, input_savers = _bytes_per_node(original, graphs[True], args)
+    else:  # counted while recording
+        before_nodes, saved_before, input_savers = _bytes_by_norm(
+            graphs[True], modules, *recorded_saves)
     rows_info: list[tuple[str, str, Decision]] = []
     layers, fused = {}, []
     for name, norm in modules.items():
@@ -147,7 +175,15 @@ def convert(
     obstacle = swap_obstacle(original, list(graphs.values()), fused)
     say(f"replacing {len(layers)} of {len(rows_info)} normalisation layers; counting the "
         f"bytes the converted model saves")
-    if obstacle is None:
+    if recorded_saves is not None:
+        assert obstacle is None, obstacle  # unfusable() kept every fusion a module swap
+        converted = swap(work, layers, fused)
+        result = "modules swapped"
+        why = (f"{not_traced}: decided on one recorded run in train and eval mode at input "
+               f"shape {_shape_text(args)}; a forward that branches on sizes may take other "
+               f"paths at other shapes")
+        after_nodes, saved_after, _ = _bytes_recorded(converted, args)
+    elif obstacle is None:
         converted = swap(work, layers, fused)
         result, why = "modules swapped", "every decision is a module swap; the class is kept"
         probe = _deepcopy(converted)  # traced, so it gets the tracer's constants
@@ -227,8 +263,42 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
         with attributing_saves(lambda: interpreter.current, state_keys(model)) as saves:
             out = interpreter.run(*args)
             del out
+    return _bytes_by_norm(graph, dict(module.named_modules()), saves, interpreter.norm_inputs)
+
+
+def _record_both(model: nn.Module, args: tuple) -> tuple[dict[bool, Traced], tuple]:
+    """Recorded runs in train and eval mode (:mod:`iabn.conversion.recording`), the train
+    run counting the bytes saved for backward; the model's state is restored."""
+    traced, counted = {}, None
+    for mode in (True, False):
+        with preserved(model), same_randomness(args):
+            try:
+                traced[mode], saves, norm_inputs = record(model, args, mode, count_saves=mode)
+            except Exception as error:
+                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+                raise ValueError(
+                    f"example_input: {type(model).__name__}'s forward fails on it in "
+                    f"{'train' if mode else 'eval'} mode ({type(error).__name__}: "
+                    f"{first[:200]}); give an input the model runs on, e.g. a batch of the "
+                    f"training data") from error
+        if mode:
+            counted = (saves, norm_inputs)
+    return traced, counted
+
+
+def _bytes_recorded(model: nn.Module, args: tuple
+                    ) -> tuple[dict[str, int], int, dict[str, set[fx.Node]]]:
+    """:func:`_bytes_per_node` from a recorded training-mode run of ``model``."""
+    with preserved(model), same_randomness(args):
+        traced, saves, norm_inputs = record(model, args, True, count_saves=True)
+    return _bytes_by_norm(traced.graph, dict(model.named_modules()), saves, norm_inputs)
+
+
+def _bytes_by_norm(graph: fx.Graph, modules: dict[str, nn.Module], saves: Any,
+                   norm_inputs: dict[str, Any]
+                   ) -> tuple[dict[str, int], int, dict[str, set[fx.Node]]]:
+    """:func:`_bytes_per_node`'s figures from the saves attributed to ``graph``'s nodes."""
     sizes, savers = saves.first_bytes, saves.savers
-    modules = dict(module.named_modules())
     by_name = {node.name: node for node in graph.nodes}
     result, input_savers = {}, {}
     for node in graph.nodes:
@@ -238,10 +308,24 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
             result[node.target] = sizes.get(node.name, 0) + sum(
                 sizes.get(user.name, 0) for user in node.users
                 if node_activation(user, modules) is not None)
-        if node.name in interpreter.norm_inputs:
-            names = savers.get(interpreter.norm_inputs[node.name], set()) - {node.name}
+        if node.name in norm_inputs:
+            names = savers.get(norm_inputs[node.name], set()) - {node.name}
             input_savers[node.target] = {by_name[n] for n in names if n in by_name}
     return result, sum(sizes.values()), input_savers
+
+
+def _fx_failure(model: nn.Module, error: Exception) -> str:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return f"torch.fx cannot trace {type(model).__name__} ({type(error).__name__}: {first[:120]})"
+
+
+def _listed(items: list[str], most: int = 3) -> str:
+    more = len(items) - most
+    return ", ".join(items[:most]) + (f" and {more} more" if more > 0 else "")
+
+
+def _shape_text(args: tuple) -> str:
+    return ", ".join("x".join(map(str, shape)) for shape in _shapes(args))
 
 
 def _input_kept(savers: set[fx.Node], modules: dict[str, nn.Module]) -> str | None:
@@ -319,18 +403,17 @@ def _backward(converted: nn.Module, got: list[Tensor], original: nn.Module,
 
 
 def _convert_untraced(original: nn.Module, work: nn.Module, args: tuple, policy: str,
-                      verify: bool, error: Exception,
+                      verify: bool, why: str,
                       say: Callable[[str], None]) -> tuple[nn.Module, ConversionReport]:
-    """Module-level rules for a model fx cannot trace: without a graph nothing proves that a
-    norm's input is used once, so nothing goes in place. A norm directly followed by a ReLU in
-    an ``nn.Sequential`` becomes ``ABN`` (ReLU already kept its output for backward, as ABN
-    does), and timm's ``BatchNormAct2d`` with ReLU likewise."""
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    """Module-level rules for a model whose graph holds for no input but the example's
+    (``why``: torch.fx cannot trace it and its recorded forward branches on tensor values):
+    nothing proves that a norm's input is used once on every path, so nothing goes in place.
+    A norm directly followed by a ReLU in an ``nn.Sequential`` becomes ``ABN`` (a Sequential
+    calls both on every path; ReLU already kept its output for backward, as ABN does)."""
     warnings.warn(
-        f"iabn.convert could not trace {type(work).__name__} with torch.fx "
-        f"({type(error).__name__}: {first_line[:200]}); only module-level rules apply: "
-        f"norm + ReLU pairs inside nn.Sequential become ABN, nothing goes in place. Make the "
-        f"forward traceable (torch.fx.wrap for untraceable functions) for the full conversion.",
+        f"iabn.convert: {why}; only module-level rules apply: norm + ReLU pairs inside "
+        f"nn.Sequential become ABN, nothing goes in place. Make the forward traceable by "
+        f"torch.fx (torch.fx.wrap for the function that reads values) for the full conversion.",
         ConversionWarning, stacklevel=3,
     )
     rows = []
@@ -349,7 +432,7 @@ def _convert_untraced(original: nn.Module, work: nn.Module, args: tuple, policy:
                     or references[id(norm)] > 1 or type(norm) is nn.SyncBatchNorm):
                 continue
             handled.add(id(norm))
-            decision = Decision(NOT_IN_PLACE, "no graph: norm + ReLU in an nn.Sequential",
+            decision = Decision(NOT_IN_PLACE, "paths vary: norm + ReLU in an nn.Sequential",
                                 "relu", 0.0)
             name = names[id(norm)]
             rows.append(LayerRow(name, f"{type(norm).__name__} -> ReLU", decision.layer,
@@ -359,9 +442,10 @@ def _convert_untraced(original: nn.Module, work: nn.Module, args: tuple, policy:
     for name, norm in work.named_modules():
         if is_convertible_norm(norm) and id(norm) not in handled:
             rows.append(LayerRow(name, type(norm).__name__, UNTOUCHED,
-                                 "no graph: safety cannot be checked"))
+                                 "paths vary: forward branches on tensor values, so its "
+                                 "use on other paths cannot be checked"))
     report = ConversionReport(policy, _shapes(args), rows, _saved(original, args),
-                              _saved(work, args), "not traced", f"{type(error).__name__}")
+                              _saved(work, args), "module rules only", why)
     if verify:
         report.max_difference_eval, report.max_difference_train = _differences(
             original, work, args)

@@ -47,14 +47,14 @@ from ..group_norm import GroupNormAct
 from ..modules import ABN
 
 #: Python's in-place operators, which fx would otherwise record as their out-of-place forms.
-_INPLACE_OPERATORS = {
+INPLACE_OPERATORS = {
     "__iadd__": operator.iadd, "__isub__": operator.isub, "__imul__": operator.imul,
     "__itruediv__": operator.itruediv, "__ifloordiv__": operator.ifloordiv,
     "__imod__": operator.imod, "__ipow__": operator.ipow, "__iand__": operator.iand,
     "__ior__": operator.ior, "__ixor__": operator.ixor, "__ilshift__": operator.ilshift,
     "__irshift__": operator.irshift, "__imatmul__": operator.imatmul,
 }
-_MUTATING_FUNCTIONS = {*_INPLACE_OPERATORS.values(), operator.setitem}
+_MUTATING_FUNCTIONS = {*INPLACE_OPERATORS.values(), operator.setitem}
 
 
 class _Proxy(fx.Proxy):
@@ -67,11 +67,11 @@ def _inplace_method(function):
     return method
 
 
-for _name, _function in _INPLACE_OPERATORS.items():
+for _name, _function in INPLACE_OPERATORS.items():
     setattr(_Proxy, _name, _inplace_method(_function))
 
 
-def _timm_leaves() -> tuple[tuple[type, ...], list[Any]]:
+def timm_leaves() -> tuple[tuple[type, ...], list[Any]]:
     """timm's own "do not trace" modules and functions, when timm is already imported."""
     if "timm" not in sys.modules:
         return (), []
@@ -107,12 +107,35 @@ def hook_kinds(m: nn.Module) -> list[str]:
     return kinds
 
 
+def add_escape(escapes: dict[fx.Node, Escape], nodes: list[fx.Node], how: str, may_write: bool,
+               needs_class: bool) -> None:
+    """Record that ``nodes`` escape: the first description stays, the effects add up."""
+    for node in nodes:
+        known = escapes.get(node)
+        escapes[node] = (Escape(how, may_write, needs_class) if known is None else
+                         Escape(known.how, known.may_write or may_write,
+                                known.needs_class or needs_class))
+
+
+def is_leaf(m: nn.Module, timm_modules: tuple[type, ...]) -> bool:
+    """Whether a graph shows a call of ``m`` as one ``call_module`` node: normalisation layers,
+    iabn's layers, timm's "do not trace" modules, and (as fx's default) PyTorch's own modules
+    but ``nn.Sequential``."""
+    if isinstance(m, (_BatchNorm, ABN, GroupNormAct)) or is_norm_act(m):
+        return True
+    if timm_modules and isinstance(m, timm_modules):
+        return True
+    module = type(m).__module__
+    return (module.startswith(("torch.nn", "torch.ao.nn"))
+            and not isinstance(m, nn.Sequential))
+
+
 class Tracer(fx.Tracer):
     """``fx.Tracer`` with in-place operators recorded, normalisation layers as leaves, and the
     traced values that escape the graph found (:attr:`escapes`, complete after :func:`trace`)."""
 
     def __init__(self) -> None:
-        self._timm_modules, functions = _timm_leaves()
+        self._timm_modules, functions = timm_leaves()
         super().__init__(autowrap_functions=tuple(functions))
         self.escapes: dict[fx.Node, Escape] = {}
         self._proxies: list[weakref.ref] = []
@@ -123,11 +146,7 @@ class Tracer(fx.Tracer):
         return proxy
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, (_BatchNorm, ABN, GroupNormAct)) or is_norm_act(m):
-            return True
-        if self._timm_modules and isinstance(m, self._timm_modules):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
+        return is_leaf(m, self._timm_modules)
 
     def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict) -> Any:
         result = super().call_module(m, forward, args, kwargs)
@@ -142,17 +161,10 @@ class Tracer(fx.Tracer):
 
     def escape(self, values: Any, how: str, may_write: bool, needs_class: bool) -> None:
         """Record the nodes of this trace among ``values`` (proxies or nodes, nested)."""
-        for value in tree_leaves(values):
-            if isinstance(value, fx.Proxy) and value.tracer is self:
-                value = value.node
-            if not isinstance(value, fx.Node) or value.graph is not self.graph:
-                continue
-            known = self.escapes.get(value)
-            if known is None:
-                self.escapes[value] = Escape(how, may_write, needs_class)
-            else:  # the first description stays; the effects add up
-                self.escapes[value] = Escape(known.how, known.may_write or may_write,
-                                             known.needs_class or needs_class)
+        nodes = [value.node if isinstance(value, fx.Proxy) and value.tracer is self else value
+                 for value in tree_leaves(values)]
+        add_escape(self.escapes, [n for n in nodes if isinstance(n, fx.Node)
+                                  and n.graph is self.graph], how, may_write, needs_class)
 
     def find_kept(self, root: nn.Module) -> None:
         """After tracing, every proxy still alive is kept by something outside the graph: a
@@ -202,6 +214,12 @@ def _stored_proxies(root: nn.Module, depth: int = 4) -> dict[int, str]:
 class Traced(NamedTuple):
     graph: fx.Graph
     escapes: dict[fx.Node, Escape]
+    #: "torch.fx" (a symbolic trace: every input takes this graph) or "recorded run" (one
+    #: forward on the example input, :mod:`iabn.conversion.recording`)
+    source: str = "torch.fx"
+    #: where a recorded forward read tensor values into Python ("item at model.py:12"): other
+    #: inputs may take other paths there
+    value_reads: tuple[str, ...] = ()
 
 
 def trace(model: nn.Module, training: bool) -> Traced:
