@@ -19,3 +19,25 @@ def resnet50_group_norm(num_classes: int = 1000) -> nn.Module:
 
     return torchvision.models.resnet50(num_classes=num_classes,
                                        norm_layer=lambda c: nn.GroupNorm(32, c))
+
+
+def _smp(architecture: str, **kwargs) -> nn.Module:
+    """A segmentation_models_pytorch model with a ResNet-18 encoder, random weights (nothing
+    is downloaded). Its package is not a dependency of iabn: ``pip install
+    segmentation-models-pytorch``."""
+    import segmentation_models_pytorch as smp
+
+    return getattr(smp, architecture)(encoder_name="resnet18", encoder_weights=None,
+                                      classes=21, **kwargs)
+
+
+def smp_fpn() -> nn.Module:
+    return _smp("FPN")
+
+
+def smp_deeplabv3plus() -> nn.Module:
+    return _smp("DeepLabV3Plus")
+
+
+def smp_unetplusplus() -> nn.Module:
+    return _smp("UnetPlusPlus")

@@ -368,3 +368,14 @@ def test_a_reader_that_goes_away_ends_quietly_with_141():
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_a_model_torch_fx_cannot_trace_is_converted():
+    """A detector whose forward loops over its layers routed by stored indices: fx fails on
+    it, and the figures come from a recorded run (every conv + BN + SiLU in place)."""
+    status, stdout, stderr = _run("model_families:detector", "--input", "2,3,32,32")
+    assert status == 0, stderr
+    assert "recording a run in train and eval mode" in stderr
+    rows, _ = _printed(stdout)
+    assert rows["convert, lossless"] <= 0.6 * rows["as given"]
+    assert "32 InPlaceABN" in stdout

@@ -271,3 +271,18 @@ def test_memory_budget_values_are_checked(value):
         check_engine_config(conv_config(memory_budget=value))
     for good in (None, 0.5, 1, 1.0, 4096):
         check_engine_config(conv_config(memory_budget=good))
+
+
+def test_units_torch_fx_cannot_trace_go_in_place(tmp_path):
+    """The detector's CSP units (chunk into a list, extended in a loop) fail fx: their
+    conversion comes from a recorded run, so in place is a candidate for them."""
+    path = tmp_path / "plan.json"
+    status, _, stderr = _run("model_families:detector", "--input", "2,3,32,32",
+                             "--budget", "0.7", "--allow", "inplace", "--json", str(path),
+                             "--quiet")
+    assert status == 0, stderr
+    plan = json.loads(path.read_text())["plan"]
+    assert plan["measured"] <= plan["budget"]
+    chosen = {row["segment"]: row["choice"] for row in plan["rows"]}
+    for csp in ("model.2", "model.4", "model.8", "model.11"):
+        assert chosen[csp] == "inplace", chosen

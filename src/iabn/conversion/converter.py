@@ -73,14 +73,22 @@ def convert(
     (an activation module shared by several calls, ``F.relu`` in forward) it is a
     :class:`~iabn.conversion.rewrite.TrainEvalGraphModule` generated from the graphs, with
     the same ``state_dict`` keys, unless forward keeps values outside the graph (which only
-    the model's own forward does): then such activations stay separate. A model that cannot
-    be traced gets module-level rules only (a norm followed by ReLU in the same
-    ``nn.Sequential`` becomes ``ABN``) and a :class:`ConversionWarning`.
+    the model's own forward does): then such activations stay separate.
+
+    A model ``torch.fx`` cannot trace (loops over module lists routed by stored indices,
+    a size check in forward) is analysed from a recorded run of its forward on
+    ``example_input`` in both modes (:mod:`iabn.conversion.recording`), by the same rules,
+    for that input's shape; the result then only swaps modules, so activations written as
+    functions or shared modules stay separate. One whose forward reads tensor values into
+    Python (``bool``, ``.item()``) may take other paths for other inputs: it gets module-level
+    rules only (a norm followed by ReLU in the same ``nn.Sequential`` becomes ``ABN``) and a
+    :class:`ConversionWarning` naming where.
 
     Args:
         model: the network, on any device; its weights and buffers are carried over.
         example_input: a tensor (or a tuple of ``forward``'s arguments) on the model's device;
-            used to measure the saved bytes and to compare outputs, never to train.
+            used to measure the saved bytes and to compare outputs, never to train; for a
+            model fx cannot trace, also to record the run the decisions are read from.
         policy: ``"lossless"`` (default): outputs equal the original's to floating-point
             rounding, in train and eval mode. ``"leaky_relu"``: ReLU after a norm becomes
             LeakyReLU(0.01) so that the layer can go in place; this changes the model (plan

@@ -282,14 +282,16 @@ def _held_by_python(recorder: _Recorder, known: set[fx.Node]) -> list[fx.Node]:
     closure, a hook's dict, a global), but those in ``known``. Tensors only autograd holds
     (saved for the backward of a tensor kept somewhere) or a view holds as its base are not
     held here: no code reads them (a view's holder is found itself)."""
+    candidates = [(ref, node) for ref, node in list(recorder.node_of.data.items())
+                  if node.op not in ("get_attr", "placeholder") and node not in known]
+    if all(ref() is None for ref, _ in candidates):
+        return []  # (no collection needed: the common case)
     gc.collect()  # what forward dropped is gone, cycles (a caught traceback) included
     here = sys._getframe()
     held = []
-    for ref, node in list(recorder.node_of.data.items()):
+    for ref, _ in candidates:
         t = ref()
-        if t is None or node.op in ("get_attr", "placeholder") or node in known:
-            continue
-        if any(r is not here for r in gc.get_referrers(t)):
+        if t is not None and any(r is not here for r in gc.get_referrers(t)):
             held.extend(n for n in _nodes_of(recorder, t) if n not in held)
         del t
     return held
