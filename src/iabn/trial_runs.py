@@ -10,6 +10,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
 
 
 @contextlib.contextmanager
@@ -32,7 +33,7 @@ def preserved(model: nn.Module) -> Iterator[nn.Module]:
 def same_randomness(args: tuple) -> Iterator[None]:
     """The same random numbers (dropout, stochastic depth) for each run, and the caller's
     random state untouched afterwards."""
-    devices = sorted({a.device.index or 0 for a in args
+    devices = sorted({a.device.index or 0 for a in tree_leaves(args)
                       if isinstance(a, Tensor) and a.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(0)

@@ -173,3 +173,30 @@ def test_a_recorded_run_finds_a_later_write_through_a_list():
     assert report.rows[0].decision == "untouched", report.rows[0]
     assert "writes into the norm's output" in report.rows[0].reason
     assert_same_model(model, converted, x)
+
+
+class ImageList(nn.Module):
+    """A detector-style forward taking a list of images (iterated: fx cannot trace it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.bn = nn.BatchNorm2d(6)
+        self.act = nn.SiLU()
+        self.head = nn.Conv2d(6, 2, 1)
+
+    def forward(self, images):
+        x = torch.stack([image * 2 - 1 for image in images])
+        return self.head(self.act(self.bn(self.conv(x))))
+
+
+def test_an_input_given_as_a_list_of_tensors():
+    model = _randomise(ImageList())
+    images = [torch.rand(3, 5, 5, dtype=torch.float64) for _ in range(2)]
+    converted, report = iabn.convert(model, (images,))
+    assert report.example_shape == [[3, 5, 5], [3, 5, 5]]
+    assert report.rows[0].decision == "InPlaceABN"
+    for training in (True, False):  # the forward's operations are the same: equal (measured)
+        expected = copy.deepcopy(model).train(training)(images)
+        got = copy.deepcopy(converted).train(training)(images)
+        assert torch.equal(got, expected)

@@ -107,9 +107,10 @@ def convert(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args = example_input if isinstance(example_input, tuple) else (example_input,)
-    if not args or not any(isinstance(a, Tensor) for a in args):
+    if not any(isinstance(a, Tensor) for a in tree_leaves(args)):
         raise TypeError("example_input must be a tensor or a tuple of forward's arguments "
-                        "with at least one tensor, e.g. torch.randn(8, 3, 224, 224)")
+                        "with at least one tensor (in lists and dicts too: a detector's list "
+                        "of images), e.g. torch.randn(8, 3, 224, 224)")
     say = progress or (lambda _text: None)
     # ``original`` is traced (the tracer adds its constants to it) and is the reference of
     # the comparisons; ``work`` becomes the result. ``model`` itself is never run.
@@ -359,7 +360,7 @@ def _saved(model: nn.Module, args: tuple) -> int:
 
 
 def _shapes(args: tuple) -> list[list[int]]:
-    return [list(a.shape) for a in args if isinstance(a, Tensor)]
+    return [list(a.shape) for a in tree_leaves(args) if isinstance(a, Tensor)]
 
 
 def _differences(original: nn.Module, converted: nn.Module, args: tuple) -> tuple[float, float]:
@@ -420,8 +421,10 @@ def _convert_untraced(original: nn.Module, work: nn.Module, args: tuple, policy:
     calls both on every path; ReLU already kept its output for backward, as ABN does)."""
     warnings.warn(
         f"iabn.convert: {why}; only module-level rules apply: norm + ReLU pairs inside "
-        f"nn.Sequential become ABN, nothing goes in place. Make the forward traceable by "
-        f"torch.fx (torch.fx.wrap for the function that reads values) for the full conversion.",
+        f"nn.Sequential become ABN, nothing goes in place. For the full conversion, convert "
+        f"the submodules whose forward does not read values (a detector's backbone: "
+        f"model.backbone = iabn.convert(model.backbone, its input)[0]), or make the forward "
+        f"traceable by torch.fx (torch.fx.wrap for the function that reads them).",
         ConversionWarning, stacklevel=3,
     )
     rows = []
