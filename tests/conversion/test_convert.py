@@ -401,17 +401,21 @@ class DataDependent(nn.Module):
         return y if y.sum() > 0 else -y
 
 
-def test_forwards_branching_on_values_get_module_rules_and_a_warning():
+def test_forwards_branching_on_values_are_converted_by_parts_with_a_warning():
+    """The model reads a value; its body does not: the body is converted on its own, its
+    output counted as written by the code around it (the last norm stays)."""
     model = _randomise(DataDependent())
     x = _x()
     with pytest.warns(ConversionWarning, match=r"cannot trace DataDependent .* reads tensor "
                       r"values into Python \(bool\(\) at test_convert.py:\d+\)"):
         converted, report = iabn.convert(model, x)
-    assert report.result == "module rules only"
+    assert report.result == "converted by parts" and "part by part: body" in report.result_reason
     assert [row.decision for row in report.rows] == ["ABN", "untouched"]
+    assert "returned to the code around this part" in report.rows[1].reason
     assert type(converted.body[1]) is iabn.ABN and isinstance(converted.body[2], nn.Identity)
-    assert report.rows[0].saved_before is None
+    assert report.rows[0].saved_before == report.rows[0].saved_after == 2 * ACT + 2 * VEC
     assert_same_model(model, converted, x)
+    assert_same_model(model, converted, -x)  # the other path
 
 
 def test_shared_norm_modules_are_left_alone(analysis):

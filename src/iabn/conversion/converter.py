@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import copy
-import itertools
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, fx, nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..group_norm import GroupNormAct
 from ..memory import attributing_saves, saved_tensor_bytes, state_keys, storage_key
@@ -19,9 +19,9 @@ from ..trial_runs import preserved, same_randomness
 from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
 from .graph import (
     Traced,
+    add_escape,
     find_sites,
     is_convertible_norm,
-    module_activation,
     node_activation,
     trace,
 )
@@ -31,8 +31,8 @@ from .rewrite import as_graph_module, new_layer, removal_obstacle, swap, swap_ob
 
 
 class ConversionWarning(UserWarning):
-    """The model's forward branches on tensor values where torch.fx cannot trace it; only
-    module-level rules were applied."""
+    """The model's forward reads tensor values where torch.fx cannot trace it; it was
+    converted part by part."""
 
 
 def convert(
@@ -80,8 +80,9 @@ def convert(
     ``example_input`` in both modes (:mod:`iabn.conversion.recording`), by the same rules,
     for that input's shape; the result then only swaps modules, so activations written as
     functions or shared modules stay separate. One whose forward reads tensor values into
-    Python (``bool``, ``.item()``) may take other paths for other inputs: it gets module-level
-    rules only (a norm followed by ReLU in the same ``nn.Sequential`` becomes ``ABN``) and a
+    Python (``bool``, ``.item()``) may take other paths for other inputs: it is converted part
+    by part (the largest submodules whose forward reads no values, each with the input it got,
+    its outputs treated as written by the code around it; the norms outside stay), with a
     :class:`ConversionWarning` naming where.
 
     Args:
@@ -111,7 +112,14 @@ def convert(
         raise TypeError("example_input must be a tensor or a tuple of forward's arguments "
                         "with at least one tensor (in lists and dicts too: a detector's list "
                         "of images), e.g. torch.randn(8, 3, 224, 224)")
-    say = progress or (lambda _text: None)
+    return _convert(model, args, policy, verify, progress or (lambda _text: None))
+
+
+def _convert(model: nn.Module, args: tuple, policy: str, verify: bool,
+             say: Callable[[str], None], enclosed: bool = False
+             ) -> tuple[nn.Module, ConversionReport]:
+    """:func:`convert` after its argument checks. ``enclosed``: ``model`` is a submodule of
+    a model being converted part by part, so the code around it may write into its outputs."""
     # ``original`` is traced (the tracer adds its constants to it) and is the reference of
     # the comparisons; ``work`` becomes the result. ``model`` itself is never run.
     original = _deepcopy(model)
@@ -130,7 +138,13 @@ def convert(
             reads = list(dict.fromkeys([*traced[True].value_reads, *traced[False].value_reads]))
             why = (f"{not_traced}, and its forward reads tensor values into Python "
                    f"({_listed(reads)}), so other inputs may take paths this run did not")
-            return _convert_untraced(original, work, args, policy, verify, why, say)
+            return _convert_by_parts(original, work, args, policy, verify, why, say, traced)
+    if enclosed:
+        for t in traced.values():
+            output = next(n for n in t.graph.nodes if n.op == "output")
+            add_escape(t.escapes, output.all_input_nodes, "returned to the code around this "
+                       "part of the model, which may write into it", may_write=True,
+                       needs_class=False)
     graphs = {mode: t.graph for mode, t in traced.items()}
 
     modules = dict(original.named_modules())
@@ -408,59 +422,97 @@ def _backward(converted: nn.Module, got: list[Tensor], original: nn.Module,
             f"rules: please report it with the model") from error
 
 
-# ---------------------------------------------------------------- without a graph
+# ---------------------------------------------------------------- part by part
 
 
-def _convert_untraced(original: nn.Module, work: nn.Module, args: tuple, policy: str,
-                      verify: bool, why: str,
-                      say: Callable[[str], None]) -> tuple[nn.Module, ConversionReport]:
-    """Module-level rules for a model whose graph holds for no input but the example's
-    (``why``: torch.fx cannot trace it and its recorded forward branches on tensor values):
-    nothing proves that a norm's input is used once on every path, so nothing goes in place.
-    A norm directly followed by a ReLU in an ``nn.Sequential`` becomes ``ABN`` (a Sequential
-    calls both on every path; ReLU already kept its output for backward, as ABN does)."""
+def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy: str,
+                      verify: bool, why: str, say: Callable[[str], None],
+                      traced: dict[bool, Traced]) -> tuple[nn.Module, ConversionReport]:
+    """Convert the submodules whose forward reads no tensor values, each on its own.
+
+    ``model``'s forward reads tensor values (``why``), so its recorded graph holds for this
+    input only. The submodules that ran once per mode, read no values while running and
+    hold a normalisation (the largest such: a detector's backbone, its heads' towers) take
+    the same path whatever their input's values; each is converted with the input it got
+    in this run, its outputs counted as written by the code around it (which the recorded
+    graph cannot vouch for). Norms outside them are left as they are."""
+    calls = {name: [*traced[True].calls.get(name, []), *traced[False].calls.get(name, [])]
+             for name in {*traced[True].calls, *traced[False].calls}}
+    parts: list[str] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            if not any(is_convertible_norm(m) for m in child.modules()):
+                continue
+            runs = calls.get(name, [])
+            if not runs or any(runs):  # a container, or values read inside: look deeper
+                visit(name, child)
+            elif (not is_convertible_norm(child)
+                  and len(traced[True].calls.get(name, [])) <= 1
+                  and len(traced[False].calls.get(name, [])) <= 1):
+                parts.append(name)
+
+    visit("", original)
+    inputs = _part_inputs(original, args, parts)
+    layers: dict[str, LayerRow] = {}
+    converted_parts = []
+    for name in parts:
+        if name not in inputs:
+            continue  # called with keyword arguments, or only in eval mode
+        say(f"converting the part {name}")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConversionWarning)
+            part, part_report = _convert(original.get_submodule(name), inputs[name], policy,
+                                         False, lambda _text: None, enclosed=True)
+        work.set_submodule(name, part)
+        converted_parts.append(name)
+        for row in part_report.rows:
+            layers[f"{name}.{row.name}"] = dataclasses.replace(row, name=f"{name}.{row.name}")
+    outside = ("not in a part of the model whose forward reads no tensor values "
+               "(the model's forward does, so its path may differ for other inputs)")
+    rows = [layers.get(name) or LayerRow(name, type(m).__name__, UNTOUCHED, outside)
+            for name, m in original.named_modules() if is_convertible_norm(m)]
+    done = sum(row.decision != UNTOUCHED for row in rows)
     warnings.warn(
-        f"iabn.convert: {why}; only module-level rules apply: norm + ReLU pairs inside "
-        f"nn.Sequential become ABN, nothing goes in place. For the full conversion, convert "
-        f"the submodules whose forward does not read values (a detector's backbone: "
-        f"model.backbone = iabn.convert(model.backbone, its input)[0]), or make the forward "
-        f"traceable by torch.fx (torch.fx.wrap for the function that reads them).",
-        ConversionWarning, stacklevel=3,
-    )
-    rows = []
-    names = {id(m): n for n, m in work.named_modules()}
-    references: dict[int, int] = {}
-    for _, m in work.named_modules(remove_duplicate=False):
-        references[id(m)] = references.get(id(m), 0) + 1
-    handled = set()
-    for parent in list(work.modules()):
-        children = list(parent.named_children()) if isinstance(parent, nn.Sequential) else []
-        for (_, norm), (act_key, act) in itertools.pairwise(children):
-            if not is_convertible_norm(norm) or id(norm) in handled:
-                continue
-            found = module_activation(act)
-            if (found is None or found.name != "relu" or references[id(act)] > 1
-                    or references[id(norm)] > 1 or type(norm) is nn.SyncBatchNorm):
-                continue
-            handled.add(id(norm))
-            decision = Decision(NOT_IN_PLACE, "paths vary: norm + ReLU in an nn.Sequential",
-                                "relu", 0.0)
-            name = names[id(norm)]
-            rows.append(LayerRow(name, f"{type(norm).__name__} -> ReLU", decision.layer,
-                                 decision.reason))
-            work.set_submodule(name, new_layer(norm, decision))
-            setattr(parent, act_key, nn.Identity())
-    for name, norm in work.named_modules():
-        if is_convertible_norm(norm) and id(norm) not in handled:
-            rows.append(LayerRow(name, type(norm).__name__, UNTOUCHED,
-                                 "paths vary: forward branches on tensor values, so its "
-                                 "use on other paths cannot be checked"))
-    report = ConversionReport(policy, _shapes(args), rows, _saved(original, args),
-                              _saved(work, args), "module rules only", why)
+        f"iabn.convert: {why}; so it is converted part by part: the "
+        f"{len(converted_parts)} submodules whose forward reads no values, each on its own "
+        f"({done} of {len(rows)} norms replaced), the rest left as it is. Make the forward "
+        f"traceable by torch.fx (torch.fx.wrap for the function that reads values) for the "
+        f"whole conversion.", ConversionWarning, stacklevel=3)
+    report = ConversionReport(
+        policy, _shapes(args), rows, _saved(original, args), _saved(work, args),
+        "converted by parts", f"{why}; converted part by part: {_listed(converted_parts)}")
     if verify:
         report.max_difference_eval, report.max_difference_train = _differences(
             original, work, args)
     return work, report
+
+
+def _part_inputs(model: nn.Module, args: tuple, parts: list[str]) -> dict[str, tuple]:
+    """The positional inputs each of ``parts`` gets in a training-mode run of ``model``
+    (copied as they were when it was called); parts called with keyword arguments have
+    none."""
+    inputs: dict[str, tuple] = {}
+
+    def keep(name):
+        def hook(_module, part_args, part_kwargs):
+            if not part_kwargs and name not in inputs:
+                inputs[name] = tree_map(
+                    lambda t: t.detach().clone() if isinstance(t, Tensor) else t, part_args)
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_pre_hook(keep(name),
+                                                                    with_kwargs=True)
+               for name in parts]
+    try:
+        with preserved(model), same_randomness(args), torch.no_grad():
+            model.train()
+            model(*args)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return inputs
 
 
 __all__ = ["IN_PLACE", "NOT_IN_PLACE", "UNTOUCHED", "ConversionWarning", "convert"]

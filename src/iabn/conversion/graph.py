@@ -220,6 +220,9 @@ class Traced(NamedTuple):
     #: where a recorded forward read tensor values into Python ("item at model.py:12"): other
     #: inputs may take other paths there
     value_reads: tuple[str, ...] = ()
+    #: of a recorded run: for each module called (qualified name), one entry per call saying
+    #: whether tensor values were read during it
+    calls: dict[str, list[bool]] | None = None
 
 
 def trace(model: nn.Module, training: bool) -> Traced:

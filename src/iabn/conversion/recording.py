@@ -119,6 +119,9 @@ class _Recorder(TorchFunctionMode):
         self.inside = 0          # > 0 while a leaf module runs: its calls are not recorded
         self.current = ""        # the node running now, for attributing saved tensors
         self.norm_inputs: dict[str, Any] = {}  # norm node name -> storage key of its input
+        self.reads = 0           # value reads so far (each one, not deduplicated)
+        #: for each module called, one entry per call: whether values were read during it
+        self.calls: dict[str, list[bool]] = {}
 
     # ---------------------------------------------------------------- tensors and nodes
 
@@ -177,6 +180,7 @@ class _Recorder(TorchFunctionMode):
         if name in _VALUE_READS:
             if any(isinstance(t, Tensor) and t in self.node_of and self.node_of[t].meta["data"]
                    for t in tree_leaves(args)):
+                self.reads += 1
                 read = f"{_VALUE_READS[name]} at {_caller()}"
                 if read not in self.value_reads:
                     self.value_reads.append(read)
@@ -200,6 +204,7 @@ class _Recorder(TorchFunctionMode):
     def module_forward(self, m: nn.Module, name: str, leaf: bool, forward):
         """The wrapper put on ``m.forward`` for the run."""
         def recorded(*args, **kwargs):
+            reads = self.reads
             if self.inside or not leaf:
                 result = forward(*args, **kwargs)
             else:
@@ -214,6 +219,8 @@ class _Recorder(TorchFunctionMode):
                     self.inside -= 1
                     self.current = before
                 self.bind(result, node)
+            if not self.inside:
+                self.calls.setdefault(name, []).append(self.reads > reads)
             kinds = hook_kinds(m) if not self.inside else []
             if kinds:  # hooks run around this forward, on these very tensors
                 self.escape((args, kwargs, result), f"passed to {' and '.join(kinds)} of "
@@ -362,5 +369,5 @@ def record(model: nn.Module, args: tuple, training: bool,
         add_escape(recorder.escapes, [node], "kept outside the graph (by a hook, a closure or "
                    "a global)", may_write=True, needs_class=True)
     traced = Traced(recorder.graph, recorder.escapes, "recorded run",
-                    tuple(recorder.value_reads))
+                    tuple(recorder.value_reads), recorder.calls)
     return traced, saves, recorder.norm_inputs

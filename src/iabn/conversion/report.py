@@ -16,9 +16,8 @@ class LayerRow:
 
     ``saved_before``/``saved_after``: bytes of activation memory the norm and its activation
     keep for backward at the example input (storages first saved by their graph nodes; see
-    docs/design.md, "Converting existing models"), ``None`` where only module-level rules
-    applied (a forward that branches on tensor values) or the layer does not run in training
-    mode.
+    docs/design.md, "Converting existing models"), ``None`` where the layer is not in a part
+    converted (a forward that branches on tensor values) or does not run in training mode.
     """
 
     name: str
@@ -38,7 +37,7 @@ class ConversionReport:
     rows: list[LayerRow]
     saved_before: int          # the whole model's activation bytes at the example input
     saved_after: int
-    result: str                # "modules swapped", "torch.fx GraphModule" or "module rules only"
+    result: str  # "modules swapped", "torch.fx GraphModule" or "converted by parts"
     result_reason: str
     max_difference_train: float | None = None
     max_difference_eval: float | None = None
