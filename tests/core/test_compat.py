@@ -61,6 +61,20 @@ def _params(c, zero=False):
     return w, b, rm, rv
 
 
+def _loaded(layer, c, w, b, rm, rv):
+    """``layer`` given w, b, rm, rv; the reference's copies (weight and bias requiring
+    grad), an input requiring grad and an output gradient of shape (4, c, 3, 3)."""
+    with torch.no_grad():
+        for t, v in ((layer.weight, w), (layer.bias, b), (layer.running_mean, rm),
+                     (layer.running_var, rv)):
+            t.copy_(v)
+    rw, rb = w.clone().requires_grad_(), b.clone().requires_grad_()
+    torch.manual_seed(2)
+    x = torch.randn(4, c, 3, 3, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(4, c, 3, 3, dtype=torch.float64)
+    return rw, rb, rm.clone(), rv.clone(), x, dy
+
+
 def _grads(out, inputs, dy):
     return torch.autograd.grad(out, inputs, dy)
 
@@ -149,15 +163,7 @@ def test_compat_inplace_abn_is_the_originals_abs_computation(activation, param, 
     c, eps = 5, 1e-5
     w, b, rm, rv = _params(c, zero)
     layer = compat.InPlaceABN(c, eps, 0.1, True, True, activation, param).double()
-    with torch.no_grad():
-        for t, v in ((layer.weight, w), (layer.bias, b), (layer.running_mean, rm),
-                     (layer.running_var, rv)):
-            t.copy_(v)
-    rw, rb = w.clone().requires_grad_(), b.clone().requires_grad_()
-    rm_ref, rv_ref = rm.clone(), rv.clone()
-    torch.manual_seed(2)
-    x = torch.randn(4, c, 3, 3, dtype=torch.float64, requires_grad=True)
-    dy = torch.randn(4, c, 3, 3, dtype=torch.float64)
+    rw, rb, rm_ref, rv_ref, x, dy = _loaded(layer, c, w, b, rm, rv)
     ref = _reference(x, rw, rb, rm_ref, rv_ref, True, 0.1, eps, activation, param, True)
     out = layer(x * 1)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
@@ -487,15 +493,7 @@ def test_zero_slope_in_place_layer_is_exact_relu_and_warns_once(how, zero_slope_
     assert isinstance(layer, compat.InPlaceABN) and isinstance(layer, iabn.InPlaceABN)
     assert "activation_param=0.0" in repr(layer)
     layer = layer.double()
-    with torch.no_grad():
-        for t, v in ((layer.weight, w), (layer.bias, b), (layer.running_mean, rm),
-                     (layer.running_var, rv)):
-            t.copy_(v)
-    rw, rb = w.clone().requires_grad_(), b.clone().requires_grad_()
-    rm_ref, rv_ref = rm.clone(), rv.clone()
-    torch.manual_seed(2)
-    x = torch.randn(4, c, 3, 3, dtype=torch.float64, requires_grad=True)
-    dy = torch.randn(4, c, 3, 3, dtype=torch.float64)
+    rw, rb, rm_ref, rv_ref, x, dy = _loaded(layer, c, w, b, rm, rv)
     for training in (True, False):
         layer.train(training)
         h = x * 1
