@@ -3,6 +3,7 @@ written; concurrent runs; signals; corrupt files)."""
 
 import json
 import os
+import re
 
 import pytest
 
@@ -280,3 +281,85 @@ def test_unwritable_outputs_of_bench_test_and_segment_exit_2_with_one_line(tmp_p
     for command, argv in cases.items():
         assert main(argv) == 2, command
         assert "afile is a file, not a folder" in one_line_error(capsys, command)
+
+
+# --- every reader of a checkpoint: its checksum file, non-finite tensors, one line ---
+
+
+def _one_image(folder):
+    """A folder holding one small PNG (segment reads the images before the snapshot)."""
+    from PIL import Image
+
+    folder.mkdir()
+    Image.new("RGB", (8, 8)).save(folder / "a.png")
+    return folder
+
+
+def _with_checksum(path, payload):
+    """``payload`` saved at ``path`` with its ``.sha256`` file, as snapshots are written."""
+    import hashlib
+
+    import torch
+
+    torch.save(payload, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
+    return path
+
+
+def test_test_and_segment_check_the_checksum_file_and_refuse_text(tmp_path, capsys):
+    import torch
+
+    config = write_config(tmp_path / "c.json")
+    _one_image(tmp_path / "in")
+    weights = _with_checksum(tmp_path / "w.pth", {"w": torch.arange(1000.0)})
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one bit flipped, after the checksum was written
+    weights.write_bytes(bytes(data))
+    text = tmp_path / "notes.pth"
+    text.write_text("these are notes, not weights\n")
+    for command, argv in {
+        "test": ["test", str(config), str(weights)],
+        "segment": ["segment", str(weights), str(tmp_path / "in"), str(tmp_path / "out")],
+    }.items():
+        assert main(argv) == 2, command
+        assert "corrupt: its SHA-256 does not match w.pth.sha256" in one_line_error(capsys,
+                                                                                      command)
+    for command, argv in {
+        "test": ["test", str(config), str(text)],
+        "segment": ["segment", str(text), str(tmp_path / "in"), str(tmp_path / "out")],
+    }.items():
+        assert main(argv) == 2, command
+        err = one_line_error(capsys, command)  # torch's advice spans 4 lines; one is kept
+        assert "notes.pth (corrupt, truncated or not a torch file)" in err
+
+
+@pytest.mark.parametrize("command", ["test", "segment", "resume"])
+def test_a_checkpoint_holding_a_nan_is_refused_naming_the_tensor(tmp_path, capsys, command):
+    """A snapshot whose weights hold a NaN, its checksum regenerated: every reader refuses it
+    (exit 2, naming the file and the tensor), where resuming used to run and then blame the
+    learning rate."""
+    import torch
+
+    config = toy_config()
+    run = tmp_path / "run"
+    train(ToyTask(), config, TrainOptions(run, stop_after_steps=6))
+    last = run / "last.pth"
+    snapshot = torch.load(last, weights_only=True)
+    name = next(k for k, v in snapshot["model"].items() if v.is_floating_point())
+    snapshot["model"][name].view(-1)[0] = float("nan")
+    _with_checksum(last, snapshot)
+    where = f"['model'][{name!r}]"
+    if command == "resume":
+        (run / "previous.pth").unlink()  # nothing earlier to fall back to
+        from iabn.tools.training.snapshot import SnapshotError
+
+        with pytest.raises(SnapshotError, match=re.escape(f"holds a NaN or an infinity in "
+                                                           f"{where}")):
+            train(ToyTask(), config, TrainOptions(run, resume=last))
+        return
+    argv = (["test", str(write_config(tmp_path / "c.json")), str(last)] if command == "test"
+            else ["segment", str(last), str(_one_image(tmp_path / "in")), str(tmp_path / "out")])
+    assert main(argv) == 2
+    err = one_line_error(capsys, command)
+    assert "last.pth holds a NaN or an infinity in" in err and name in err

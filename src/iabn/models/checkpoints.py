@@ -10,6 +10,7 @@ weight as it is, like ``nn.BatchNorm2d``.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,11 +83,33 @@ class CheckpointError(ValueError):
     """A checkpoint file that does not exist or cannot be read."""
 
 
+#: Beside a checkpoint ``NAME.pth``, ``NAME.pth.sha256`` holds its SHA-256 in ``sha256sum``
+#: format; training snapshots are written with one.
+CHECKSUM_SUFFIX = ".sha256"
+
+
+def checksum_path(path: str | Path) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + CHECKSUM_SUFFIX)
+
+
+def file_sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def read_checkpoint(path: str | Path, what: str = "checkpoint") -> Any:
     """The contents of a checkpoint file, tensors on CPU, loaded with ``weights_only=True`` (no
     code in the file runs). The project's one reader of such files: training snapshots,
     original-package files, weights for ``iabn test`` and ``iabn segment``. ``what`` names the
-    file in the :class:`CheckpointError` (``"snapshot"``, ``"checkpoint"``)."""
+    file in the :class:`CheckpointError` (``"snapshot"``, ``"checkpoint"``), one line, raised
+    also when the checksum file beside it (``NAME.pth.sha256``) records another SHA-256, and
+    when a floating-point tensor in it holds a NaN or an infinity (a diverged run's weights,
+    or damage that a regenerated checksum hides): training from them or evaluating them would
+    only spread it."""
     path = Path(path)
     if path.is_dir():
         inside = sorted(f.name for f in path.glob("*.pth") if f.is_file())[:5]
@@ -97,11 +120,39 @@ def read_checkpoint(path: str | Path, what: str = "checkpoint") -> Any:
         raise CheckpointError(f"{what} {path} does not exist")
     if not path.is_file():
         raise CheckpointError(f"{what} {path} is not a regular file")
+    checksum = checksum_path(path)
+    if checksum.is_file():
+        expected = checksum.read_text().split(maxsplit=1)[0] if checksum.stat().st_size else ""
+        if file_sha256(path) != expected:
+            raise CheckpointError(f"cannot read {what} {path} (corrupt: its SHA-256 does not "
+                                  f"match {checksum.name}; a bit flip or a partial copy)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # a clear message naming the file, whatever torch raised
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
         raise CheckpointError(f"cannot read {what} {path} (corrupt, truncated or not a torch "
-                              f"file): {type(error).__name__}: {error}") from error
+                              f"file): {type(error).__name__}: {first}") from error
+    broken = _first_non_finite(payload)
+    if broken is not None:
+        raise CheckpointError(f"{what} {path} holds a NaN or an infinity in {broken}: it was "
+                              f"written by a diverged run or damaged; use an earlier one")
+    return payload
+
+
+def _first_non_finite(value: Any, where: str = "") -> str | None:
+    """The place (``['model']['conv.weight']``) of the first floating-point tensor in ``value``
+    (dicts, lists and tuples followed) with a NaN or an infinity, or ``None``."""
+    if isinstance(value, Tensor):
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return where or "the tensor"
+        return None
+    items = (value.items() if isinstance(value, Mapping)
+             else enumerate(value) if isinstance(value, (list, tuple)) else ())
+    for key, item in items:
+        found = _first_non_finite(item, f"{where}[{key!r}]")
+        if found is not None:
+            return found
+    return None
 
 
 def _read(checkpoint: Mapping[str, Any] | str | Path) -> Mapping[str, Any]:

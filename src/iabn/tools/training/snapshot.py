@@ -24,7 +24,6 @@ snapshot itself was complete) is read unverified.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import sys
@@ -34,14 +33,19 @@ from typing import Any
 
 import torch
 
-from ...models.checkpoints import CheckpointError, read_checkpoint
+from ...models.checkpoints import (
+    CHECKSUM_SUFFIX,
+    CheckpointError,
+    checksum_path,
+    file_sha256,
+    read_checkpoint,
+)
 from ..arguments import LAST, RESUME_LAST, not_a_file
 from .config import Config, differences
 
 FORMAT = "iabn-training-snapshot"
 VERSION = 1
 BEST, PREVIOUS = "best.pth", "previous.pth"
-CHECKSUM_SUFFIX = ".sha256"
 #: Not in the file: the key :func:`read_snapshot` adds, naming the file it read (last.pth or,
 #: when that is corrupt, previous.pth).
 READ_FROM = "read_from"
@@ -64,19 +68,6 @@ def _replace_durably(temporary: Path, path: Path) -> None:
         os.fsync(directory)  # the rename itself survives a power cut
     finally:
         os.close(directory)
-
-
-def checksum_path(path: str | Path) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + CHECKSUM_SUFFIX)
-
-
-def file_sha256(path: str | Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        for block in iter(lambda: file.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _write_checksum(path: Path, digest: str) -> None:
@@ -211,13 +202,7 @@ def _read_verified(path: Path) -> dict[str, Any]:
     problem = not_a_file(path, "snapshot")
     if problem:
         raise SnapshotError(problem)
-    checksum = checksum_path(path)
-    if checksum.is_file():
-        expected = checksum.read_text().split(maxsplit=1)[0] if checksum.stat().st_size else ""
-        if file_sha256(path) != expected:
-            raise SnapshotError(f"cannot read snapshot {path} (corrupt: its SHA-256 does not "
-                                f"match {checksum.name}; a bit flip or a partial copy)")
-    try:
+    try:  # (its checksum and the tensors' finiteness checked there)
         payload = read_checkpoint(path, "snapshot")
     except CheckpointError as error:
         raise SnapshotError(one_line(str(error))) from error
