@@ -258,10 +258,11 @@ def no_measuring(monkeypatch):
 
 
 @pytest.mark.parametrize(("shape", "message"), [
-    ("3,16,16", "expected 4D input (got 3D input)"),  # conv2d takes it unbatched, BN does not
-    ("4,3,16", "to have 3 channels, but got 4 channels"),  # taken as unbatched C,H,W
-    ("4,3", "Expected 3D (unbatched) or 4D (batched) input to conv2d"),
-    ("4,3,8,8,5", "Expected 3D (unbatched) or 4D (batched) input to conv2d"),
+    # the count of numbers first, where it differs from what the first layer takes
+    ("3,16,16", "has 3 numbers: memory_cli_models:small_net takes 4, N,3,H,W"),
+    ("4,3,16", "has 3 numbers: memory_cli_models:small_net takes 4, N,3,H,W"),
+    ("4,3", "has 2 numbers: memory_cli_models:small_net takes 4, N,3,H,W"),
+    ("4,3,8,8,5", "has 5 numbers: memory_cli_models:small_net takes 4, N,3,H,W"),
     ("4,5,8,8", "to have 3 channels, but got 5 channels"),
     ("1,3,1,1", "more than one value per channel"),
 ])
@@ -271,6 +272,24 @@ def test_input_the_model_cannot_take_exits_2_before_measuring(shape, message, no
     err = capsys.readouterr().err
     assert err.startswith("iabn memory: error: --input ") and err.count("\n") == 1, err
     assert message in err and "its first layer, 0 (Conv2d)" in err and "takes N,3,H,W" in err
+
+
+@pytest.mark.parametrize("command", ["memory", "plan"])
+def test_a_named_image_model_given_another_count_exits_2_before_building(command, monkeypatch,
+                                                                         capsys):
+    """``--input 8,3,224`` for resnet50: one line saying it takes N,C,H,W, before the model
+    is built (it used to fail seconds later with torch's reading of the shape as unbatched:
+    "expected input[1, 8, 3, 224] to have 3 channels, but got 8 channels")."""
+    pytest.importorskip("torchvision")
+
+    def built(*_args):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(model_memory, "build_model", built)
+    assert main([command, "resnet50", "--input", "8,3,224", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"iabn {command}: error: --input 8,3,224 has 3 numbers: resnet50 "
+                   f"(torchvision) takes images, 4 numbers N,C,H,W such as 8,3,224,224\n")
 
 
 def test_one_value_per_channel_deep_in_a_torchvision_model_is_explained(no_measuring, capsys):

@@ -156,6 +156,16 @@ def parse_input(text: str) -> tuple[int, ...]:
     return shape
 
 
+def check_image_input(spec: str, source: str, shape: tuple[int, ...]) -> None:
+    """torchvision's and timm's classifiers take images, 4 numbers N,C,H,W: refuse another
+    count before the model is built (torch would report a channel mismatch of its own
+    reading, ``expected input[1, 8, 3, 224] to have 3 channels``, seconds later)."""
+    if source in ("torchvision", "timm") and len(shape) != 4:
+        raise ValueError(f"--input {','.join(map(str, shape))} has {len(shape)} numbers: "
+                         f"{spec} ({source}) takes images, 4 numbers N,C,H,W such as "
+                         f"8,3,224,224")
+
+
 def parse_budgets(texts: list[str] | tuple[str, ...]) -> list[float]:
     """``--compile-budget``: values in [0, 1], repeated or comma-separated, in given order."""
     budgets: list[float] = []

@@ -586,8 +586,9 @@ def _memory(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:  # before importing torch and the minutes of measuring, not after
         json_path = _json_path(args)
-        arguments.model_source(args.model)
-    except (OutputPathError, arguments.UnknownModel) as error:
+        arguments.check_image_input(args.model, arguments.model_source(args.model),
+                                    args.input)
+    except (OutputPathError, arguments.UnknownModel, ValueError) as error:
         return _fail("memory", str(error))
     import torch
 
@@ -631,8 +632,9 @@ def _plan(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:  # before importing torch and the planning, not after
         json_path = _json_path(args)
-        arguments.model_source(args.model)
-    except (OutputPathError, arguments.UnknownModel) as error:
+        arguments.check_image_input(args.model, arguments.model_source(args.model),
+                                    args.input)
+    except (OutputPathError, arguments.UnknownModel, ValueError) as error:
         return _fail("plan", str(error))
     import torch
 

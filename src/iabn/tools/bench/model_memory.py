@@ -150,10 +150,11 @@ def _expects(module: nn.Module) -> str | None:
 
 
 def _try_forward(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
-                 device: torch.device) -> tuple[BaseException, str] | None:
+                 device: torch.device) -> tuple[BaseException, str, str | None] | None:
     """Run one training forward of ``model`` (a copy the caller may spoil) at ``shape``
-    without autograd; None if it runs, else the error and where it happened (the innermost
-    module running and what the first layer takes)."""
+    without autograd; None if it runs, else the error, where it happened (the innermost
+    module running and what the first layer takes) and what the first layer takes
+    (``N,3,H,W``, None when unknown)."""
     with trace_modules(model) as trace:
         try:
             x = torch.empty(*shape, dtype=dtype, device=device) if device.type == "meta" else \
@@ -178,7 +179,7 @@ def _try_forward(model: nn.Module, shape: Sequence[int], dtype: torch.dtype,
         inside = bool(running) and running[-1] == first
         parts.append(f"{'in ' if inside else ''}its first layer, {layer(first)}, "
                      f"{'which ' if inside else ''}takes {_expects(modules[first])}")
-    return failed, "; ".join(parts)
+    return failed, "; ".join(parts), _expects(modules[first]) if first is not None else None
 
 
 def check_input(model: nn.Module, name: str, shape: Sequence[int], dtype_name: str,
@@ -198,8 +199,11 @@ def check_input(model: nn.Module, name: str, shape: Sequence[int], dtype_name: s
                           device)
     if failed is None:  # only the meta device could not run it
         return
-    error, where = failed
+    error, where, expects = failed
     shape_text = ",".join(map(str, shape))
+    if expects is not None and len(expects.split(",")) != len(shape):
+        raise ModelMemoryError(f"--input {shape_text} has {len(shape)} numbers: {name} takes "
+                               f"{len(expects.split(','))}, {expects} ({where})")
     if isinstance(error, SystemExit):  # the model's code, not the input, ended the run
         raise ModelMemoryError(f"model {name!r}: its forward raised {_describe(error)} at "
                                f"--input {shape_text}" + (f" ({where})" if where else ""))
