@@ -455,6 +455,9 @@ def test_report_table_and_json():
     assert data["saved_before"] == report.saved_before
     text = str(report)
     assert "bn1" in text and "InPlaceABN" in text and "whole model" in text
+    assert "policy leaky_relu; 2 normalisation layers: 2 InPlaceABN" in text
+    _, report = iabn.convert(_randomise(ConvNormAct()), _x())
+    assert "policy lossless; 1 normalisation layer: 1 InPlaceABN" in str(report)
 
 
 def test_bad_arguments_name_the_fix():

@@ -145,6 +145,15 @@ def test_torchvision_model_figures_match_independent_counts(tmp_path):
     assert report["source"] == "torchvision"
     _check_figures(lambda: torchvision.models.get_model("resnet18", weights=None),
                    RESNET_SHAPE, stdout, report)
+    # a ReLU network: the output says in one line why lossless saves nothing, and what does
+    lossless = report["converted"]["lossless"]
+    assert lossless["saved_bytes"] == report["saved_bytes"] and lossless["counts"]["ABN"] == 9
+    ratio = report["converted"]["leaky_relu"]["saved_bytes"] / report["saved_bytes"]
+    notes = [line for line in stdout.splitlines() if line.startswith("note: lossless")]
+    assert notes == [f"note: lossless saves little here: 9 norms are followed by ReLU, which "
+                     f"cannot be inverted (they became ABN, exact, keeping what BN + ReLU "
+                     f"kept); policy leaky_relu (ReLU -> LeakyReLU(0.01), which changes the "
+                     f"model: fine-tune after) keeps {ratio:.3f}x"]
 
 
 def test_bf16_counts_the_cast_model_and_searches_on_cpu_where_meta_differs(tmp_path):

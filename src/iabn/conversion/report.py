@@ -78,7 +78,8 @@ class ConversionReport:
                for row in (header, *lines)]
         counts = ", ".join(f"{n} {d}" for d, n in sorted(self.counts.items()))
         out.append("")
-        out.append(f"policy {self.policy}; {len(self.rows)} normalisation layers: {counts}")
+        layers = "normalisation layer" + "s" * (len(self.rows) != 1)
+        out.append(f"policy {self.policy}; {len(self.rows)} {layers}: {counts}")
         out.append(f"norm + activation part: {_bytes(self.norm_saved_before)} -> "
                    f"{_bytes(self.norm_saved_after)}"
                    f"{_ratio(self.norm_saved_after, self.norm_saved_before)}")

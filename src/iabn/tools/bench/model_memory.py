@@ -359,8 +359,25 @@ def format_result(result: MemoryResult) -> str:
                  for i, (cell, w) in enumerate(zip(row, widths, strict=True))]
         lines.append("  ".join(cells).rstrip())
     lines.append(_fitting_line(result))
+    lines.extend(_relu_note(result))
     lines.extend(_outside_notes(result))
     return "\n".join(lines)
+
+
+def _relu_note(result: MemoryResult) -> list[str]:
+    """Why the lossless conversion saves (almost) nothing where ReLU follows the norms, and
+    what the other policy saves: one line, or none."""
+    lossless, leaky = result.converted.get("lossless"), result.converted.get("leaky_relu")
+    if lossless is None or lossless.report is None:
+        return []
+    relu = sum("relu is not invertible" in row.reason for row in lossless.report.rows)
+    if not relu or result.ratio(lossless.saved_bytes) < 0.99:
+        return []
+    other = (f"; policy leaky_relu (ReLU -> LeakyReLU(0.01), which changes the model: "
+             f"fine-tune after) keeps {result.ratio(leaky.saved_bytes):.3f}x"
+             if leaky is not None else "")
+    return [f"note: lossless saves little here: {relu} norms are followed by ReLU, which "
+            f"cannot be inverted (they became ABN, exact, keeping what BN + ReLU kept){other}"]
 
 
 def _outside_notes(result: MemoryResult) -> list[str]:
