@@ -40,7 +40,7 @@ def bench_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     command = [
         sys.executable, "-m", "iabn", "bench", "--blocks", str(BLOCKS), "--channels",
-        str(CHANNELS), "--size", str(SIZE), "--batch", str(BATCH), "--repeats", "1",
+        str(CHANNELS), "--size", str(SIZE), "--batch", str(BATCH), "--repeats", "3",
         "--iters", "1", "--warmup", "0", "--threads", "1", "--json", str(path),
     ]
     process = subprocess.run(command, capture_output=True, text=True, timeout=120)
@@ -76,7 +76,7 @@ def test_bench_exits_0_and_prints_the_table(bench_run):
     for name in STRATEGIES:
         assert any(line.startswith(name) for line in lines), name
     assert any(line.startswith("check: OK") for line in lines)
-    assert "repeat 1/1" in process.stderr  # progress goes to stderr, not into the table
+    assert "repeat 3/3" in process.stderr  # progress goes to stderr, not into the table
     # the run states how long it took
     assert any(line.startswith("wall time ") and line.endswith("threads)") for line in lines)
 
@@ -90,8 +90,30 @@ def test_bench_json_has_machine_info_and_arguments(bench_run):
     assert report["activation_bytes"] == ACTIVATION
     assert report["check"]["passed"]
     for result in report["strategies"].values():
-        assert len(result["time_ms_samples"]) == 1
+        assert len(result["time_ms_samples"]) == 3
         assert result["time_ms_median"] > 0
+
+
+def test_bench_time_ratios_are_paired_with_their_spread(bench_run):
+    """Each strategy's time over the baseline's in the same repeat: the median of those
+    ratios and their quartiles (numpy's, linear interpolation), in the JSON and the table,
+    and "within noise" exactly where the quartiles lie on both sides of 1."""
+    import numpy as np
+
+    process, report = bench_run
+    base = report["strategies"][report["baseline"]]["time_ms_samples"]
+    lines = process.stdout.splitlines()
+    for name, result in report["strategies"].items():
+        ratios = np.array(result["time_ms_samples"]) / np.array(base)
+        low, middle, high = np.percentile(ratios, [25, 50, 75])
+        assert result["time_vs_baseline"] == pytest.approx(middle, rel=1e-12)
+        assert result["time_vs_baseline_quartiles"] == pytest.approx([low, high], rel=1e-12)
+        assert result["time_within_noise"] == bool(low < 1 < high)
+        if name == report["baseline"]:
+            continue
+        row = next(line for line in lines if line.startswith(name))
+        assert f"{middle:.2f}x ({low:.2f}-{high:.2f})" in row
+        assert row.endswith("within noise") == bool(low < 1 < high)
 
 
 def test_machine_info_names_the_device_measured_on():

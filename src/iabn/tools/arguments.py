@@ -32,7 +32,7 @@ class BenchConfig:
     channels: int = 64
     size: int = 32
     blocks: int = 4
-    repeats: int = 7
+    repeats: int = 21
     iters: int = 3
     warmup: int = 2
     seed: int = 0

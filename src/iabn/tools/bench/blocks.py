@@ -23,7 +23,7 @@ import math
 import sys
 import textwrap
 from dataclasses import asdict, dataclass, field
-from statistics import median
+from statistics import median, quantiles
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ FOOTNOTES = (
     "(2) each whole block (norm, act and conv) wrapped in torch.utils.checkpoint.checkpoint("
     "use_reentrant=False); backward recomputes it, so BN running statistics are updated twice "
     "per step (harmless for timing and memory, wrong for training).",
+    "(3) step time over the baseline's in the same repeat (they run next to each other): the "
+    "median of these paired ratios, and in brackets their interquartile range over the "
+    "repeats, the spread a rerun on the same machine would show.",
 )
 TABLE_WIDTH = 100
 
@@ -67,6 +70,33 @@ class StrategyResult:
     @property
     def median_ms(self) -> float:
         return median(self.times_ms)
+
+    def paired_ratios(self, baseline: StrategyResult) -> list[float]:
+        """This strategy's time over the baseline's, repeat by repeat (the two ran next to
+        each other, under the same load)."""
+        return [t / b for t, b in zip(self.times_ms, baseline.times_ms, strict=True) if b]
+
+
+@dataclass(frozen=True)
+class Spread:
+    """The median of the paired time ratios and their interquartile range."""
+
+    median: float
+    low: float    # first quartile
+    high: float   # third quartile
+
+    @property
+    def within_noise(self) -> bool:
+        """The middle half of the repeats has the strategy both faster and slower."""
+        return self.low < 1.0 < self.high
+
+    @classmethod
+    def of(cls, ratios: list[float]) -> Spread:
+        if len(ratios) < 2:
+            value = ratios[0] if ratios else math.nan
+            return cls(value, value, value)
+        low, middle, high = quantiles(ratios, n=4, method="inclusive")
+        return cls(middle, low, high)
 
 
 @dataclass
@@ -236,17 +266,28 @@ def format_table(result: BenchResult) -> str:
         f"repeats (mean of {cfg.iters} steps each) after {cfg.warmup} warm-up steps",
         "",
         f"{'strategy':<14}{'saved MiB':>11}{'activations(1)':>16}{'vs ' + BASELINE:>15}"
-        f"{'step ms':>10}{'vs ' + BASELINE:>15}",
+        f"{'step ms':>10}  {'vs ' + BASELINE + ' (3)'}",
     ]
+    noisy = []
     for name, r in result.strategies.items():
         label = f"{name}(2)" if name == "checkpoint" else name
+        spread = Spread.of(r.paired_ratios(base))
+        time_text = "" if name == BASELINE else (
+            f"{spread.median:.2f}x ({spread.low:.2f}-{spread.high:.2f})"
+            + (" within noise" if spread.within_noise else ""))
+        if name != BASELINE and spread.within_noise:
+            noisy.append(name)
         lines.append(
             f"{label:<14}{r.saved_bytes / MIB:>11.2f}"
             f"{r.saved_bytes / result.activation_bytes:>16.2f}"
             f"{_ratio(r.saved_bytes, base.saved_bytes):>14.2f}x"
-            f"{r.median_ms:>10.1f}{_ratio(r.median_ms, base.median_ms):>14.2f}x"
+            f"{r.median_ms:>10.1f}  {time_text}".rstrip()
         )
     lines += ["", *_wrap(format_check(result.check)), *(w for f in FOOTNOTES for w in _wrap(f))]
+    if noisy:
+        lines += _wrap(f"Within noise: {', '.join(noisy)} ran both faster and slower than "
+                       f"{BASELINE} in the middle half of the repeats; their time ratio is "
+                       f"not a measured difference on this machine.")
     return "\n".join(lines)
 
 
@@ -270,6 +311,24 @@ def format_check(check: CheckResult) -> str:
             f"{check.tolerance:.0e} ({errors})")
 
 
+def _strategy_json(r: StrategyResult, base: StrategyResult,
+                   activation_bytes: int) -> dict[str, Any]:
+    spread = Spread.of(r.paired_ratios(base))
+    return {
+        "saved_bytes": r.saved_bytes,
+        "saved_activations": r.saved_bytes / activation_bytes,
+        "saved_vs_baseline": _ratio(r.saved_bytes, base.saved_bytes),
+        "saved_storages": r.saved_storages,
+        "time_ms_median": r.median_ms,
+        # the median of the paired (same-repeat) ratios, their quartiles, and whether those
+        # lie on both sides of 1
+        "time_vs_baseline": spread.median,
+        "time_vs_baseline_quartiles": [spread.low, spread.high],
+        "time_within_noise": spread.within_noise,
+        "time_ms_samples": r.times_ms,
+    }
+
+
 def to_json(result: BenchResult, args: dict[str, Any] | None = None) -> dict[str, Any]:
     """Everything measured, plus machine info and the arguments, as a JSON-ready dict."""
     base = result.strategies[BASELINE]
@@ -284,18 +343,8 @@ def to_json(result: BenchResult, args: dict[str, Any] | None = None) -> dict[str
         "activation_bytes": result.activation_bytes,
         "baseline": BASELINE,
         "checkpoint_scope": "whole block (norm, act, conv); use_reentrant=False",
-        "strategies": {
-            name: {
-                "saved_bytes": r.saved_bytes,
-                "saved_activations": r.saved_bytes / result.activation_bytes,
-                "saved_vs_baseline": _ratio(r.saved_bytes, base.saved_bytes),
-                "saved_storages": r.saved_storages,
-                "time_ms_median": r.median_ms,
-                "time_vs_baseline": _ratio(r.median_ms, base.median_ms),
-                "time_ms_samples": r.times_ms,
-            }
-            for name, r in result.strategies.items()
-        },
+        "strategies": {name: _strategy_json(r, base, result.activation_bytes)
+                       for name, r in result.strategies.items()},
         "check": {
             "reference": REFERENCE,
             "passed": result.check.passed,
