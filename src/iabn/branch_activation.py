@@ -45,74 +45,46 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import activation as act
+from .kernels import activations as act
 from .kernels import reference
 from .kernels.backend import KernelBackend
-from .kernels.common import LOW_PRECISION, compute_dtype, empty_grads
+from .kernels.common import compute_dtype, empty_grads
 from .kernels.dispatch import backend_for
 from .layer_config import LayerConfig
 from .ops import needs_grad as layer_needs_grad
 from .ops import overwritable, refuse_double_backward
 
-_SQRT1_2 = math.sqrt(0.5)
-_LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 #: Newton steps per compute dtype (float32 also for half inputs); measured, see above.
 ITERATIONS = {torch.float32: 4, torch.float64: 5}
-
-
-def value(y: Tensor, activation: str) -> Tensor:
-    """``phi(y)`` as a new tensor. GELU is torch's ``F.gelu`` for ``y >= 0`` and
-    ``y * erfc(-y / sqrt 2) / 2`` below: torch's ``y * (1 + erf(y / sqrt 2)) / 2`` cancels
-    there and rounds to 0 below y = -5.5 in float32 (-8.3 in float64), which would lose the
-    left branch's ``y``; the erfc form keeps it down to -14.1 (float32)."""
-    if activation == act.SILU:
-        return F.silu(y)
-    left = torch.special.erfc(y * -_SQRT1_2).mul_(0.5).mul_(y)
-    return torch.where(y < 0, left, F.gelu(y))
-
-
-def apply_(x: Tensor, activation: str) -> Tensor:
-    """``x <- phi(x)``; half inputs are computed in float32 and rounded once."""
-    if activation == act.SILU:
-        return F.silu(x, inplace=True)
-    if x.dtype in LOW_PRECISION:
-        return x.copy_(value(x.float(), activation))
-    return x.copy_(value(x, activation))
-
-
-def derivative(y: Tensor, activation: str) -> Tensor:
-    """``phi'(y)``: ``s (1 + y (1 - s))`` with ``s = sigmoid(y)``; ``Phi(y) + y phi_N(y)``."""
-    if activation == act.SILU:
-        s = torch.sigmoid(y)
-        return (1 - s).mul_(y).add_(1).mul_(s)
-    density = torch.exp(y.square().mul_(-0.5).sub_(_LOG_SQRT_2PI))
-    return torch.special.erfc(y * -_SQRT1_2).mul_(0.5).addcmul_(y, density)
-
-
-#: ``(y*, z*, c)`` per activation: where ``phi' = 0``, ``phi(y*)`` and ``c = phi''(y*)``, by
-#: float64 Newton steps on ``phi'`` (tests/core/test_branch_activation.py checks them against
-#: torch's own derivatives). Plain floats: the compiler traces them as constants.
-MINIMA = {
-    act.SILU: (-1.278464542761074, -0.27846454276107385, 0.2178117057198001),
-    act.GELU: (-0.7517915246935645, -0.16997120747990363, 0.43149399231404695),
-}
-
-
+#: ``(y*, z*, c)`` per activation with one minimum: where ``phi' = 0``, ``phi(y*)`` and
+#: ``c = phi''(y*)`` (the registry's :class:`~iabn.kernels.activations.Minimum`). Plain
+#: floats: the compiler traces them as constants.
+MINIMA = {name: (act.ACTIVATIONS[name].minimum.y_star, act.ACTIVATIONS[name].minimum.z_star,
+                 act.ACTIVATIONS[name].minimum.curvature) for name in act.BRANCH_ACTIVATIONS}
 #: ``phi(y* + u) - z* = sum_k a_k u^k``, ``k = 2..10``: the Taylor coefficients
 #: ``phi^(k)(y*) / k!`` (float64, from torch's own derivatives; checked by the tests). Within
 #: ``|u| <= 0.3`` they give ``phi - z*`` to 1e-9 of itself where float32 evaluation of
 #: ``phi`` leaves an absolute error of ``z*``'s rounding, which the square root near the
 #: minimum turns into errors in ``y`` of sqrt(eps) (measured: 5x the weight-gradient error of
 #: the exact float64 inverse of the stored float32 ``z`` without them, 1.0-1.3x with them).
-TAYLOR = {
-    act.SILU: (0.10890585285990005, 0.04888293233231563, 0.0047187035559455763,
-               -0.0030445310446376062, -0.0011010981897261157, 1.8089630011588907e-05,
-               9.9815235229974976e-05, 2.0634138179096098e-05, -4.0905342374286093e-06),
-    act.GELU: (0.21574699615702347, 0.12942832766351733, -0.0045499190996677596,
-               -0.022801646659444341, -0.0024619203580407241, 0.0027745256911698665,
-               0.00056740354739067702, -0.00024883756311927752, -7.4482683867468184e-05),
-}
+TAYLOR = {name: act.ACTIVATIONS[name].minimum.taylor for name in act.BRANCH_ACTIVATIONS}
 TAYLOR_RADIUS = 0.3
+
+
+def value(y: Tensor, activation: str) -> Tensor:
+    """``phi(y)`` as a new tensor, accurate in the left tail (the registry's
+    :attr:`~iabn.kernels.activations.Minimum.value`)."""
+    return act.ACTIVATIONS[activation].minimum.value(y)
+
+
+def apply_(x: Tensor, activation: str) -> Tensor:
+    """``x <- phi(x)``; half inputs are computed in float32 and rounded once."""
+    return act.ACTIVATIONS[activation].minimum.apply_(x)
+
+
+def derivative(y: Tensor, activation: str) -> Tensor:
+    """``phi'(y)``."""
+    return act.ACTIVATIONS[activation].minimum.derivative(y)
 
 
 def minimum(activation: str) -> tuple[float, float, float]:
@@ -122,15 +94,11 @@ def minimum(activation: str) -> tuple[float, float, float]:
 
 def _log_neg(y: Tensor, activation: str) -> Tensor:
     """``log(-phi(y))`` for ``y < 0``, exact where ``phi(y)`` is tiny."""
-    tail = F.logsigmoid(y) if activation == act.SILU else torch.special.log_ndtr(y)
-    return torch.log(-y).add_(tail)
+    return torch.log(-y).add_(act.ACTIVATIONS[activation].minimum.log_tail(y))
 
 
 def _log_neg_derivative(y: Tensor, activation: str) -> Tensor:
-    if activation == act.SILU:
-        return torch.sigmoid(-y).add_(y.reciprocal())
-    ratio = torch.exp(y.square().mul_(-0.5).sub_(_LOG_SQRT_2PI).sub_(torch.special.log_ndtr(y)))
-    return ratio.add_(y.reciprocal())
+    return act.ACTIVATIONS[activation].minimum.log_tail_derivative(y).add_(y.reciprocal())
 
 
 def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Tensor:
@@ -187,7 +155,7 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
     z_left = z.clamp(min=z_star, max=-smallest)
     target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
     y_l = y_star - target_l / slope_left
-    if activation == act.SILU:
+    if act.ACTIVATIONS[activation].minimum.exponential_tail:
         y_l = torch.minimum(y_l, y_star - target_l.square())
     for _ in range(ITERATIONS[z.dtype]):
         g = phi_above_minimum(y_r)[1].clamp_(min=0).sqrt_()
@@ -234,7 +202,8 @@ def _triton_branch(kernels: KernelBackend, z: Tensor, activation: str,
     dtype, and this module's Newton steps."""
     compute = compute_dtype(z.dtype)
     consts = kernels.branch_constants(MINIMA[activation], TAYLOR[activation], compute, z.dtype,
-                                      z.device)
+                                      z.device,
+                                      act.ACTIVATIONS[activation].minimum.exponential_tail)
     return kernels.Branch(bits, consts, ITERATIONS[compute], compute == torch.float32)
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .activation import check_activation
+from .kernels.activations import check_activation
 from .kernels.common import LOW_PRECISION
 from .layer_config import LayerConfig
 from .scale import check_gamma_mode

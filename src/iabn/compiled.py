@@ -41,7 +41,7 @@ pass. Not calling ``ctx.mark_dirty`` also avoids the compiler's loss of it on gr
 (torch 2.13-2.14; :func:`iabn.ops.overwritable`), so no defensive copy is needed here.
 
 **No in-place operation makes the output.** The function's forward computes ``z`` with an
-out-of-place activation (:func:`iabn.activation.apply`). Torch 2.11's Dynamo returns every
+out-of-place activation (:func:`iabn.kernels.activations.apply`). Torch 2.11's Dynamo returns every
 intermediate tensor of an autograd Function's forward as an extra output of the traced
 Function; with the activation written in place into batch norm's output, that output was one
 of them and the same tensor as ``z``, so autograd bound ``z`` to the intermediate's output slot,

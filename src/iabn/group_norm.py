@@ -16,7 +16,7 @@ the effective scale ``g_c = scale(weight_c)`` (:mod:`iabn.scale`) and ``beta_c =
 
 Forward overwrites ``x`` with ``z`` and keeps ``z`` and ``rstd`` (shape ``(N, G)``; ``mean``
 is not needed). Backward recovers ``y = phi^-1(z)``, ``dy = phi'(y) * dz`` (from ``z``, as
-:mod:`iabn.activation` does) and ``xhat = (y - beta_c) / g_c``, then::
+:mod:`iabn.kernels.activations` does) and ``xhat = (y - beta_c) / g_c``, then::
 
     dbeta_c = sum_{n, s} dy                 dg_c = sum_{n, s} dy * xhat
     dx = rstd * (dxhat - mean_D(dxhat) - xhat * mean_D(dxhat * xhat)),   dxhat = g_c * dy
@@ -45,7 +45,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import activation as act
 from . import debug
 from .checks import (
     SUPPORTED_DTYPES,
@@ -55,6 +54,7 @@ from .checks import (
     check_options,
     check_per_call,
 )
+from .kernels import activations as act
 from .kernels.common import LOW_PRECISION
 from .kernels.reference import at_most, part_count
 from .modules import OverwriteInputOption, check_loaded_gamma_mode, note_gamma_mode
@@ -420,7 +420,7 @@ class GroupNormAct(nn.Module):
     def extra_repr(self) -> str:
         text = (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, "
                 f"affine={self.affine}, activation={self.activation}")
-        if self.activation in (act.LEAKY_RELU, act.ELU):
+        if self.activation in act.WITH_PARAMETER:
             text += f", activation_param={self.activation_param}"
         if self.gamma_mode != SIGNED:
             text += f", gamma_mode={self.gamma_mode}"

@@ -26,6 +26,7 @@ from .checks import (
     check_per_call,
     input_signature,
 )
+from .kernels.activations import WITH_PARAMETER
 from .layer_config import LayerConfig
 from .scale import ABS, SIGNED
 from .unchecked import abn_unchecked, inplace_abn_unchecked
@@ -283,7 +284,7 @@ class ABN(_NormBase):
             f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
             f"activation={self.activation}"
         )
-        if self.activation in ("leaky_relu", "elu"):
+        if self.activation in WITH_PARAMETER:
             text += f", activation_param={self.activation_param}"
         if self.gamma_mode != SIGNED:
             text += f", gamma_mode={self.gamma_mode}"

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from . import activation as act
 from . import branch_activation, compiled, debug
 from .checks import functorch_active
+from .kernels import activations as act
 from .layer_config import LayerConfig
 from .ops import InPlaceABNFunction, forward_, overwritable
 from .scale import ABS, abs_sign, effective_scale

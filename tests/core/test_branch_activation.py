@@ -19,16 +19,19 @@ from iabn import branch_activation as branch
 from iabn.memory import saved_tensor_bytes
 from iabn.tools.bench.slopes import scaled_error, tolerance
 
+from helpers import BRANCH, torch_activation, torch_minimum
+
 F64 = torch.float64
 CPU = torch.device("cpu")
-#: Where phi' = 0 (float64, from phi'(y) = 0 solved independently; checked below).
-Y_STAR = {"silu": -1.278464542761074, "gelu": -0.7517915246935645}
-ACTIVATIONS = ("silu", "gelu")
+#: Where phi' = 0 (float64, from phi'(y) = 0 solved independently by bisection of the sign of
+#: torch's own derivative; checked below).
+Y_STAR = {name: torch_minimum(name) for name in BRANCH}
+ACTIVATIONS = tuple(BRANCH)
 BATCH_NORMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
 
 def torch_act(name):
-    return nn.SiLU() if name == "silu" else nn.GELU()
+    return torch_activation(name)
 
 
 def _params(channels, seed=0):

@@ -21,7 +21,7 @@ from iabn import traffic
 from iabn.kernels import reference
 from iabn.kernels.dispatch import use_backend
 
-from helpers import INTERPRET, randomise_
+from helpers import INTERPRET, INVERTIBLE, randomise_
 
 SHAPE = (4, 8, 6, 5)
 SLOPE = 0.01
@@ -392,7 +392,7 @@ def _grads(layer, x, grad, frozen):
     return [leaf.grad.double(), *params]
 
 
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("frozen", [False, True], ids=["with_param_grads", "frozen"])
 def test_eval_mode_gradients_match_torch_float64(activation, variant, frozen, backend,

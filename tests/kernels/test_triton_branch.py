@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from iabn import branch_activation as branch
 from iabn.layer_config import LayerConfig
 
-from helpers import TRITON_DEVICE, runs_triton
+from helpers import BRANCH, TRITON_DEVICE, runs_triton
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -76,7 +76,7 @@ def test_erfcx_within_its_measured_error(dtype):
 
 
 @runs_triton
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", BRANCH)
 @pytest.mark.parametrize("shape,channels_last", [
     ((3, 5, 7, 3), False),   # 315 elements: bytes straddle channels, a part byte at the end
     ((3, 5, 7, 3), True),    # channels-last: memory order differs from logical order

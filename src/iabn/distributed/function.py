@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import branch_activation, debug
-from ..activation import BRANCH_ACTIVATIONS
 from ..checks import checked_call
+from ..kernels.activations import BRANCH_ACTIVATIONS
 from ..kernels.common import finish_grads, stat_dtype
 from ..kernels.dispatch import backend_for
 from ..layer_config import LayerConfig

@@ -21,8 +21,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .. import activation as act
 from ..layer_config import LayerConfig
+from . import activations as act
 from . import scratch
 from .common import (
     BATCH_NORM_BACKWARD,
@@ -56,7 +56,7 @@ def full_dtype(dtype: torch.dtype, activation: str, variant: int) -> torch.dtype
     a rounding error on every element of the weight gradient's sum (2.1x the bound's
     yardstick).
     """
-    if activation == act.ELU or variant == 1:
+    if variant == 1 or act.ACTIVATIONS[activation].half_in_float32:
         return compute_dtype(dtype)
     return dtype
 
@@ -107,7 +107,7 @@ def forward_(
             out=(work, unused, torch.empty(0, dtype=sdtype, device=device)),
         )
         invstd = running_invstd(running_var, eps, sdtype)
-    act.apply_(work, activation, activation_param)
+    act.ACTIVATIONS[activation].apply_(work, activation_param)
     if work is not x:
         x.copy_(work)
     return invstd, g
@@ -374,11 +374,12 @@ def recover(
     g = cast(scale, cdtype)
     beta = cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
     y_out = dy_out = None
-    if activation == act.LEAKY_RELU and scratch.worth_reusing(zc):
+    record = act.ACTIVATIONS[activation]
+    if record.writes_out and scratch.worth_reusing(zc):
         y_out = scratch.empty_like(zc, scratch.INVERSE) if with_y else None
         dy_out = scratch.empty_like(zc, scratch.GRADIENT)
-    y = act.invert(zc, activation, activation_param, y_out) if with_y else None
-    dy = act.grad_from_output(dzc, zc, activation, activation_param, dy_out)
+    y = record.invert(zc, activation_param, y_out) if with_y else None
+    dy = record.grad_from_output(dzc, zc, activation_param, dy_out)
     return y, dy, g, beta
 
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import activation as act
 from ..layer_config import LayerConfig
+from . import activations as act
 from .common import (
     BATCH_NORM_BACKWARD,
     cast,

@@ -28,15 +28,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import activation as act
 from ..layer_config import LayerConfig
 from ..scale import ABS
+from . import activations as act
 from . import reference
 from . import triton_kernels as k
 from .common import dx_coefficients, stat_dtype
 
-_ACTIVATION_CODES = {act.IDENTITY: k.IDENTITY, act.LEAKY_RELU: k.LEAKY_RELU, act.ELU: k.ELU,
-                     act.SILU: k.SILU, act.GELU: k.GELU}
+#: Activation name -> its code in the kernels (the registry's, for those the kernels run).
+_ACTIVATION_CODES = {name: a.code for name, a in act.ACTIVATIONS.items() if a.code is not None}
 
 #: Chebyshev coefficients of ``(1 + 2t) exp(t^2) erfc(t)`` in ``s = (t - K) / (t + K)``,
 #: ``K = 3.75`` (:func:`.triton_kernels._erfcx`): interpolation at 25 Chebyshev nodes of the
@@ -54,7 +54,7 @@ ERFCX_SERIES = (
 )
 _ERFCX_TERMS = {torch.float32: 16, torch.float64: 25}
 #: The ``constexpr`` SiLU/GELU arguments of the backward kernels for the other activations.
-_NO_BRANCH = {"NEWTON": 0, "CHEB": 0, "TAYLOR": False}
+_NO_BRANCH = {"BRANCH": False, "NEWTON": 0, "CHEB": 0, "TAYLOR": False}
 
 
 class Branch(NamedTuple):
@@ -71,11 +71,13 @@ class Branch(NamedTuple):
 
 @functools.cache
 def branch_constants(minimum: tuple[float, float, float], taylor: tuple[float, ...],
-                     compute: torch.dtype, stored: torch.dtype, device: torch.device) -> Tensor:
+                     compute: torch.dtype, stored: torch.dtype, device: torch.device,
+                     exponential_tail: bool = False) -> Tensor:
     """The table the SiLU/GELU kernels read their constants from (indices in
     :mod:`.triton_kernels`), in the compute dtype: the minimum ``(y*, z*, c)`` and the Taylor
     series of :mod:`iabn.branch_activation`, what :func:`~iabn.branch_activation.invert`
-    derives from them, and :data:`ERFCX_SERIES`. ``stored``: the dtype of ``z``."""
+    derives from them, and :data:`ERFCX_SERIES`. ``stored``: the dtype of ``z``;
+    ``exponential_tail``: the registry's :attr:`~.activations.Minimum.exponential_tail`."""
     y_star, z_star, c = minimum
     info = torch.finfo(compute)
 
@@ -95,6 +97,7 @@ def branch_constants(minimum: tuple[float, float, float], taylor: tuple[float, .
     values[k.SQRT1_2] = math.sqrt(0.5)
     values[k.LOG_SQRT_2PI] = 0.5 * math.log(2 * math.pi)
     values[k.LOG_HALF] = math.log(0.5)
+    values[k.EXP_TAIL] = 1.0 if exponential_tail else 0.0
     values[int(k.TAYLOR_FIRST):int(k.CHEB_FIRST)] = taylor
     values += ERFCX_SERIES
     return torch.tensor(values, dtype=compute, device=device)
@@ -299,8 +302,8 @@ def _branch_arguments(branch: Branch | None, unread: Tensor, adtype: torch.dtype
     ``constexpr`` ones (unread placeholders for the other activations)."""
     if branch is None:
         return (unread, unread), _NO_BRANCH
-    return (branch.bits, branch.consts), dict(NEWTON=branch.newton, CHEB=_ERFCX_TERMS[adtype],
-                                              TAYLOR=branch.taylor)
+    return (branch.bits, branch.consts), dict(BRANCH=True, NEWTON=branch.newton,
+                                              CHEB=_ERFCX_TERMS[adtype], TAYLOR=branch.taylor)
 
 
 def _grad_partials(z: Tensor, dz: Tensor, bias: Tensor | None, layout: Layout,

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import activation as act
 from ..checks import check_inputs, check_options
+from ..kernels import activations as act
 from ..kernels.common import channel_view, scale_and_shift, stat_dtype
 from ..modules import ABN, InPlaceABN
 from ..scale import SIGNED, gamma_grad
