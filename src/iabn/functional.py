@@ -48,8 +48,10 @@ def inplace_abn(
         training: normalise with batch statistics (``True``) or running statistics.
         momentum: running-statistics update factor.
         eps: added to the variance; also the smallest ``|scale(weight)|``.
-        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (invertible), or
-            ``"silu"``/``"gelu"`` (a saved branch bit per element; docs/design.md).
+        activation: invertible (``INVERTIBLE_ACTIVATIONS`` of
+            :mod:`iabn.kernels.activations`: ``"leaky_relu"``, ``"elu"``, ``"identity"``), or
+            with one minimum (``BRANCH_ACTIVATIONS``, e.g. ``"silu"``: a saved branch bit per
+            element; docs/design.md).
         activation_param: leaky_relu's negative slope or elu's alpha (> 0).
         variant: backward variant of the paper, 2 (default) or 1.
         gamma_mode: ``"signed"`` (default, portable to ``nn.BatchNorm``) or ``"abs"``
@@ -77,8 +79,8 @@ def abn(
 ) -> Tensor:
     """Activated batch norm without the in-place trick (stores ``input`` and the output).
 
-    Same arguments as :func:`inplace_abn`; ``activation`` may also be ``"relu"``
-    (``"silu"`` and ``"gelu"`` are torch's ``F.silu`` and exact ``F.gelu``). ``input``
+    Same arguments as :func:`inplace_abn`; ``activation`` may also be ``"relu"`` (each is
+    computed as its ``torch.nn`` module computes it: ``"gelu"`` is exact ``F.gelu``). ``input``
     is not modified. In ``"signed"`` mode the weight is used as it is, without the
     ``|weight| >= eps`` clamp that the in-place backward needs: ``abn`` is exactly
     ``F.batch_norm`` followed by the activation.

@@ -86,8 +86,9 @@ class ABN(_NormBase):
         num_features: C of an ``(N, C, *spatial)`` input.
         eps, momentum, affine, track_running_stats, device, dtype: as ``nn.BatchNorm2d``
             (``momentum=None`` is a cumulative average).
-        activation: ``"leaky_relu"`` (default), ``"elu"``, ``"identity"``, ``"relu"``,
-            ``"silu"`` or ``"gelu"`` (exact, erf form: ``nn.GELU()``).
+        activation: a name of :data:`iabn.kernels.activations.ACTIVATIONS` (default
+            ``"leaky_relu"``), computed as its ``torch.nn`` module computes it (``"gelu"``:
+            the exact, erf form, ``nn.GELU()``).
         activation_param: leaky_relu's negative slope (default 0.01) or elu's alpha.
         gamma_mode: ``"signed"`` (default; ``nn.BatchNorm`` weights load unchanged) or
             ``"abs"`` (``|weight| + eps``, for checkpoints of the original package).
@@ -96,8 +97,8 @@ class ABN(_NormBase):
     _in_place = False
     #: Whether backward inverts the activation (so it must be invertible).
     _needs_inverse = False
-    #: Whether the in-place computation keeps a branch bit, so it takes silu and gelu
-    #: (iabn.branch_activation); the synchronised layers do not.
+    #: Whether the in-place computation keeps a branch bit, so it takes the activations with
+    #: one minimum (iabn.branch_activation); the synchronised layers do not.
     _branch_bit = False
 
     def __init__(
@@ -330,8 +331,9 @@ class InPlaceABN(OverwriteInputOption, ABN):
     Same arguments as :class:`ABN` plus ``variant`` (2, the default, or 1: the paper's two
     backward passes) and ``overwrite_input`` (``False``: the output-only mode of
     :class:`OverwriteInputOption`, for an input that is needed again). ``activation`` must be
-    invertible: ``"leaky_relu"``, ``"elu"`` or ``"identity"``, or ``"silu"``/``"gelu"``, which
-    keep one bit per element saying which of the two inputs of an output it was
+    invertible (``INVERTIBLE_ACTIVATIONS`` of :mod:`iabn.kernels.activations`: ``"leaky_relu"``,
+    ``"elu"``, ``"identity"``) or have one minimum (``BRANCH_ACTIVATIONS``, e.g. ``"silu"``),
+    which keep one bit per element saying which of the two inputs of an output it was
     (docs/design.md, "SiLU and GELU in place"). The returned tensor *is* the input tensor, so
     the input must not be needed elsewhere afterwards (e.g. a residual shortcut); see the
     in-place contract in the documentation (docs/usage/layers.md).
