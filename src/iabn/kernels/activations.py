@@ -380,6 +380,21 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
             functions=(FunctionForm(F.gelu, "F.gelu", _NONE),),
         ),
     ),
+    Activation(
+        MISH, 5, None, False, apply_=lambda x, p: F.mish(x, inplace=True),
+        apply=lambda x, p: F.mish(x), make_module=lambda p, inplace: nn.Mish(inplace=inplace),
+        minimum=_branch(
+            F.mish, _mish_derivative, _mish_log_tail, _mish_log_tail_derivative,
+            lambda x: F.mish(x, inplace=True),
+            -1.1924312145154954, -0.3088434130172504, 0.26694791404953444,
+            (0.13347395702476722, 0.06824375469336862, 0.010476955260902471,
+             -0.004054364543336846, -0.002636854426955563, -0.0004800978467176101,
+             0.000136550692618073, 0.00010997978912543549, 2.5412936386191083e-05),
+            exponential_tail=True,
+        ),
+        forms=TorchForms(modules=(ModuleForm(nn.Mish),),
+                         functions=(FunctionForm(F.mish, "F.mish"),)),
+    ),
 )}
 
 

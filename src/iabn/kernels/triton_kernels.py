@@ -43,9 +43,9 @@ from .activations import ACTIVATIONS
 #: activation no branch names fails to compile (``tl.static_assert``) rather than take another
 #: one's path. The activations with a branch bit (``needs_branch``) get ``BRANCH=True``: their
 #: kernels take the packed bits and a table of constants (``consts``, below).
-IDENTITY, LEAKY_RELU, ELU, SILU, GELU = (
+IDENTITY, LEAKY_RELU, ELU, SILU, GELU, MISH = (
     tl.constexpr(ACTIVATIONS[name].code)
-    for name in ("identity", "leaky_relu", "elu", "silu", "gelu")
+    for name in ("identity", "leaky_relu", "elu", "silu", "gelu", "mish")
 )
 
 
@@ -186,11 +186,26 @@ def _half_erfc(t, consts_ptr, CHEB: tl.constexpr):
 
 
 @triton.jit
+def _mish_tanh(y):
+    """``(t, 1 - t)``, ``t = tanh(softplus(y))``, without overflow or cancellation: with
+    ``e = exp(-|y|)``, ``t = (1 + 2e) / (1 + 2e + 2e^2)`` for ``y >= 0`` and
+    ``e (e + 2) / (e (e + 2) + 2)`` below."""
+    e = tl.exp(-tl.abs(y))
+    n = e * (e + 2.0)
+    right = 1.0 + 2.0 * e + 2.0 * e * e
+    t = tl.where(y >= 0, (1.0 + 2.0 * e) / right, n / (n + 2.0))
+    return t, tl.where(y >= 0, 2.0 * e * e / right, 2.0 / (n + 2.0))
+
+
+@triton.jit
 def _branch_value(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
     """``phi(y)``: SiLU ``y * sigmoid(y)``; GELU ``y * Phi(y)``, ``Phi`` from ``erf`` for
-    ``y >= 0`` (as ``F.gelu``) and from ``erfc`` below (no cancellation in the tail)."""
+    ``y >= 0`` (as ``F.gelu``) and from ``erfc`` below (no cancellation in the tail); Mish
+    ``y * tanh(softplus(y))``."""
     if ACT == SILU:
         f = y * _sigmoid(y)
+    elif ACT == MISH:
+        f = y * _mish_tanh(y)[0]
     else:
         tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         r = _const(consts_ptr, SQRT1_2)
@@ -201,10 +216,14 @@ def _branch_value(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
 
 @triton.jit
 def _branch_derivative(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
-    """``phi'(y)``: ``s (1 + y (1 - s))``, ``s = sigmoid(y)``; ``Phi(y) + y phi_N(y)``."""
+    """``phi'(y)``: ``s (1 + y (1 - s))``, ``s = sigmoid(y)``; ``Phi(y) + y phi_N(y)``;
+    Mish ``t + y s (1 - t^2)``, ``t = tanh(softplus(y))``."""
     if ACT == SILU:
         s = _sigmoid(y)
         d = s * (1.0 + y * (1.0 - s))
+    elif ACT == MISH:
+        t, one_minus_t = _mish_tanh(y)
+        d = t + y * (one_minus_t * (1.0 + t)) * _sigmoid(y)
     else:
         tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         r = _const(consts_ptr, SQRT1_2)
@@ -217,9 +236,13 @@ def _branch_derivative(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
 
 @triton.jit
 def _log_tail(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
-    """``log sigmoid(y)`` (SiLU) or ``log Phi(y)`` (GELU) for ``y < 0``, exact in the tail."""
+    """``log(phi(y) / y)`` for ``y < 0``, exact in the tail: ``log sigmoid(y)`` (SiLU),
+    ``log Phi(y)`` (GELU), ``log tanh(softplus(y))`` (Mish)."""
     if ACT == SILU:
         tail = y - _log1p(tl.exp(y))
+    elif ACT == MISH:
+        e = tl.exp(y)  # log tanh(softplus(y)) = y + log1p(e / 2) - log1p(e + e^2 / 2)
+        tail = y + _log1p(0.5 * e) - _log1p(e * (1.0 + 0.5 * e))
     else:
         tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         t = -y * _const(consts_ptr, SQRT1_2)
@@ -233,6 +256,10 @@ def _log_neg_derivative(y, tail, ACT: tl.constexpr, consts_ptr):
     derivative reuses it rather than evaluate ``erfcx`` again)."""
     if ACT == SILU:
         d = _sigmoid(-y) + 1.0 / y
+    elif ACT == MISH:
+        e = tl.exp(y)
+        h = 0.5 * e
+        d = 1.0 + h / (1.0 + h) - e * (1.0 + e) / (1.0 + e * (1.0 + h)) + 1.0 / y
     else:
         tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         log_density = -0.5 * y * y - _const(consts_ptr, LOG_SQRT_2PI)
