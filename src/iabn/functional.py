@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .checks import checked_call
+from .autograd.function import compute_abn, compute_inplace
 from .distributed.function import inplace_abn_sync
-from .unchecked import abn_unchecked, inplace_abn_unchecked
+from .layers.checks import checked_call
 
 
 def inplace_abn(
@@ -55,12 +55,12 @@ def inplace_abn(
         activation_param: leaky_relu's negative slope or elu's alpha (> 0).
         variant: backward variant of the paper, 2 (default) or 1.
         gamma_mode: ``"signed"`` (default, portable to ``nn.BatchNorm``) or ``"abs"``
-            (``|gamma| + eps``, the original package); see :mod:`iabn.scale`.
+            (``|gamma| + eps``, the original package); see :mod:`iabn.kernels.common`.
     """
     config, _ = checked_call("inplace_abn", input, running_mean, running_var, weight, bias,
                              training, momentum, eps, activation, activation_param, gamma_mode,
                              variant, in_place=True, branch=True)
-    return inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
+    return compute_inplace(input, running_mean, running_var, weight, bias, config)
 
 
 def abn(
@@ -88,7 +88,7 @@ def abn(
     config, _ = checked_call("abn", input, running_mean, running_var, weight, bias, training,
                              momentum, eps, activation, activation_param, gamma_mode,
                              in_place=False)
-    return abn_unchecked(input, running_mean, running_var, weight, bias, config)
+    return compute_abn(input, running_mean, running_var, weight, bias, config)
 
 
 __all__ = ["abn", "inplace_abn", "inplace_abn_sync"]

@@ -1,4 +1,4 @@
-"""The launch and traffic counter (``iabn.traffic``) and what it says about the layers.
+"""The launch and traffic counter (``iabn.measure.traffic``) and what it says about the layers.
 
 Every expected figure below is derived by hand from the operators a step calls and the rules
 of ``iabn/traffic.py`` (comments give the derivation), in units of ``A``, the bytes of one
@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import iabn
-from iabn import traffic
 from iabn.kernels import reference
 from iabn.kernels.dispatch import use_backend
+from iabn.measure import traffic
 
 from helpers import INTERPRET, INVERTIBLE, randomise_
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iabn import branch_activation as branch
-from iabn.layer_config import LayerConfig
+from iabn.kernels import branch
+from iabn.kernels.common import LayerConfig, new_bits
 
 from helpers import BRANCH, TRITON_DEVICE, runs_triton
 
@@ -98,8 +98,9 @@ def test_the_bits_are_the_branch_of_each_element_in_memory_order(monkeypatch, ac
     y_star = branch.MINIMA[activation][0]
     work = x.to(TRITON_DEVICE)
     config = LayerConfig(True, 0.1, 1e-5, activation, 0.0, "signed")
-    _, _, packed = branch.forward_(work, w.to(TRITON_DEVICE), b.to(TRITON_DEVICE), None, None,
-                                   config, True, triton_backend)
+    packed = new_bits(work, config)
+    triton_backend.forward_(work, w.to(TRITON_DEVICE), b.to(TRITON_DEVICE), None, None, config,
+                            packed)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(x.numel() / 8)
     bits = ((packed.cpu().unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).bool()
     # y in memory order: the strides of x, read as a flat buffer

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import functional
-from ..scale import ABS
+from ..kernels.common import ABS
 
 
 # TorchScript cannot compile iabn's layer (an autograd Function with Python-side checks), so

@@ -43,8 +43,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.utils._pytree import tree_leaves
 
-from ..group_norm import GroupNormAct
-from ..modules import ABN
+from ..layers.batch_norm import ABN
+from ..layers.group_norm import GroupNormAct
 
 #: Python's in-place operators, which fx would otherwise record as their out-of-place forms.
 _INPLACE_OPERATORS = {

@@ -51,7 +51,7 @@ IDENTITY, LEAKY_RELU, ELU, SILU, GELU, MISH = (
 
 class Traffic(NamedTuple):
     """The pointer arguments a kernel loads from (``reads``) and stores to (``writes``), by
-    name. :mod:`iabn.traffic` counts each launch's bytes from them; every kernel declares its
+    name. :mod:`iabn.measure.traffic` counts each launch's bytes from them; every kernel declares its
     own right after its definition, to be kept true to its ``tl.load`` and ``tl.store``."""
 
     reads: tuple[str, ...]
@@ -116,7 +116,7 @@ def _recover(z, dz, ACT: tl.constexpr, param, tiny):
 
 
 # ---------------------------------------------------------------------------------------------
-# SiLU and GELU: the branch bit and the Newton inversion of :func:`iabn.branch_activation.invert`,
+# SiLU, GELU and Mish: the branch bit and the Newton inversion of :func:`.branch.invert`,
 # step for step. Every constant that is not exact in float32 comes from a table in the compute
 # dtype (``consts``, :func:`.triton_backend.branch_constants`), at the indices below: a Python
 # float in a kernel is a float32 constant, which would cost a float64 layer its precision.

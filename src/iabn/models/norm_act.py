@@ -17,7 +17,7 @@ from torch import nn
 
 from ..distributed import InPlaceABNSync
 from ..kernels.activations import get as activation_record
-from ..modules import ABN, InPlaceABN
+from ..layers.batch_norm import ABN, InPlaceABN
 
 NormAct = Callable[..., nn.Module]
 NAMES = ("bn", "abn", "iabn", "iabn_sync")

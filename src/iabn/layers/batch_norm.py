@@ -19,6 +19,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from ..autograd.function import compute_abn, compute_inplace
+from ..kernels.activations import WITH_PARAMETER
+from ..kernels.common import ABS, SIGNED, LayerConfig
 from .checks import (
     check_inputs,
     check_num_features,
@@ -26,10 +29,6 @@ from .checks import (
     check_per_call,
     input_signature,
 )
-from .kernels.activations import WITH_PARAMETER
-from .layer_config import LayerConfig
-from .scale import ABS, SIGNED
-from .unchecked import abn_unchecked, inplace_abn_unchecked
 
 #: The options a layer reads on every call; assigning one to a built layer validates it.
 _OPTIONS = ("num_features", "eps", "momentum", "activation", "activation_param", "gamma_mode",
@@ -98,7 +97,7 @@ class ABN(_NormBase):
     #: Whether backward inverts the activation (so it must be invertible).
     _needs_inverse = False
     #: Whether the in-place computation keeps a branch bit, so it takes the activations with
-    #: one minimum (iabn.branch_activation); the synchronised layers do not.
+    #: one minimum (iabn.kernels.branch); the synchronised layers do not.
     _branch_bit = False
 
     def __init__(
@@ -257,7 +256,7 @@ class ABN(_NormBase):
 
     #: The computation after the checks, called as ``(input, running_mean, running_var,
     #: weight, bias, config)``: the out-of-place one here, the in-place one in InPlaceABN.
-    _compute = staticmethod(abn_unchecked)
+    _compute = staticmethod(compute_abn)
 
     def __prepare_scriptable__(self) -> ABN:
         # torch.jit.script calls this on every submodule before compiling: fail here, with the
@@ -370,7 +369,7 @@ class InPlaceABN(OverwriteInputOption, ABN):
 
     def _compute(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
                  weight: Tensor | None, bias: Tensor | None, config: LayerConfig) -> Tensor:
-        return inplace_abn_unchecked(self._to_overwrite(input), running_mean, running_var,
+        return compute_inplace(self._to_overwrite(input), running_mean, running_var,
                                      weight, bias, config)
 
     def extra_repr(self) -> str:
