@@ -62,7 +62,8 @@ def test_opcheck_backward(args, backend, device):
 
 
 # Compiled against eager, float32, after SGD steps: Inductor reorders the sums of the
-# convolutions and reductions, and compiles the layers from ATen operations (iabn.autograd.compiled).
+# convolutions and reductions, and compiles the layers from ATen operations
+# (iabn.autograd.compiled).
 # Largest difference measured on CPU (torch 2.14.1; eager on the reference and the
 # Triton-interpreter backends; every comparison below, seeds 0-2): 3.6e-7, so the CPU tolerance
 # 4e-6 is ~11x that. CUDA is not measured yet (no GPU was lent to the sessions that wrote
@@ -195,7 +196,8 @@ def test_compiled_graphs_are_aten_operations_and_save_the_output(dtype):
     where z is written to memory anyway (it feeds a convolution, which keeps it as its input),
     and never the normalised y. Where z feeds only operations that Inductor fuses (here the
     pooling), the partitioner may keep the layer's input x instead and recompute z from it in
-    backward (the same bytes, and z is then never written: iabn.autograd.compiled says why this is not
+    backward (the same bytes, and z is then never written: iabn.autograd.compiled says why this is
+    not
     forced). The running statistics are updated once, as in eager mode."""
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), iabn.InPlaceABN(8),
@@ -296,7 +298,8 @@ def test_compiled_layer_on_a_graph_input_has_eager_gradients(compiler, backend, 
     graph (the layer compiled alone, a graph break just before it, a compiled pre-activation
     block), torch 2.13's compiler loses ``ctx.mark_dirty`` and backward passed ``dz`` through
     as ``dx`` (pytorch/pytorch#184113; measured error 3.9 here, still in torch 2.14.1). The
-    compiled layers no longer mark anything dirty (iabn.autograd.compiled); this keeps the case covered.
+    compiled layers no longer mark anything dirty (iabn.autograd.compiled); this keeps the case
+    covered.
     Float64, against eager."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -427,7 +430,8 @@ _SHAPES = [(4, 3), (4, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
     for o in _OPTIONS])
 def test_compiled_layer_options_match_eager(options):
     """Every option and input rank of the layer, compiled with ``aot_eager`` (the ATen graphs
-    iabn.autograd.compiled builds, without Inductor's reordering), against eager in float64: outputs,
+    iabn.autograd.compiled builds, without Inductor's reordering), against eager in float64:
+    outputs,
     input and parameter gradients and running statistics, in training (two steps) and in
     eval mode (where the gradient uses the running statistics)."""
     from torch._dynamo.testing import CompileCounterWithBackend

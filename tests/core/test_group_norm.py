@@ -139,7 +139,8 @@ BOUND = {torch.float32: 4.0, torch.bfloat16: 4.0}
 
 
 #: Half-precision backward works on parts of whole samples (N >= 16) or of whole groups of a
-#: sample (iabn.layers.group_norm._grads_in_parts): these cut along samples, and into one-sample parts.
+#: sample (iabn.layers.group_norm._grads_in_parts): these cut along samples, and into one-sample
+#: parts.
 PARTS_CASES = [((20, 6, 5), 3, "elu", 1.0, True), CASES[5]]
 
 

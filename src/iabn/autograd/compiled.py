@@ -1,8 +1,10 @@
 """The in-place layer under ``torch.compile``: forward and backward as ATen operations that the
 compiler traces into its graphs (docs/design.md, "Under torch.compile").
 
-Eager mode calls the kernels directly (:mod:`iabn.autograd.function`); while Dynamo traces, the layer runs
-:func:`inplace_abn` instead, in which every operation is visible: Inductor fuses the batch-norm
+Eager mode calls the kernels directly (:mod:`iabn.autograd.function`); while Dynamo traces, the
+layer runs
+:func:`traced_inplace_abn` instead, in which every operation is visible: Inductor fuses the
+batch-norm
 statistics, the normalisation and the activation with their neighbours, and the backward
 (inverse activation, its derivative, batch-norm backward) into a few kernels, with no call
 back into Python per layer.
@@ -63,7 +65,8 @@ from ..kernels import traceable
 from ..kernels.common import LayerConfig
 
 #: Whether the compiler is given the traceable layer (else the opaque ``iabn::`` operators of
-#: :mod:`iabn.autograd.function`). On for every supported torch: tests/core/test_compile.py passes on 2.11.0,
+#: :mod:`iabn.autograd.operators`). On for every supported torch: tests/core/test_compile.py passes
+#: on 2.11.0,
 #: 2.12.0, 2.13.0 and 2.14.1 (CPU). It was on from 2.14 only while the forward wrote the
 #: activation in place, which gave torch 2.11.0 wrong gradients ("No in-place operation makes
 #: the output" above).

@@ -55,7 +55,8 @@ def compute_inplace(
     if transformed():
         return _composed_inplace(input, running_mean, running_var, weight, bias, config)
     if torch.compiler.is_compiling() and compiled.TRACEABLE and traces(config):
-        # ATen operations the compiler sees (iabn.autograd.compiled); an activation with a branch bit
+        # ATen operations the compiler sees (iabn.autograd.compiled); an activation with a branch
+        # bit
         # is traced through the Function below
         return compiled.traced_inplace_abn(input, running_mean, running_var, weight, bias, config)
     # Spelled out: a generator over the three tensors costs a microsecond per layer call.

@@ -1,7 +1,8 @@
 """Reference In-Place ABN on PyTorch's native vectorised batch-norm kernels.
 
 No autograd here: these functions are the bodies of the ``torch.library`` operators in
-:mod:`iabn.autograd.function`. Shapes: ``x``/``z``/``dz`` are ``(N, C, *spatial)`` with 0 to 3 spatial dims;
+:mod:`iabn.autograd.operators`. Shapes: ``x``/``z``/``dz`` are ``(N, C, *spatial)`` with 0 to 3
+spatial dims;
 every per-channel tensor is ``(C,)``.
 
 Forward runs ``aten::native_batch_norm.out`` with ``out=x`` (normalise, scale and shift in

@@ -75,7 +75,8 @@ def forward(
         invstd = running_invstd(running_var, eps, sdtype)
     # Out of place, though nothing else reads y: inside the autograd Function, torch 2.11's
     # Dynamo also returns every intermediate of the forward, and an in-place activation made y
-    # the same tensor as z, whose gradient then went to y's unused slot (iabn.autograd.compiled). In the
+    # the same tensor as z, whose gradient then went to y's unused slot (iabn.autograd.compiled).
+    # In the
     # compiled graph functionalisation makes every operation out of place anyway.
     return act.apply(y, activation, activation_param), invstd, g
 

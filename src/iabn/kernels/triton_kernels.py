@@ -51,7 +51,8 @@ IDENTITY, LEAKY_RELU, ELU, SILU, GELU, MISH = (
 
 class Traffic(NamedTuple):
     """The pointer arguments a kernel loads from (``reads``) and stores to (``writes``), by
-    name. :mod:`iabn.measure.traffic` counts each launch's bytes from them; every kernel declares its
+    name. :mod:`iabn.measure.traffic` counts each launch's bytes from them; every kernel declares
+    its
     own right after its definition, to be kept true to its ``tl.load`` and ``tl.store``."""
 
     reads: tuple[str, ...]

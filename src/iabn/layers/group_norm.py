@@ -3,10 +3,12 @@ counterpart :class:`InPlaceGroupNormAct` (docs/design.md, "In-place group norm")
 
 The in-place layer is an ``autograd.Function`` over PyTorch's own group-norm kernels
 (``aten::native_group_norm`` forward, ``aten::native_group_norm_backward`` backward). It does
-not go through the ``iabn::`` custom operators, the Triton kernels or :mod:`iabn.autograd.compiled` of
+not go through the ``iabn::`` custom operators, the Triton kernels or :mod:`iabn.autograd.compiled`
+of
 the batch-norm layers: under ``torch.compile`` Dynamo traces the Function as it is (forward and
 backward are ATen calls it can trace), on a copy of the input as for
-:func:`iabn.autograd.function.overwritable` (so an input from outside the compiled graph is left unchanged).
+:func:`iabn.autograd.function.overwritable` (so an input from outside the compiled graph is left
+unchanged).
 
 The math, for one sample ``n`` and one group ``k`` of ``D = (C / G) * HxW`` values, with
 ``mean``, ``rstd = 1 / sqrt(var + eps)`` (biased variance) over the group, per channel ``c``
@@ -181,7 +183,8 @@ class InPlaceGroupNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # only under create_graph=True (as iabn.autograd.function.refuse_double_backward, naming the
+            # only under create_graph=True (as iabn.autograd.function.refuse_double_backward,
+            # naming the
             # group-norm layer's not-in-place counterpart)
             raise RuntimeError(
                 "InPlaceGroupNormAct does not support double backward (create_graph=True); "
