@@ -30,9 +30,40 @@ from .checks import (
     input_signature,
 )
 
+
 #: The options a layer reads on every call; assigning one to a built layer validates it.
-_OPTIONS = ("num_features", "eps", "momentum", "activation", "activation_param", "gamma_mode",
-            "variant")
+class ValidatedOptions:
+    """Options assigned to a built layer are validated as the constructor validates them
+    (same messages) before they are stored: forward and backward read these attributes and
+    trust them. ``_OPTIONS`` names them; ``_check_assigned(options)`` checks them together.
+
+    A layer may keep facts of its options in ``__dict__`` between calls (``_CACHES``: the
+    batch-norm layers' call settings and the signature of their last validated call). Every
+    assignment of a public attribute drops them all, whether or not it is an option in
+    ``_OPTIONS``, so no option can leave a stale cache; assignments are rare (construction,
+    ``train()``/``eval()``), calls are not.
+    """
+
+    _OPTIONS: tuple[str, ...] = ()
+    _CACHES = ("_call_config", "_valid_signature")
+
+    def _check_assigned(self, options: dict[str, Any], name: str) -> None:
+        raise NotImplementedError
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # During __init__ (before gamma_mode, the last option, is set) the constructor has
+        # already checked the options together.
+        if name in self._OPTIONS and "gamma_mode" in self.__dict__:
+            options = {option: self.__dict__.get(option) for option in self._OPTIONS}
+            options[name] = value
+            self._check_assigned(options, name)
+            if name == "activation_param":
+                value = float(value)
+        super().__setattr__(name, value)
+        if name[0] != "_":
+            state = self.__dict__
+            for cache in self._CACHES:
+                state.pop(cache, None)
 
 
 class GammaModeWarning(UserWarning):
@@ -74,7 +105,7 @@ def check_loaded_gamma_mode(gamma_mode: str, local_metadata: dict, prefix: str) 
         _warn_abs_into_signed(prefix)
 
 
-class ABN(_NormBase):
+class ABN(ValidatedOptions, _NormBase):
     """Batch norm followed by an activation, without the in-place trick.
 
     Stores its input and output for backward, like ``nn.BatchNorm2d`` + an in-place
@@ -122,30 +153,20 @@ class ABN(_NormBase):
         self.activation_param = float(activation_param)
         self.gamma_mode = gamma_mode
 
-    def __setattr__(self, name: str, value) -> None:
-        # An option assigned to a built layer is validated as the constructor validates it
-        # (same messages), before it is stored: forward and backward read these attributes
-        # and trust them. During __init__ the constructor has already checked them together.
-        if name in _OPTIONS and "gamma_mode" in self.__dict__:
-            options = {option: self.__dict__.get(option) for option in _OPTIONS}
-            options[name] = value
-            if name == "num_features":
-                check_num_features(value)
-            else:
-                check_options(
-                    options["activation"], options["activation_param"], options["gamma_mode"],
-                    in_place=self._needs_inverse,
-                    variant=2 if options["variant"] is None else options["variant"],
-                    eps=options["eps"], momentum=options["momentum"], branch=self._branch_bit,
-                )
-            if name == "activation_param":
-                value = float(value)
-        super().__setattr__(name, value)
-        if name in _OPTIONS:
-            # Both per-layer caches of forward hold facts of the old options: the call
-            # settings, and the signature of a call validated against the old num_features.
-            self.__dict__.pop("_call_config", None)
-            self.__dict__.pop("_valid_signature", None)
+    #: The options a layer reads on every call (ValidatedOptions).
+    _OPTIONS = ("num_features", "eps", "momentum", "activation", "activation_param",
+                "gamma_mode", "variant")
+
+    def _check_assigned(self, options: dict[str, Any], name: str) -> None:
+        if name == "num_features":
+            check_num_features(options[name])
+            return
+        check_options(
+            options["activation"], options["activation_param"], options["gamma_mode"],
+            in_place=self._needs_inverse,
+            variant=2 if options["variant"] is None else options["variant"],
+            eps=options["eps"], momentum=options["momentum"], branch=self._branch_bit,
+        )
 
     def _normalisation(self) -> tuple[bool, Tensor | None, Tensor | None]:
         """(use batch statistics?, running_mean, running_var) exactly as ``nn.BatchNorm``."""
@@ -239,7 +260,8 @@ class ABN(_NormBase):
     def _layer_config(self, use_batch_stats: bool, momentum: float) -> LayerConfig:
         """This call's settings, built from the options and kept (``_call_config`` in
         ``__dict__``) for the next calls with the same ``use_batch_stats`` and ``momentum``
-        (:meth:`_prepare` compares them; assigning an option drops it in ``__setattr__``)."""
+        (:meth:`_prepare` compares them; assigning an attribute drops it:
+        :class:`ValidatedOptions`)."""
         config = LayerConfig(use_batch_stats, momentum, self.eps, self.activation,
                              self.activation_param, self.gamma_mode,
                              self.__dict__.get("variant", 2))

@@ -53,7 +53,12 @@ from ..autograd.function import overwritable, transformed
 from ..kernels import activations as act
 from ..kernels.common import ABS, LOW_PRECISION, SIGNED, abs_sign, effective_scale, gamma_grad
 from ..kernels.reference import at_most, part_count
-from .batch_norm import OverwriteInputOption, check_loaded_gamma_mode, note_gamma_mode
+from .batch_norm import (
+    OverwriteInputOption,
+    ValidatedOptions,
+    check_loaded_gamma_mode,
+    note_gamma_mode,
+)
 from .checks import (
     SUPPORTED_DTYPES,
     check_channel_tensor,
@@ -65,11 +70,6 @@ from .checks import (
 
 _NATIVE_GROUP_NORM = torch.ops.aten.native_group_norm.default
 _NATIVE_GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
-
-
-#: Options read on every call; assigning one to a built layer validates it.
-_OPTIONS = ("num_groups", "num_channels", "eps", "activation", "activation_param",
-            "gamma_mode")
 
 
 def _check_count(name: str, value: Any) -> None:
@@ -321,7 +321,7 @@ def inplace_group_norm_act(input: Tensor, weight: Tensor | None, bias: Tensor | 
     return InPlaceGroupNormFunction.apply(overwritable(input), weight, bias, *options)
 
 
-class GroupNormAct(nn.Module):
+class GroupNormAct(ValidatedOptions, nn.Module):
     """Group norm followed by an activation, without the in-place trick.
 
     Parameters, ``state_dict`` keys (``weight``, ``bias``; no running statistics),
@@ -373,19 +373,15 @@ class GroupNormAct(nn.Module):
         self.gamma_mode = gamma_mode
         self.reset_parameters()
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Assigning an option to a built layer is validated as the constructor validates it,
-        # before it is stored (forward and backward trust these attributes).
-        if name in _OPTIONS and "gamma_mode" in self.__dict__:
-            options = {option: self.__dict__.get(option) for option in _OPTIONS}
-            options[name] = value
-            check_groups(options["num_groups"], options["num_channels"])
-            check_options(options["activation"], options["activation_param"],
-                          options["gamma_mode"], in_place=self._needs_inverse,
-                          eps=options["eps"])
-            if name == "activation_param":
-                value = float(value)
-        super().__setattr__(name, value)
+    #: Options read on every call; assigning one to a built layer validates it
+    #: (:class:`~iabn.layers.batch_norm.ValidatedOptions`).
+    _OPTIONS = ("num_groups", "num_channels", "eps", "activation", "activation_param",
+                "gamma_mode")
+
+    def _check_assigned(self, options: dict[str, Any], name: str) -> None:
+        check_groups(options["num_groups"], options["num_channels"])
+        check_options(options["activation"], options["activation_param"],
+                      options["gamma_mode"], in_place=self._needs_inverse, eps=options["eps"])
 
     def reset_parameters(self) -> None:
         if self.affine:
