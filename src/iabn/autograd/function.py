@@ -55,9 +55,8 @@ def compute_inplace(
     if transformed():
         return _composed_inplace(input, running_mean, running_var, weight, bias, config)
     if torch.compiler.is_compiling() and compiled.TRACEABLE and traces(config):
-        # ATen operations the compiler sees (iabn.autograd.compiled); an activation with a branch
-        # bit
-        # is traced through the Function below
+        # ATen operations the compiler sees (iabn.autograd.compiled); an activation with a
+        # branch bit is traced through the Function below
         return compiled.traced_inplace_abn(input, running_mean, running_var, weight, bias, config)
     # Spelled out: a generator over the three tensors costs a microsecond per layer call.
     needs_grad = torch.is_grad_enabled() and (
@@ -66,7 +65,8 @@ def compute_inplace(
         or (bias is not None and bias.requires_grad)
     )
     if not needs_grad:
-        kernels_for(input, None).forward_(input, weight, bias, running_mean, running_var, config)
+        kernels_for(input, config).forward_(input, weight, bias, running_mean, running_var,
+                                            config)
         return input
     # overwritable: a copy where the compiler is given the opaque iabn:: operators instead
     # (compiled.TRACEABLE off)
@@ -121,13 +121,13 @@ def compute_abn(
     return act.apply_(y, activation, activation_param)
 
 
-def kernels_for(x: Tensor, bits: Tensor | None) -> Any:
+def kernels_for(x: Tensor, config: LayerConfig) -> Any:
     """What runs a layer on ``x``: the kernel module
     :func:`~iabn.kernels.dispatch.backend_for` picks, called directly; while compiling, the
-    registered operators where the layer keeps no branch bits (the operators carry none;
-    with bits the compiler traces the backend's ATen operations). Resolved once per layer
-    call; backward reuses the forward's choice."""
-    if bits is None and torch.compiler.is_compiling():
+    registered operators for an invertible activation (they carry no branch bits: with bits
+    the compiler traces the backend's own ATen operations). Resolved once per layer call;
+    backward reuses the forward's choice."""
+    if torch.compiler.is_compiling() and traces(config):
         return RegisteredOperators
     return backend_for(x)
 
@@ -149,8 +149,8 @@ def overwritable(x: Tensor) -> Tensor:
 
 
 def needs_grad(input: Tensor, weight: Tensor | None, bias: Tensor | None) -> bool:
-    """Whether a group-norm or branch-bit layer call (the batch-norm path spells it out inline:
-    its host cost is measured) must record an autograd node."""
+    """Whether a group-norm layer call must record an autograd node (the batch-norm path
+    spells it out inline: its host cost is measured)."""
     return torch.is_grad_enabled() and (
         input.requires_grad
         or (weight is not None and weight.requires_grad)
@@ -185,7 +185,7 @@ class InPlaceABNFunction(torch.autograd.Function):
         config: LayerConfig,
     ) -> Tensor:
         bits = new_bits(x, config)
-        kernels = kernels_for(x, bits)
+        kernels = kernels_for(x, config)
         invstd, scale = kernels.forward_(x, weight, bias, running_mean, running_var, config,
                                          bits)
         ctx.mark_dirty(x)
