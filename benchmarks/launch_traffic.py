@@ -2,7 +2,7 @@
 
 A batch-norm layer on a GPU is memory-bound: its time is the bytes it moves over the
 bandwidth plus the host time of its launches. Both are counted exactly here, by
-:mod:`iabn.traffic` (its docstring has the rules), for one forward + backward
+:mod:`iabn.measure.traffic` (its docstring has the rules), for one forward + backward
 ``layer(leaf.clone()).backward(grad)`` of each provider:
 
 ``bn``              ``nn.BatchNorm2d`` + ``nn.LeakyReLU(0.01, inplace=True)`` (the baseline)
@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 import iabn
-from iabn import traffic
 from iabn.kernels.dispatch import has_triton, use_backend
+from iabn.measure import traffic
 from iabn.tools.bench import machine_info, results_folder, write_json
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")

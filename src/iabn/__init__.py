@@ -16,15 +16,15 @@ __version__ = "0.1.0"
 
 #: Public name -> (module, attribute in it; None for the module itself).
 _LAZY = {
-    "ABN": ("modules", "ABN"),
-    "InPlaceABN": ("modules", "InPlaceABN"),
+    "ABN": ("layers.batch_norm", "ABN"),
+    "InPlaceABN": ("layers.batch_norm", "InPlaceABN"),
     "ABNSync": ("distributed", "ABNSync"),
     "InPlaceABNSync": ("distributed", "InPlaceABNSync"),
     "convert_local": ("distributed", "convert_local"),
     "convert_sync": ("distributed", "convert_sync"),
     "BNActConv": ("memory.bn_act_conv", "BNActConv"),
-    "GroupNormAct": ("group_norm", "GroupNormAct"),
-    "InPlaceGroupNormAct": ("group_norm", "InPlaceGroupNormAct"),
+    "GroupNormAct": ("layers.group_norm", "GroupNormAct"),
+    "InPlaceGroupNormAct": ("layers.group_norm", "InPlaceGroupNormAct"),
     "OffloadModel": ("memory.offloading", "OffloadModel"),
     "Offloader": ("memory.offloading", "Offloader"),
     "offload": ("memory.offloading", "offload"),
@@ -49,8 +49,8 @@ def __getattr__(name: str):
         module_name, attribute = _LAZY[name]
     elif (not name.startswith("_")
           and importlib.util.find_spec(f"{__name__}.{name}") is not None):
-        # another submodule (iabn.distributed, iabn.ops, ...): `import iabn` used to load them all,
-        # and code reached them as attributes
+        # another submodule (iabn.distributed, iabn.kernels, ...): `import iabn` used to load
+        # them all, and code reached them as attributes
         module_name, attribute = name, None
     else:
         raise AttributeError(f"module 'iabn' has no attribute {name!r}")

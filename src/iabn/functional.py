@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .checks import checked_call
+from .autograd.function import compute_abn, compute_inplace
 from .distributed.function import inplace_abn_sync
-from .unchecked import abn_unchecked, inplace_abn_unchecked
+from .layers.checks import checked_call
 
 
 def inplace_abn(
@@ -48,17 +48,19 @@ def inplace_abn(
         training: normalise with batch statistics (``True``) or running statistics.
         momentum: running-statistics update factor.
         eps: added to the variance; also the smallest ``|scale(weight)|``.
-        activation: ``"leaky_relu"``, ``"elu"`` or ``"identity"`` (invertible), or
-            ``"silu"``/``"gelu"`` (a saved branch bit per element; docs/design.md).
+        activation: invertible (``INVERTIBLE_ACTIVATIONS`` of
+            :mod:`iabn.kernels.activations`: ``"leaky_relu"``, ``"elu"``, ``"identity"``), or
+            with one minimum (``BRANCH_ACTIVATIONS``, e.g. ``"silu"``: a saved branch bit per
+            element; docs/design.md).
         activation_param: leaky_relu's negative slope or elu's alpha (> 0).
         variant: backward variant of the paper, 2 (default) or 1.
         gamma_mode: ``"signed"`` (default, portable to ``nn.BatchNorm``) or ``"abs"``
-            (``|gamma| + eps``, the original package); see :mod:`iabn.scale`.
+            (``|gamma| + eps``, the original package); see :mod:`iabn.kernels.common`.
     """
     config, _ = checked_call("inplace_abn", input, running_mean, running_var, weight, bias,
                              training, momentum, eps, activation, activation_param, gamma_mode,
                              variant, in_place=True, branch=True)
-    return inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
+    return compute_inplace(input, running_mean, running_var, weight, bias, config)
 
 
 def abn(
@@ -77,8 +79,8 @@ def abn(
 ) -> Tensor:
     """Activated batch norm without the in-place trick (stores ``input`` and the output).
 
-    Same arguments as :func:`inplace_abn`; ``activation`` may also be ``"relu"``
-    (``"silu"`` and ``"gelu"`` are torch's ``F.silu`` and exact ``F.gelu``). ``input``
+    Same arguments as :func:`inplace_abn`; ``activation`` may also be ``"relu"`` (each is
+    computed as its ``torch.nn`` module computes it: ``"gelu"`` is exact ``F.gelu``). ``input``
     is not modified. In ``"signed"`` mode the weight is used as it is, without the
     ``|weight| >= eps`` clamp that the in-place backward needs: ``abn`` is exactly
     ``F.batch_norm`` followed by the activation.
@@ -86,7 +88,7 @@ def abn(
     config, _ = checked_call("abn", input, running_mean, running_var, weight, bias, training,
                              momentum, eps, activation, activation_param, gamma_mode,
                              in_place=False)
-    return abn_unchecked(input, running_mean, running_var, weight, bias, config)
+    return compute_abn(input, running_mean, running_var, weight, bias, config)
 
 
 __all__ = ["abn", "inplace_abn", "inplace_abn_sync"]

@@ -15,6 +15,8 @@ import iabn
 from iabn.conversion import ConversionWarning, TrainEvalGraphModule
 from iabn.memory import saved_tensor_bytes
 
+from helpers import activation_names, param_for
+
 N, C, H, W = 2, 8, 5, 5
 ACT = N * C * H * W * 8     # one float64 activation of the norm's shape
 VEC = C * 8                 # one float64 per-channel vector
@@ -495,3 +497,58 @@ def test_sync_batchnorm_becomes_the_synchronised_layers():
         assert type(converted[1]) is iabn.InPlaceABNSync
         assert "ABNSync cannot compute ReLU" in report.rows[1].reason
         assert_same_model(model, converted, x)
+
+
+class FunctionalActivation(nn.Module):
+    """conv -> norm -> ``function(x, *args)`` -> conv."""
+
+    def __init__(self, function, *args):
+        super().__init__()
+        self.conv1, self.conv2 = nn.Conv2d(3, C, 3, padding=1), nn.Conv2d(C, 4, 1)
+        self.bn = nn.BatchNorm2d(C)
+        self.function, self.args = function, args
+
+    def forward(self, x):
+        return self.conv2(self.function(self.bn(self.conv1(x)), *self.args))
+
+
+def _every_form():
+    """(id, model builder, activation name, parameter): each module and function form of
+    every activation in the registry (iabn.kernels.activations), so that an activation added
+    there is converted without a change here."""
+    from iabn.kernels.activations import ACTIVATIONS
+
+    cases = []
+    for name in activation_names():
+        record = ACTIVATIONS[name]
+        param = param_for(name)
+        for form in record.forms.modules:
+            kwargs = {record.parameter.attribute: param} if record.parameter else {}
+            cases.append((f"{name}-{form.cls.__name__}",
+                          lambda cls=form.cls, kw=kwargs: ConvNormAct(cls(**kw)), name, param))
+        for form in record.forms.functions:
+            if form.function in (torch.relu_, F.leaky_relu_, F.elu_):
+                continue  # the in-place functions: the same recognition as their pairs
+            args = (param,) if record.parameter else ()
+            cases.append((f"{name}-{form.display}",
+                          lambda f=form.function, a=args: FunctionalActivation(f, *a), name,
+                          param))
+    return cases
+
+
+@pytest.mark.parametrize(("build", "name", "param"),
+                         [case[1:] for case in _every_form()],
+                         ids=[case[0] for case in _every_form()])
+def test_every_activation_form_of_the_registry_is_fused(build, name, param):
+    model = _randomise(build())
+    x = _x()
+    converted, report = iabn.convert(model, x)
+    (row,) = report.rows
+    expected = "ABN" if name == "relu" else "InPlaceABN"  # relu: lossless keeps it exact
+    assert row.decision == expected, row
+    layer = converted.get_submodule("bn") if hasattr(converted, "bn") else None
+    if layer is not None and isinstance(layer, iabn.ABN):
+        assert layer.activation == name
+        if name in ("leaky_relu", "elu"):
+            assert layer.activation_param == pytest.approx(param)
+    assert_same_model(model, converted, x)

@@ -1,4 +1,4 @@
-"""SiLU and GELU in the in-place layer (iabn.branch_activation): z plus one branch bit.
+"""SiLU and GELU in the in-place layer (iabn.kernels.branch): z plus one branch bit.
 
 References are PyTorch's own modules (``nn.BatchNorm*d`` + ``nn.SiLU``/``nn.GELU``) in
 float64, and, for the low-precision bounds, an exact float64 computation from the stored
@@ -15,20 +15,23 @@ import torch.nn.functional as F
 from torch import nn
 
 import iabn
-from iabn import branch_activation as branch
+from iabn.kernels import branch
 from iabn.memory import saved_tensor_bytes
 from iabn.tools.bench.slopes import scaled_error, tolerance
 
+from helpers import BRANCH, torch_activation, torch_minimum
+
 F64 = torch.float64
 CPU = torch.device("cpu")
-#: Where phi' = 0 (float64, from phi'(y) = 0 solved independently; checked below).
-Y_STAR = {"silu": -1.278464542761074, "gelu": -0.7517915246935645}
-ACTIVATIONS = ("silu", "gelu")
+#: Where phi' = 0 (float64, from phi'(y) = 0 solved independently by bisection of the sign of
+#: torch's own derivative; checked below).
+Y_STAR = {name: torch_minimum(name) for name in BRANCH}
+ACTIVATIONS = tuple(BRANCH)
 BATCH_NORMS = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
 
 
 def torch_act(name):
-    return nn.SiLU() if name == "silu" else nn.GELU()
+    return torch_activation(name)
 
 
 def _params(channels, seed=0):
@@ -338,10 +341,10 @@ def test_backward_memory_is_bounded(activation, dtype, extra, training, monkeypa
     """Newton's float32 temporaries (16.25 tensors of their size at their peak) are those of
     slices of the activation (reference.pieces): the backward holds at most ``extra``
     activations (in the input's dtype; float32: y, dy and dx as the leaky_relu layer) more
-    than BatchNorm + the activation's, counting every allocation (iabn.traffic); half inputs
+    than BatchNorm + the activation's, counting every allocation (iabn.measure.traffic); half inputs
     make no float32 tensor of the activation's size."""
-    from iabn import traffic
     from iabn.kernels import reference
+    from iabn.measure import traffic
 
     monkeypatch.setattr(reference, "MIN_PIECE", 1)  # slices at this small shape
     shape = (4, 8, 6, 5)

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import iabn
-from iabn import compiled, ops
+from iabn.autograd import compiled
+from iabn.autograd import operators as ops
 
 # What only the traceable compiled layer does (compiled.TRACEABLE, on for every supported torch;
 # off, the compiler is given the opaque iabn:: operators, whose results the other tests check).
@@ -61,7 +62,8 @@ def test_opcheck_backward(args, backend, device):
 
 
 # Compiled against eager, float32, after SGD steps: Inductor reorders the sums of the
-# convolutions and reductions, and compiles the layers from ATen operations (iabn.compiled).
+# convolutions and reductions, and compiles the layers from ATen operations
+# (iabn.autograd.compiled).
 # Largest difference measured on CPU (torch 2.14.1; eager on the reference and the
 # Triton-interpreter backends; every comparison below, seeds 0-2): 3.6e-7, so the CPU tolerance
 # 4e-6 is ~11x that. CUDA is not measured yet (no GPU was lent to the sessions that wrote
@@ -194,7 +196,8 @@ def test_compiled_graphs_are_aten_operations_and_save_the_output(dtype):
     where z is written to memory anyway (it feeds a convolution, which keeps it as its input),
     and never the normalised y. Where z feeds only operations that Inductor fuses (here the
     pooling), the partitioner may keep the layer's input x instead and recompute z from it in
-    backward (the same bytes, and z is then never written: iabn.compiled says why this is not
+    backward (the same bytes, and z is then never written: iabn.autograd.compiled says why this is
+    not
     forced). The running statistics are updated once, as in eager mode."""
     model = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1), iabn.InPlaceABN(8),
@@ -252,7 +255,7 @@ def test_inductor_compiles_layers_on_1x1_feature_maps(training, backend, device)
     fixed-stride-order constraint Inductor copied the mutated input to the traced strides and
     its scheduler then failed (``KeyError: 'op5'``, torch 2.13) -- every ResNet-18 with a 32x32
     input reaches 1x1 maps. That was the opaque forward operator, fixed by its
-    ``flexible_layout`` tag; the layers now compile to ATen operations (iabn.compiled), and
+    ``flexible_layout`` tag; the layers now compile to ATen operations (iabn.autograd.compiled), and
     this compiled run against eager keeps 1x1 maps covered. Inductor's caches are off: their
     keys did not include the operator's tags, so code compiled after the fix made this test
     pass with the fix reverted (seen)."""
@@ -295,7 +298,8 @@ def test_compiled_layer_on_a_graph_input_has_eager_gradients(compiler, backend, 
     graph (the layer compiled alone, a graph break just before it, a compiled pre-activation
     block), torch 2.13's compiler loses ``ctx.mark_dirty`` and backward passed ``dz`` through
     as ``dx`` (pytorch/pytorch#184113; measured error 3.9 here, still in torch 2.14.1). The
-    compiled layers no longer mark anything dirty (iabn.compiled); this keeps the case covered.
+    compiled layers no longer mark anything dirty (iabn.autograd.compiled); this keeps the case
+    covered.
     Float64, against eager."""
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -330,9 +334,9 @@ def test_traced_layer_gradients_match_batch_norm(activation, param, training, co
     place into batch norm's output, so that intermediate was the returned tensor itself and
     autograd sent the output's gradient to the intermediate's unused slot (input and parameter
     gradients wrong by their full size; Dynamo alone, ``backend="eager"``, shows it). The
-    traceable layer (iabn.compiled, whatever ``TRACEABLE`` says), compiled alone, against
+    traceable layer (iabn.autograd.compiled, whatever ``TRACEABLE`` says), compiled alone, against
     PyTorch's batch norm and activation in float64: output, gradients, running statistics."""
-    from iabn.layer_config import LayerConfig
+    from iabn.kernels.common import LayerConfig
 
     torch._dynamo.reset()
     torch.manual_seed(0)
@@ -346,7 +350,7 @@ def test_traced_layer_gradients_match_batch_norm(activation, param, training, co
                 "elu": lambda y: nn.functional.elu(y, param), "identity": lambda y: y}[activation]
 
     def traced(x, w, b, mean, var):
-        return compiled.inplace_abn(x * 1.0, mean, var, w, b, config)
+        return compiled.traced_inplace_abn(x * 1.0, mean, var, w, b, config)
 
     def reference(x, w, b, mean, var):
         return activate(nn.functional.batch_norm(x, mean, var, w, b, training, 0.1, 1e-5))
@@ -370,7 +374,7 @@ def test_traced_layer_gradients_match_batch_norm(activation, param, training, co
                                       pytest.param("inductor", marks=pytest.mark.slow)])
 def test_compiled_layer_overwrites_its_input_as_in_eager_mode(compiler):
     """Under torch.compile the layer's input is overwritten with its output, as in eager mode
-    (iabn.compiled): a tensor handed to the compiled layer, in training and in eval without
+    (iabn.autograd.compiled): a tensor handed to the compiled layer, in training and in eval without
     autograd, and an intermediate read again after the layer, which then reads the output.
     Float64 against eager."""
     torch._dynamo.reset()
@@ -426,7 +430,8 @@ _SHAPES = [(4, 3), (4, 3, 5), (2, 3, 4, 5), (2, 3, 2, 3, 4)]
     for o in _OPTIONS])
 def test_compiled_layer_options_match_eager(options):
     """Every option and input rank of the layer, compiled with ``aot_eager`` (the ATen graphs
-    iabn.compiled builds, without Inductor's reordering), against eager in float64: outputs,
+    iabn.autograd.compiled builds, without Inductor's reordering), against eager in float64:
+    outputs,
     input and parameter gradients and running statistics, in training (two steps) and in
     eval mode (where the gradient uses the running statistics)."""
     from torch._dynamo.testing import CompileCounterWithBackend

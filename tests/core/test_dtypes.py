@@ -19,7 +19,7 @@ import torch
 
 import iabn
 
-from helpers import ACTIVATION_PARAMS, randomise_, torch_activation
+from helpers import ACTIVATION_PARAMS, INVERTIBLE, randomise_, torch_activation
 
 FLOOR = 1e-6
 
@@ -52,7 +52,7 @@ NAMES = ("output", "input grad", "weight grad", "bias grad", "running_mean", "ru
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("channels_last", [False, True])
 def test_low_precision_within_twice_torch_error(dtype, activation, variant, channels_last,

@@ -5,7 +5,13 @@ import torch
 
 from iabn.functional import abn, inplace_abn
 
-from helpers import ACTIVATION_PARAMS, TRITON_DEVICE, memory_format_for, runs_triton
+from helpers import (
+    ACTIVATION_PARAMS,
+    INVERTIBLE,
+    TRITON_DEVICE,
+    memory_format_for,
+    runs_triton,
+)
 
 CASES = [  # (shape, channels_last)
     ((5, 3), False),
@@ -49,7 +55,7 @@ def _gradcheck_layer(shape, channels_last, activation, training, variant=2, fast
 
 
 @pytest.mark.parametrize("shape,channels_last", CASES, ids=str)
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_gradcheck(shape, channels_last, activation, variant, training):
@@ -57,7 +63,7 @@ def test_gradcheck(shape, channels_last, activation, variant, training):
 
 
 @pytest.mark.parametrize("shape,channels_last", CASES, ids=str)
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @runs_triton
 def test_gradcheck_triton_kernels(shape, channels_last, activation, training, monkeypatch):

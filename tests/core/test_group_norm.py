@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import iabn
-from iabn import traffic
 from iabn.kernels import reference as kernels_reference
+from iabn.measure import traffic
 from iabn.memory import saved_tensor_bytes
 
 from helpers import torch_activation
@@ -139,7 +139,8 @@ BOUND = {torch.float32: 4.0, torch.bfloat16: 4.0}
 
 
 #: Half-precision backward works on parts of whole samples (N >= 16) or of whole groups of a
-#: sample (iabn.group_norm._grads_in_parts): these cut along samples, and into one-sample parts.
+#: sample (iabn.layers.group_norm._grads_in_parts): these cut along samples, and into one-sample
+#: parts.
 PARTS_CASES = [((20, 6, 5), 3, "elu", 1.0, True), CASES[5]]
 
 
@@ -195,7 +196,7 @@ def test_half_backward_makes_no_float32_activation(case, dtype, monkeypatch):
     """A half input (float32 parameters) with 16 or more (sample, group) pairs: the backward
     computes in float32 parts, none the size of the activation, and holds at most one
     activation (in the input's dtype) more than nn.GroupNorm + activation's backward,
-    counting every allocation (iabn.traffic)."""
+    counting every allocation (iabn.measure.traffic)."""
     shape, groups, activation, param, affine = case
     monkeypatch.setattr(kernels_reference, "MIN_PIECE", 1)  # parts at these tiny shapes
     torch.manual_seed(4)
@@ -281,12 +282,12 @@ def test_state_dict_round_trip_with_group_norm():
 
 
 def test_abs_state_into_signed_layer_warns(monkeypatch):
-    import iabn.group_norm
+    import iabn.layers.batch_norm
 
-    monkeypatch.setattr(iabn.modules, "_warned_abs_into_signed", False)
+    monkeypatch.setattr(iabn.layers.batch_norm, "_warned_abs_into_signed", False)
     trained = nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceGroupNormAct(2, 4, gamma_mode="abs"))
     state = trained.state_dict()
-    with pytest.warns(iabn.modules.GammaModeWarning, match=r"^1: .*gamma_mode='abs'"):
+    with pytest.warns(iabn.layers.batch_norm.GammaModeWarning, match=r"^1: .*gamma_mode='abs'"):
         nn.Sequential(nn.Conv2d(3, 4, 1), iabn.GroupNormAct(2, 4)).load_state_dict(state)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

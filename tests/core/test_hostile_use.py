@@ -24,7 +24,13 @@ import iabn
 from iabn import compat, functional
 from iabn.distributed import ABNSync, InPlaceABNSync
 
-from helpers import ACTIVATION_PARAMS, randomise_, torch_activation, torch_batchnorm
+from helpers import (
+    ACTIVATION_PARAMS,
+    INVERTIBLE,
+    randomise_,
+    torch_activation,
+    torch_batchnorm,
+)
 
 TESTS = Path(__file__).resolve().parent
 SUPPORT = TESTS.parent / "support"
@@ -299,7 +305,7 @@ def _pair(activation, training, track=True):
 TOL = dict(rtol=0, atol=1e-14)  # 11x the largest measured difference, 8.9e-16 (float64)
 
 
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
 @pytest.mark.parametrize("training", [True, False])
 def test_forward_mode_ad_matches_batchnorm(activation, training):
     layer, reference = _pair(activation, training)
@@ -314,7 +320,7 @@ def test_forward_mode_ad_matches_batchnorm(activation, training):
     torch.testing.assert_close(layer.running_mean, reference[0].running_mean, **TOL)
 
 
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
 @pytest.mark.parametrize("training", [True, False])
 def test_torch_func_jvp_and_grad_match_batchnorm(activation, training):
     """torch.func needs buffers it may not write in training, as for nn.BatchNorm:

@@ -7,7 +7,14 @@ import torch
 
 import iabn
 
-from helpers import ACTIVATION_PARAMS, memory_format_for, randomise_, torch_activation
+from helpers import (
+    ACTIVATION_PARAMS,
+    INVERTIBLE,
+    activation_names,
+    memory_format_for,
+    randomise_,
+    torch_activation,
+)
 from helpers import torch_batchnorm as make_bn
 
 SHAPES = [
@@ -59,7 +66,7 @@ def _assert_same(bn, layer, out_ref, gx_ref, out, gx, atol):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_inplace_abn_matches_torch_float64(shape, activation, variant, training, backend,
@@ -73,7 +80,7 @@ def test_inplace_abn_matches_torch_float64(shape, activation, variant, training,
     _assert_same(bn, layer, *results, atol=1e-12)
 
 
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity", "relu"])
+@pytest.mark.parametrize("activation", activation_names(branch=False))
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_abn_matches_torch(activation, training):
     shape = (3, 6, 5, 4)

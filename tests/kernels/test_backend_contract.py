@@ -10,7 +10,7 @@ import torch
 
 from iabn.kernels import dispatch, reference
 from iabn.kernels.backend import KernelBackend
-from iabn.layer_config import LayerConfig
+from iabn.kernels.common import LayerConfig
 
 from helpers import TRITON_DEVICE
 

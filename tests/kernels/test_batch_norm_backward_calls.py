@@ -14,6 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import iabn
 from iabn.kernels.dispatch import use_backend
 
+from helpers import BRANCH
+
 BACKWARD = torch.ops.aten.native_batch_norm_backward.default
 
 
@@ -28,7 +30,7 @@ class _Calls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("activation", ["leaky_relu", "identity", "silu", "gelu"])
+@pytest.mark.parametrize("activation", ["leaky_relu", "identity", *BRANCH])
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("input_grad", [True, False], ids=["dx", "no-dx"])

@@ -16,7 +16,7 @@ import torch
 import iabn
 from iabn.kernels.dispatch import use_backend
 
-from helpers import TRITON_DEVICE, runs_triton
+from helpers import BRANCH, TRITON_DEVICE, runs_triton
 
 triton_kernels = pytest.importorskip("iabn.kernels.triton_kernels")
 
@@ -50,8 +50,8 @@ def _record_float_arguments(seen: dict[tuple[str, str], str]):
 
 @runs_triton
 @pytest.mark.parametrize("activation,param", [("leaky_relu", 0.1), ("elu", 0.7),
-                                              ("identity", 0.01), ("silu", 0.01),
-                                              ("gelu", 0.01)])
+                                              ("identity", 0.01),
+                                              *((name, 0.01) for name in BRANCH)])
 def test_every_float_argument_is_a_float64_parameter(activation, param):
     seen: dict[tuple[str, str], str] = {}
     unwrap = _record_float_arguments(seen)

@@ -1,4 +1,4 @@
-"""The launch and traffic counter (``iabn.traffic``) and what it says about the layers.
+"""The launch and traffic counter (``iabn.measure.traffic``) and what it says about the layers.
 
 Every expected figure below is derived by hand from the operators a step calls and the rules
 of ``iabn/traffic.py`` (comments give the derivation), in units of ``A``, the bytes of one
@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 import iabn
-from iabn import traffic
 from iabn.kernels import reference
 from iabn.kernels.dispatch import use_backend
+from iabn.measure import traffic
 
-from helpers import INTERPRET, randomise_
+from helpers import INTERPRET, INVERTIBLE, randomise_
 
 SHAPE = (4, 8, 6, 5)
 SLOPE = 0.01
@@ -392,7 +392,7 @@ def _grads(layer, x, grad, frozen):
     return [leaf.grad.double(), *params]
 
 
-@pytest.mark.parametrize("activation", ["leaky_relu", "elu", "identity"])
+@pytest.mark.parametrize("activation", INVERTIBLE)
 @pytest.mark.parametrize("variant", [1, 2])
 @pytest.mark.parametrize("frozen", [False, True], ids=["with_param_grads", "frozen"])
 def test_eval_mode_gradients_match_torch_float64(activation, variant, frozen, backend,

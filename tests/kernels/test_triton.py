@@ -19,7 +19,7 @@ import torch
 
 import iabn
 from iabn.kernels import dispatch, reference
-from iabn.layer_config import LayerConfig
+from iabn.kernels.common import LayerConfig
 
 from helpers import TRITON_DEVICE, randomise_, runs_triton
 
@@ -175,7 +175,7 @@ def test_triton_on_cpu_without_the_interpreter_fails_clearly(monkeypatch):
 
 def test_triton_requested_but_not_installed_fails_clearly(monkeypatch):
     monkeypatch.setenv("IABN_BACKEND", "triton")
-    monkeypatch.setattr(dispatch, "has_triton", lambda: False)
+    monkeypatch.setattr(reference, "has_triton", lambda: False)  # (backend_for reads it there)
     with pytest.raises(RuntimeError, match="pip install triton"):
         dispatch.backend_for(torch.zeros(1))
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iabn import branch_activation as branch
-from iabn.layer_config import LayerConfig
+from iabn.kernels import branch
+from iabn.kernels.common import LayerConfig, new_bits
 
-from helpers import TRITON_DEVICE, runs_triton
+from helpers import BRANCH, TRITON_DEVICE, runs_triton
 
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -76,7 +76,7 @@ def test_erfcx_within_its_measured_error(dtype):
 
 
 @runs_triton
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", BRANCH)
 @pytest.mark.parametrize("shape,channels_last", [
     ((3, 5, 7, 3), False),   # 315 elements: bytes straddle channels, a part byte at the end
     ((3, 5, 7, 3), True),    # channels-last: memory order differs from logical order
@@ -98,8 +98,9 @@ def test_the_bits_are_the_branch_of_each_element_in_memory_order(monkeypatch, ac
     y_star = branch.MINIMA[activation][0]
     work = x.to(TRITON_DEVICE)
     config = LayerConfig(True, 0.1, 1e-5, activation, 0.0, "signed")
-    _, _, packed = branch.forward_(work, w.to(TRITON_DEVICE), b.to(TRITON_DEVICE), None, None,
-                                   config, True, triton_backend)
+    packed = new_bits(work, config)
+    triton_backend.forward_(work, w.to(TRITON_DEVICE), b.to(TRITON_DEVICE), None, None, config,
+                            packed)
     assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(x.numel() / 8)
     bits = ((packed.cpu().unsqueeze(-1) >> torch.arange(8, dtype=torch.uint8)) & 1).bool()
     # y in memory order: the strides of x, read as a flat buffer

@@ -22,7 +22,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 FLOAT_ARGS = {"momentum", "eps", "param", "tiny", "count"}
 F32 = tl.float32
 #: The constexprs of the SiLU/GELU path, off.
-NO_BRANCH = {"NEWTON": 0, "CHEB": 0, "TAYLOR": False}
+NO_BRANCH = {"BRANCH": False, "NEWTON": 0, "CHEB": 0, "TAYLOR": False}
 
 CASES = [  # (kernel, pointer types other than *fp32, constexprs)
     (k.moments_ncs_kernel, {"x_ptr": "*bf16", "parts_ptr": "*fp64"},
@@ -47,17 +47,28 @@ CASES = [  # (kernel, pointer types other than *fp32, constexprs)
                                  "consts_ptr": "*fp64"},
      {"CHANNEL_ON_ROWS": False, "ACT": k.GELU, "CHEB": 25, "BLOCK_BYTES": 256,
       "ACC": tl.float64}),
+    (k.normalize_branch_kernel, {"x_ptr": "*fp16", "bits_ptr": "*u8"},
+     {"CHANNEL_ON_ROWS": True, "ACT": k.MISH, "CHEB": 16, "BLOCK_BYTES": 256, "ACC": F32}),
+    (k.grad_sums_mc_kernel, {"z_ptr": "*fp64", "dz_ptr": "*fp64", "bias_ptr": "*fp64",
+                             "parts_ptr": "*fp64", "bits_ptr": "*u8", "consts_ptr": "*fp64"},
+     {"HAS_BIAS": True, "ACT": k.MISH, "BRANCH": True, "NEWTON": 5, "CHEB": 25,
+      "TAYLOR": False, "BLOCK_R": 32, "BLOCK_C": 64, "ACC": tl.float64}),
+    (k.input_grad_kernel, {"bits_ptr": "*u8"},
+     {"CHANNEL_ON_ROWS": True, "ACT": k.MISH, "BRANCH": True, "NEWTON": 4, "CHEB": 16,
+      "TAYLOR": True, "BLOCK_R": 2, "BLOCK_K": 1024, "ACC": F32}),
     (k.grad_sums_ncs_kernel, {"z_ptr": "*bf16", "dz_ptr": "*bf16", "bits_ptr": "*u8"},
      {"HAS_BIAS": True, "ACT": k.ELU, **NO_BRANCH, "BLOCK_N": 2, "BLOCK_S": 1024, "ACC": F32}),
     (k.grad_sums_ncs_kernel, {"z_ptr": "*fp16", "dz_ptr": "*fp16", "bits_ptr": "*u8"},
-     {"HAS_BIAS": True, "ACT": k.GELU, "NEWTON": 4, "CHEB": 16, "TAYLOR": True, "BLOCK_N": 2,
+     {"HAS_BIAS": True, "ACT": k.GELU, "BRANCH": True, "NEWTON": 4, "CHEB": 16,
+      "TAYLOR": True, "BLOCK_N": 2,
       "BLOCK_S": 1024, "ACC": F32}),
     (k.grad_sums_mc_kernel, {"bits_ptr": "*u8"},
      {"HAS_BIAS": False, "ACT": k.LEAKY_RELU, **NO_BRANCH, "BLOCK_R": 32, "BLOCK_C": 64,
       "ACC": F32}),
     (k.grad_sums_mc_kernel, {"z_ptr": "*fp64", "dz_ptr": "*fp64", "bias_ptr": "*fp64",
                              "parts_ptr": "*fp64", "bits_ptr": "*u8", "consts_ptr": "*fp64"},
-     {"HAS_BIAS": True, "ACT": k.SILU, "NEWTON": 5, "CHEB": 25, "TAYLOR": False,
+     {"HAS_BIAS": True, "ACT": k.SILU, "BRANCH": True, "NEWTON": 5, "CHEB": 25,
+      "TAYLOR": False,
       "BLOCK_R": 32, "BLOCK_C": 64, "ACC": tl.float64}),
     (k.finalize_backward_kernel, {},
      {"TRAINING": True, "HAS_BIAS": True, "WANT_DGAMMA": True, "WANT_DBETA": True,
@@ -71,11 +82,13 @@ CASES = [  # (kernel, pointer types other than *fp32, constexprs)
      {"CHANNEL_ON_ROWS": False, "ACT": k.ELU, **NO_BRANCH, "BLOCK_R": 16, "BLOCK_K": 128,
       "ACC": tl.float64}),
     (k.input_grad_kernel, {"bits_ptr": "*u8"},
-     {"CHANNEL_ON_ROWS": False, "ACT": k.SILU, "NEWTON": 4, "CHEB": 16, "TAYLOR": True,
+     {"CHANNEL_ON_ROWS": False, "ACT": k.SILU, "BRANCH": True, "NEWTON": 4, "CHEB": 16,
+      "TAYLOR": True,
       "BLOCK_R": 8, "BLOCK_K": 256, "ACC": F32}),
     (k.input_grad_kernel, {"z_ptr": "*fp64", "dz_ptr": "*fp64", "dx_ptr": "*fp64",
                            "coeffs_ptr": "*fp64", "bits_ptr": "*u8", "consts_ptr": "*fp64"},
-     {"CHANNEL_ON_ROWS": True, "ACT": k.GELU, "NEWTON": 5, "CHEB": 25, "TAYLOR": False,
+     {"CHANNEL_ON_ROWS": True, "ACT": k.GELU, "BRANCH": True, "NEWTON": 5, "CHEB": 25,
+      "TAYLOR": False,
       "BLOCK_R": 2, "BLOCK_K": 1024, "ACC": tl.float64}),
 ]
 

@@ -16,7 +16,16 @@ import torch.distributed as dist
 
 import iabn
 
-from helpers import ACTIVATION_PARAMS, randomise_, torch_activation, torch_batchnorm
+from helpers import (
+    ACTIVATION_PARAMS,
+    BRANCH,
+    INVERTIBLE,
+    WITH_PARAMETER,
+    randomise_,
+    torch_activation,
+    torch_batchnorm,
+    torch_minimum,
+)
 
 
 def run(rank: int, world: int, port: int, scenario: str) -> None:
@@ -89,7 +98,7 @@ def _sizes_for(world: int) -> list[list[int]]:
 
 def matches_single_process(rank: int, world: int) -> None:
     for sizes in _sizes_for(world):
-        for activation in ("leaky_relu", "elu", "identity"):
+        for activation in INVERTIBLE:
             _compare_with_single_process(rank, world, sizes, activation, torch.float64, 1e-10)
         _compare_with_single_process(rank, world, sizes, "leaky_relu", torch.float32, 2e-5,
                                      channels_last=True)
@@ -243,13 +252,13 @@ def half_inputs_in_pieces(rank: int, world: int) -> None:
     gradient within twice PyTorch's own error of a float64 reference on the whole batch, and
     a backward that makes no float32 tensor of a whole rank's activation (it works on float32
     slices: kernels/reference.pieces)."""
-    from iabn import traffic
     from iabn.kernels import reference
+    from iabn.measure import traffic
 
     reference.MIN_PIECE = 1  # slices at this tiny size (a process of its own)
     sizes = [20, 13][:world] + [7] * max(0, world - 2)
     for dtype in (torch.bfloat16, torch.float16):
-        for activation in ("leaky_relu", "elu"):
+        for activation in WITH_PARAMETER:
             param = ACTIVATION_PARAMS[activation] or 0.01
             torch.manual_seed(3)
             bn = randomise_(torch.nn.BatchNorm2d(6))
@@ -280,13 +289,13 @@ def half_inputs_in_pieces(rank: int, world: int) -> None:
 
 # ------------------------------------------------------------------ silu, gelu: the branch bit
 
-#: Where silu' and gelu' vanish (float64; tests/core/test_branch_activation.py checks them against
-#: torch's derivatives): elements below it are on the left branch, which only the bit names.
-Y_STAR = {"silu": -1.278464542761074, "gelu": -0.7517915246935645}
+#: Where the derivatives of torch's modules vanish (float64 bisection): elements below it are
+#: on the left branch, which only the bit names.
+Y_STAR = {name: torch_minimum(name) for name in BRANCH}
 
 
 def _torch_branch_activation(name: str) -> torch.nn.Module:
-    return torch.nn.SiLU() if name == "silu" else torch.nn.GELU()
+    return torch_activation(name)
 
 
 def _relative(mine: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor) -> float:
@@ -331,7 +340,7 @@ def branch_activations_match_single_process(rank: int, world: int) -> None:
     keep their own bits and invert in their own passes)."""
     worst = 0.0
     for sizes in ([3, 5], [4, 0]):
-        for activation in ("silu", "gelu"):
+        for activation in BRANCH:
             for form in ("InPlaceABNSync", "ABNSync", "functional"):
                 torch.manual_seed(1)
                 reference = randomise_(torch.nn.BatchNorm2d(6)).double()
@@ -404,8 +413,8 @@ def branch_half_inputs(rank: int, world: int) -> None:
     largest value (measured: at most 1.0x that larger error). The backward makes no float32
     tensor of a whole rank's activation (Newton on float32 slices) and holds at most one
     activation in bfloat16 more than nn.BatchNorm2d + the activation on the rank's batch."""
-    from iabn import traffic
     from iabn.kernels import reference
+    from iabn.measure import traffic
     from test_branch_activation import exact_from_output
 
     # slices at this tiny size (a process of its own); Newton's in 32 parts, not 64: each
@@ -414,7 +423,7 @@ def branch_half_inputs(rank: int, world: int) -> None:
     sizes = [8, 5]
     dtype = torch.bfloat16
     ratios = []
-    for activation in ("silu", "gelu"):
+    for activation in BRANCH:
         torch.manual_seed(3)
         bn = randomise_(torch.nn.BatchNorm2d(6))
         layer = iabn.InPlaceABNSync(6, activation=activation)

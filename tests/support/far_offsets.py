@@ -33,7 +33,7 @@ from iabn.kernels import triton_kernels as k
 
 F32 = tl.float32
 #: The constexprs of the SiLU/GELU path, off (the kernels here run other activations).
-NO_BRANCH = {"NEWTON": 0, "CHEB": 0, "TAYLOR": False}
+NO_BRANCH = {"BRANCH": False, "NEWTON": 0, "CHEB": 0, "TAYLOR": False}
 LIMIT = 2**31
 ROWS_PAST = 2**30 + 64  # row length: row 2 starts past 2**31
 

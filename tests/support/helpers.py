@@ -47,17 +47,64 @@ def runs_triton(test):
     CUDA it is a ``gpu`` test."""
     return pytest.mark.gpu(test) if TRITON_DEVICE.type == "cuda" else test
 
-ACTIVATION_PARAMS = {"leaky_relu": 0.1, "elu": 0.7, "identity": 0.0}
+# ------------------------------------------------------------------ activations
+# Every list of activations the tests parametrise over comes from iabn's registry, so that a
+# new activation is tested wherever its kind is; the references stay torch's own modules.
 
 
-def torch_activation(name: str, param: float) -> nn.Module:
+def activation_names(*, invertible: bool | None = None, branch: bool | None = None,
+                     with_parameter: bool | None = None) -> list[str]:
+    """The registry's activations of the given kinds (``None``: either), in its order."""
+    from iabn.kernels.activations import ACTIVATIONS
+
+    return [
+        name for name, a in ACTIVATIONS.items()
+        if (invertible is None or a.invertible == invertible)
+        and (branch is None or a.needs_branch == branch)
+        and (with_parameter is None or (a.parameter is not None) == with_parameter)
+    ]
+
+
+#: The activations the in-place layer inverts from the output alone.
+INVERTIBLE = activation_names(invertible=True)
+#: The activations the in-place batch-norm layer inverts with a branch bit (one minimum).
+BRANCH = activation_names(branch=True)
+#: The activations with a parameter (``activation_param``).
+WITH_PARAMETER = activation_names(with_parameter=True)
+#: The parameter values the tests use, by the torch keyword that names them (not torch's
+#: defaults, which a bug ignoring the value would still pass with).
+PARAMETER_VALUES = {"negative_slope": 0.1, "alpha": 0.7}
+
+
+def param_for(name: str) -> float:
+    """The ``activation_param`` the tests give ``name`` (0.0 without a parameter)."""
+    from iabn.kernels.activations import ACTIVATIONS
+
+    parameter = ACTIVATIONS[name].parameter
+    return PARAMETER_VALUES[parameter.keyword] if parameter is not None else 0.0
+
+
+ACTIVATION_PARAMS = {name: param_for(name) for name in activation_names()}
+
+
+def torch_activation(name: str, param: float = 0.0) -> nn.Module:
     """The ``torch.nn`` module matching an iabn activation (the reference)."""
-    return {
-        "leaky_relu": lambda: nn.LeakyReLU(param),
-        "elu": lambda: nn.ELU(param),
-        "identity": nn.Identity,
-        "relu": nn.ReLU,
-    }[name]()
+    from iabn.kernels.activations import ACTIVATIONS
+
+    return ACTIVATIONS[name].torch_module(param)
+
+
+def torch_minimum(name: str) -> float:
+    """``y*`` where the derivative of torch's own module of ``name`` vanishes, by float64
+    bisection of its sign on [-3, 0] (independent of iabn's constants)."""
+    module = torch_activation(name)
+    slope = torch.func.grad(lambda y: module(y))
+    lo, hi = torch.tensor(-3.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)
+    assert slope(lo) < 0 < slope(hi), name
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if slope(mid) < 0 else (lo, mid)
+    return ((lo + hi) / 2).item()
 
 
 def torch_batchnorm(ndim: int, channels: int, **kw) -> nn.Module:

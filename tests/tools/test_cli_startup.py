@@ -103,7 +103,7 @@ def test_a_valid_command_line_passes_the_checks_and_then_loads_torch(tmp_path):
 def test_import_iabn_loads_torch_only_when_a_name_is_used():
     script = ("import sys, iabn; assert 'torch' not in sys.modules; "
               "from iabn import InPlaceABN; import torch; "
-              "assert InPlaceABN is sys.modules['iabn.modules'].InPlaceABN; "
+              "assert InPlaceABN is sys.modules['iabn.layers.batch_norm'].InPlaceABN; "
               "assert isinstance(iabn.InPlaceABN(2), torch.nn.Module); "
               "assert {'InPlaceABN', 'convert', 'debug'} <= set(dir(iabn)); "
               "assert all(hasattr(iabn, name) for name in iabn.__all__); print('ok')")

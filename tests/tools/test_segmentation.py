@@ -4,8 +4,8 @@
 import torch
 import torch.nn.functional as F
 
+from iabn.layers.batch_norm import ABN
 from iabn.models import DeepLabV3Head, deeplabv3_wider_resnet38, load_original
-from iabn.modules import ABN
 
 from helpers import ORIGINAL_KEYS, reference_layout
 

@@ -20,7 +20,7 @@ for this process.
 To leave compatibility mode, :func:`to_signed` (a model) or :func:`to_signed_state_dict` (a
 state_dict) converts the in-place layers' weights from ``|weight| + eps`` to signed weights
 exactly; loading abs-trained weights into a signed layer without converting them warns once
-(:class:`iabn.modules.GammaModeWarning`).
+(:class:`iabn.layers.batch_norm.GammaModeWarning`).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..modules import ABN as _IabnABN
-from ..scale import ABS, SIGNED
+from ..kernels.common import ABS, SIGNED
+from ..layers.batch_norm import ABN as _IabnABN
 from . import abn, functions, group
 from .abn import ABN, InPlaceABN, InPlaceABNSync
 from .group import active_group, set_active_group

@@ -13,8 +13,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from .. import distributed, modules
-from ..scale import ABS, SIGNED
+from .. import distributed
+from ..kernels.common import ABS, SIGNED
+from ..layers import batch_norm as modules
 
 
 class ZeroSlopeWarning(UserWarning):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .. import functional
-from ..scale import ABS
+from ..kernels.common import ABS
 from .abn import is_zero_slope, warn_zero_slope
 
 

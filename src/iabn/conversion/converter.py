@@ -12,10 +12,10 @@ import torch
 from torch import Tensor, fx, nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..group_norm import GroupNormAct
+from ..layers.batch_norm import ABN
+from ..layers.group_norm import GroupNormAct
+from ..measure.trial_runs import preserved, same_randomness
 from ..memory import attributing_saves, saved_tensor_bytes, state_keys, storage_key
-from ..modules import ABN
-from ..trial_runs import preserved, same_randomness
 from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
 from .graph import (
     Traced,

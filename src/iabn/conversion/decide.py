@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..activation import BRANCH_ACTIVATIONS, check_activation
+from ..kernels.activations import BRANCH_ACTIVATIONS, check_activation
 from .graph import Site, is_norm_act
 
 LOSSLESS = "lossless"

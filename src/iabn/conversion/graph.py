@@ -43,8 +43,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.utils._pytree import tree_leaves
 
-from ..group_norm import GroupNormAct
-from ..modules import ABN
+from ..kernels import activations as registry
+from ..layers.batch_norm import ABN
+from ..layers.group_norm import GroupNormAct
 
 #: Python's in-place operators, which fx would otherwise record as their out-of-place forms.
 INPLACE_OPERATORS = {
@@ -273,7 +274,7 @@ def is_convertible_norm(m: nn.Module) -> bool:
 class Activation:
     """An activation as iabn's layers name it, and how the model wrote it."""
 
-    name: str           # "relu", "leaky_relu", "elu", "identity", "silu", "gelu", or the
+    name: str           # a name of the registry (iabn.kernels.activations), or the
                         # unsupported one's
     param: float        # leaky_relu's slope, elu's alpha, else 0.0
     written_as: str     # e.g. "ReLU", "F.relu", ".relu_()" (for the report)
@@ -291,64 +292,54 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-_FUNCTIONAL = {
-    # target: (activation, parameter name, default parameter)
-    F.relu: ("relu", None, 0.0), F.relu_: ("relu", None, 0.0),
-    torch.relu: ("relu", None, 0.0), torch.relu_: ("relu", None, 0.0),
-    F.leaky_relu: ("leaky_relu", "negative_slope", 0.01),
-    F.leaky_relu_: ("leaky_relu", "negative_slope", 0.01),
-    F.elu: ("elu", "alpha", 1.0), F.elu_: ("elu", "alpha", 1.0),
-    F.silu: ("silu", None, 0.0), F.gelu: ("gelu", None, 0.0),
-}
-_FUNCTION_NAMES = {
-    F.relu: "F.relu", F.relu_: "F.relu_", torch.relu: "torch.relu", torch.relu_: "torch.relu_",
-    F.leaky_relu: "F.leaky_relu", F.leaky_relu_: "F.leaky_relu_", F.elu: "F.elu",
-    F.elu_: "F.elu_", F.silu: "F.silu", F.gelu: "F.gelu",
-}
-
-
 def module_activation(m: nn.Module) -> Activation | None:
-    """The activation a module computes, if it is one iabn's layers can fuse."""
-    kind = type(m)
-    if kind is nn.ReLU:
-        return Activation("relu", 0.0, "ReLU")
-    if kind is nn.LeakyReLU:
-        return Activation("leaky_relu", float(m.negative_slope), "LeakyReLU")
-    if kind is nn.ELU:
-        return Activation("elu", float(m.alpha), "ELU")
-    if kind is nn.Identity:
-        return Activation("identity", 0.0, "Identity")
-    if kind is nn.SiLU:
-        return Activation("silu", 0.0, "SiLU")
-    if kind is nn.GELU and m.approximate == "none":
-        # the exact (erf) form only: the tanh approximation is another function
-        return Activation("gelu", 0.0, "GELU")
-    return None
+    """The activation a module computes, if it is one iabn's layers can fuse (the registry's
+    module forms: exact type and condition, e.g. ``nn.GELU`` with ``approximate="none"``)."""
+    found = registry.module_activation(m)
+    if found is None:
+        return None
+    name, param = found
+    return Activation(name, float(param), type(m).__name__)
+
+
+def _call_arguments(function, form: registry.FunctionForm, parameter, node: fx.Node
+                    ) -> dict[str, Any] | None:
+    """The call's arguments by name: bound to the function's signature, or for a builtin
+    without one (``F.gelu``, ``F.leaky_relu_``) the positional ones after the input taken as
+    the parameter's keyword, then the required keywords, in order."""
+    arguments = _bound(function, node)
+    if arguments is not None:
+        return arguments
+    names = ([parameter.keyword] if parameter is not None else []) + [k for k, _ in
+                                                                       form.required]
+    if len(node.args) - 1 > len(names) or set(node.kwargs) - set(names):
+        return None
+    return {**dict(zip(names, node.args[1:], strict=False)), **node.kwargs}
 
 
 def node_activation(node: fx.Node, modules: dict[str, nn.Module]) -> Activation | None:
-    """The fusable activation ``node`` computes on its first argument, or ``None``."""
+    """The fusable activation ``node`` computes on its first argument, or ``None`` (the
+    registry's module, function and tensor-method forms)."""
     if node.op == "call_module":
         return module_activation(modules[node.target])
-    if node.op == "call_function" and node.target in _FUNCTIONAL:
-        name, param_name, default = _FUNCTIONAL[node.target]
-        if node.target is F.gelu:
-            # a builtin without a Python signature: gelu(input, approximate="none")
-            extra = dict(node.kwargs)
-            if len(node.args) == 2:
-                extra.setdefault("approximate", node.args[1])
-            if (len(node.args) > 2 or set(extra) - {"approximate"}
-                    or extra.get("approximate", "none") != "none"):
-                return None  # the tanh approximation is another function
-            arguments = {}
-        else:
-            arguments = _bound(node.target, node)
-        if arguments is None:
+    if node.op == "call_function":
+        try:
+            hit = registry.FUNCTION_FORMS.get(node.target)
+        except TypeError:  # an unhashable target
+            hit = None
+        if hit is None:
             return None
-        param = _number(arguments.get(param_name, default)) if param_name else 0.0
-        return None if param is None else Activation(name, param, _FUNCTION_NAMES[node.target])
-    if node.op == "call_method" and node.target in ("relu", "relu_") and len(node.args) == 1:
-        return Activation("relu", 0.0, f".{node.target}()")
+        record, form = hit
+        arguments = _call_arguments(node.target, form, record.parameter, node)
+        if arguments is None or any(arguments.get(key, value) != value
+                                    for key, value in form.required):
+            return None  # e.g. F.gelu's tanh approximation: another function
+        if record.parameter is None:
+            return Activation(record.name, 0.0, form.display)
+        param = _number(arguments.get(record.parameter.keyword, record.parameter.default))
+        return None if param is None else Activation(record.name, param, form.display)
+    if node.op == "call_method" and node.target in registry.METHOD_FORMS and len(node.args) == 1:
+        return Activation(registry.METHOD_FORMS[node.target].name, 0.0, f".{node.target}()")
     return None
 
 

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from torch import fx, nn
 
 from ..distributed import ABNSync, InPlaceABNSync
-from ..group_norm import GroupNormAct, InPlaceGroupNormAct
-from ..modules import ABN, InPlaceABN, rebuilt_as
+from ..layers.batch_norm import ABN, InPlaceABN, rebuilt_as
+from ..layers.group_norm import GroupNormAct, InPlaceGroupNormAct
 from .decide import IN_PLACE, OUTPUT_ONLY, Decision
 from .graph import Site
 

@@ -21,15 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import branch_activation, debug
-from ..activation import BRANCH_ACTIVATIONS
-from ..checks import checked_call
-from ..kernels.common import finish_grads, stat_dtype
+from .. import debug
+from ..autograd.function import compute_inplace, overwritable, refuse_double_backward
+from ..kernels.common import SIGNED, LayerConfig, finish_grads, new_bits, stat_dtype
 from ..kernels.dispatch import backend_for
-from ..layer_config import LayerConfig
-from ..ops import overwritable, refuse_double_backward
-from ..scale import SIGNED
-from ..unchecked import inplace_abn_unchecked
+from ..layers.checks import checked_call
 from .groups import group_to_sync
 from .moments import local_moments, merge_moments, update_running_stats_
 
@@ -62,7 +58,7 @@ def check_across_ranks(x: Tensor, group: Any) -> None:
 
 class InPlaceABNSyncFunction(torch.autograd.Function):
     """Autograd of the synchronised layer: saves ``z`` only, like the single-process one
-    (and, with ``silu``/``gelu``, its packed branch bits: :mod:`iabn.branch_activation`)."""
+    (and, for an activation with one minimum, the packed branch bits its backend writes)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -75,7 +71,6 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         config: LayerConfig,
         group: Any,
     ) -> Tensor:
-        branch = config.activation in BRANCH_ACTIVATIONS
         kernels = backend_for(x)  # before the all-gather or any write: every rank raises alike
         moments = local_moments(x)
         gathered = [torch.empty_like(moments) for _ in range(dist.get_world_size(group))]
@@ -93,29 +88,22 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         # running ones
         sdtype = stat_dtype(x, weight, None)
         merged = (x, weight, bias, mean.to(sdtype), var.to(sdtype), config.for_eval())
-        packed = None
-        if branch:
-            invstd, scale, packed = branch_activation.forward_(*merged, True, kernels)
-        else:
-            invstd, scale = kernels.forward_(*merged)
+        bits = new_bits(x, config)
+        invstd, scale = kernels.forward_(*merged, bits)
         if running_mean is not None and running_var is not None:
             update_running_stats_(running_mean, running_var, mean, var, total, config.momentum)
         ctx.mark_dirty(x)
-        ctx.save_for_backward(x, packed, weight, bias, invstd, scale)
+        ctx.save_for_backward(x, bits, weight, bias, invstd, scale)
         ctx.config, ctx.group, ctx.total, ctx.kernels = config, group, total, kernels
         return x
 
     @staticmethod
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
         refuse_double_backward("InPlaceABNSync")
-        z, packed, weight, bias, invstd, scale = ctx.saved_tensors
+        z, bits, weight, bias, invstd, scale = ctx.saved_tensors
         c = ctx.config
-        if packed is not None:  # silu, gelu: y from z and the branch bits
-            kernels, saved, sums = branch_activation.sync_local_sums(z, packed, dz, bias, scale,
-                                                                     c, ctx.kernels)
-        else:
-            kernels = ctx.kernels
-            saved, sums = kernels.local_sums(z, dz, bias, scale, c)
+        kernels = ctx.kernels
+        saved, sums = kernels.local_sums(z, dz, bias, scale, c, bits)
         global_sums = sums.clone()
         dist.all_reduce(global_sums, group=ctx.group)
         dx = None
@@ -158,7 +146,7 @@ def inplace_abn_sync(
         group_of=lambda training: group_to_sync(group, training),
     )
     if synced_group is None:
-        return inplace_abn_unchecked(input, running_mean, running_var, weight, bias, config)
+        return compute_inplace(input, running_mean, running_var, weight, bias, config)
     return synchronised_call(input, weight, bias, running_mean, running_var, config,
                              synced_group, "iabn.distributed.inplace_abn_sync")
 

@@ -14,10 +14,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ..checks import check_inputs, check_options
-from ..layer_config import LayerConfig
-from ..modules import ABN, InPlaceABN, rebuilt_as
-from ..scale import SIGNED
+from ..kernels.common import SIGNED, LayerConfig
+from ..layers.batch_norm import ABN, InPlaceABN, rebuilt_as
+from ..layers.checks import check_inputs, check_options
 from .function import check_across_ranks, synchronised_call
 from .groups import group_to_sync
 
@@ -25,7 +24,7 @@ from .groups import group_to_sync
 class _Synchronised:
     """What :class:`InPlaceABNSync` and :class:`ABNSync` share: in training with a multi-rank
     group, :meth:`_synchronised_step` on the tensor ``_to_overwrite`` gives (the input, or a
-    copy: :class:`iabn.modules.OverwriteInputOption`'s for :class:`InPlaceABNSync`,
+    copy: :class:`iabn.layers.batch_norm.OverwriteInputOption`'s for :class:`InPlaceABNSync`,
     :class:`ABNSync`'s own); otherwise the local layer's own ``forward``."""
 
     group: Any

@@ -7,9 +7,13 @@ merged over its ranks (``config.for_eval()``), then ``local_sums`` -> all-reduce
 -> ``input_grad`` (docs/design.md, "Synchronised layers"). What a backend returns from
 ``local_sums`` as ``saved`` is its own business: only its own ``input_grad`` reads it.
 
-A backend may take further keyword arguments with defaults (the Triton backend's ``branch``,
-the SiLU/GELU branch bits that :mod:`iabn.branch_activation` hands it); the suite checks each
-backend's signatures against this class (``test_backend_contract.py``).
+The branch bits of the activations with one minimum (``silu``, ``gelu``, ``mish``) are part
+of the contract: ``forward_`` writes them into ``bits`` (:func:`.branch.new_bits` makes the
+buffer; ``None`` where no backward will read them, e.g. without autograd), ``backward`` and
+``local_sums`` read them; each backend packs them in its own order, which only its own
+backward reads. The layers pass ``bits`` through without asking which activation or backend
+they have. The suite checks each backend's signatures against this class
+(``test_backend_contract.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..layer_config import LayerConfig
+from .common import LayerConfig
 
 
 class KernelBackend(Protocol):
@@ -30,14 +34,16 @@ class KernelBackend(Protocol):
     def forward_(
         self, x: Tensor, weight: Tensor | None, bias: Tensor | None,
         running_mean: Tensor | None, running_var: Tensor | None, config: LayerConfig,
+        bits: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Overwrite ``x`` with ``phi(g * xhat + beta)``, update the running statistics in
-        training; return ``(invstd, g)``."""
+        training, write the branch bits into ``bits`` when given; return ``(invstd, g)``."""
         ...
 
     def backward(
         self, z: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
         invstd: Tensor, scale: Tensor, config: LayerConfig, output_mask: list[bool],
+        bits: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """``(dx, dgamma, dbeta)`` from the output ``z`` alone, ``None`` where
         ``output_mask`` does not ask for it."""
@@ -45,6 +51,7 @@ class KernelBackend(Protocol):
 
     def local_sums(
         self, z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
+        bits: Tensor | None = None,
     ) -> tuple[Any, Tensor]:
         """``(saved, sums)``: this rank's ``[sum(dy * xhat), sum(dy)]`` stacked ``(2, C)``,
         and what :meth:`input_grad` needs once the sums are summed over the ranks."""

@@ -1,7 +1,8 @@
-"""What every kernel backend and the layers above them share: the dtypes a layer computes in,
-per-channel views and casts, the scale ``g`` and shift of the normalisation, the input
-gradient's per-channel coefficients and the last step of every backward (chaining ``dg`` to
-``dgamma``, casting to the inputs' dtypes).
+"""What every kernel backend and the layers above them share: a call's settings
+(:class:`LayerConfig`), the effective scale ``g = scale(gamma)`` (``gamma_mode``), the dtypes
+a layer computes in, per-channel views and casts, the scale ``g`` and shift of the
+normalisation, the input gradient's per-channel coefficients and the last step of every
+backward (chaining ``dg`` to ``dgamma``, casting to the inputs' dtypes).
 
 Backend-neutral by construction: PyTorch operations on ``(C,)`` tensors, or on full-size ones
 only where every backend's result passes through them (:func:`finish_grads`). The backends
@@ -11,10 +12,89 @@ from here, so no backend reaches into another one's private helpers.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from ..scale import effective_scale, gamma_grad
+from .activations import ACTIVATIONS
+
+# ------------------------------------------------------------------ the call's settings
+
+class LayerConfig(NamedTuple):
+    """What a norm + activation call computes, apart from its tensors.
+
+    A ``NamedTuple``: immutable and hashable (usable as a cache key, e.g. for launch settings
+    that depend on the options), and cheap to build and to pass through
+    ``torch.autograd.Function.apply``, whose per-argument cost is measurable on small layers.
+    The registered ``torch.library`` operators take the fields as scalars (their schema allows
+    no Python objects) and convert at that boundary.
+    """
+
+    training: bool          # normalise with batch statistics (and update the running ones)
+    momentum: float         # running-statistics factor (0 when not updating)
+    eps: float              # added to the variance; the smallest |scale| of the in-place layer
+    activation: str         # "leaky_relu", "elu", "identity" (and "relu" for ABN)
+    activation_param: float  # leaky_relu's negative slope or elu's alpha
+    gamma_mode: str         # "signed" or "abs" (the effective scale, below)
+    variant: int = 2        # the paper's backward variant (1 or 2)
+
+    def for_eval(self) -> LayerConfig:
+        """The same layer normalising with given statistics, updating nothing (the synchronised
+        layer's forward after its statistics are merged)."""
+        return self._replace(training=False, momentum=0.0)
+
+
+# ------------------------------------------------------------------ the effective scale
+# g = scale(gamma) of the in-place layers (docs/design.md, "The math"). The in-place layer
+# divides by g in backward, so g must stay away from zero. Two ways:
+#
+# "signed" (default)
+#     g = sign(gamma) * max(|gamma|, eps) with sign(+0.0) = +1. Wherever |gamma| >= eps,
+#     g == gamma: a state_dict trained with nn.BatchNorm loads and gives the same outputs.
+#     The gradient passes straight through (dgamma = dg), so a gamma inside the clamp can
+#     still move out of it.
+# "abs"
+#     g = |gamma| + eps, the parametrisation of the original inplace_abn package; use it to
+#     load that package's checkpoints. dgamma = -dg where gamma < 0, else +dg: the
+#     derivative of |gamma| taken as +1 at 0, as that package did, so a zero-initialised
+#     gamma (e.g. TResNet's last BN of each residual branch) still trains.
+
+SIGNED = "signed"
+ABS = "abs"
+GAMMA_MODES = (SIGNED, ABS)
+
+
+def check_gamma_mode(gamma_mode: str) -> None:
+    if gamma_mode not in GAMMA_MODES:
+        raise ValueError(
+            f"unknown gamma_mode={gamma_mode!r}: use 'signed' (weights portable to and from "
+            f"nn.BatchNorm) or 'abs' (|gamma| + eps, as the original inplace_abn package)"
+        )
+
+
+def effective_scale(gamma: Tensor, eps: float, gamma_mode: str) -> Tensor:
+    """Return ``g = scale(gamma)`` as a new tensor (no autograd through it)."""
+    if gamma_mode == ABS:
+        return gamma.abs() + eps
+    # copysign keeps the sign bit, so sign(+0.0) = +1 (and a stored -0.0 gives -eps)
+    return gamma.abs().clamp_(min=eps).copysign_(gamma)
+
+
+def gamma_grad(dg: Tensor, gamma: Tensor, gamma_mode: str) -> Tensor:
+    """Chain ``dL/dg`` back to ``dL/dgamma``."""
+    if gamma_mode == ABS:
+        return torch.where(gamma < 0, -dg, dg)
+    return dg
+
+
+def abs_sign(gamma: Tensor) -> Tensor:
+    """The factor ``d|gamma|/dgamma`` of abs mode: -1 where ``gamma < 0``, else +1 (also at
+    ``+0.0`` and ``-0.0``)."""
+    return torch.where(gamma < 0, -1.0, 1.0).to(gamma.dtype)
+
+
+# ------------------------------------------------------------------ shared helpers
 
 # Host cost matters here: at small feature maps a layer's time is mostly Python and dispatch
 # (benchmarks/host_overhead.py). Hence the resolved operator overload, cheaper than
@@ -144,3 +224,11 @@ def finish_grads(
         dgamma = cast(gamma_grad(dg, cast(weight, dg.dtype), gamma_mode), weight.dtype)
     keep_dbeta = want_dbeta and bias is not None and dbeta is not None
     return dx, dgamma, cast(dbeta, bias.dtype) if keep_dbeta else None
+
+
+def new_bits(x: Tensor, config: LayerConfig) -> Tensor | None:
+    """The buffer a backend's forward fills with the branch bits of ``x`` (``ceil(numel / 8)``
+    bytes) where the activation needs them (:mod:`.branch`), else ``None``."""
+    if ACTIVATIONS[config.activation].minimum is None:
+        return None
+    return torch.empty((x.numel() + 7) // 8, dtype=torch.uint8, device=x.device)

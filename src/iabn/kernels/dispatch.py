@@ -16,73 +16,25 @@
     ``TRITON_INTERPRET=1`` (the interpreter, which is how the kernels are tested on CPU).
 
 The variable is read once per layer call (its backward uses the forward's choice), so tests
-and users can switch it at run time.
+and users can switch it at run time. :func:`backend_for` and the reading of the variable live
+in :mod:`.reference`, beside the default backend, so that a layer call asks and runs in one
+module; this module gives them with :func:`use_backend` to tools and tests.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from torch import Tensor
-
-from . import reference
-from .backend import KernelBackend
-
-ENV = "IABN_BACKEND"
-CHOICES = ("auto", "reference", "triton")
-
-
-@functools.cache
-def has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@functools.cache
-def _triton_backend() -> KernelBackend:
-    from . import triton_backend
-
-    return triton_backend
-
-
-def requested_backend() -> str:
-    """The value of ``IABN_BACKEND`` (``auto`` when unset), validated."""
-    # os.environ.get costs ~0.7 µs a call (it encodes the key and decodes the value); the
-    # encoded table it keeps, which every change through os.environ updates, answers in a
-    # twentieth of that. Where it is missing (os.environ replaced by a plain mapping), the
-    # public way.
-    try:
-        raw = os.environ._data.get(_ENV_KEY)  # type: ignore[attr-defined]
-    except AttributeError:
-        raw = os.environ.get(ENV)
-    choice = _PARSED.get(raw)
-    if choice is None:
-        choice = _parse(os.fsdecode(raw) if isinstance(raw, bytes) else raw)
-        _PARSED[raw] = choice
-    return choice
-
-
-def _parse(raw: str | None) -> str:
-    choice = (raw or "").strip().lower() or "auto"
-    if choice not in CHOICES:
-        raise ValueError(
-            f"{ENV}={raw!r} is not a backend: use one of {', '.join(CHOICES)} "
-            f"(or unset it to choose by device)"
-        )
-    return choice
-
-
-# Valid raw values of the variable seen so far (bytes as the environment's table holds them),
-# parsed: a layer call pays one lookup in that table, not the string handling.
-_PARSED: dict[bytes | str | None, str] = {}
-_ENV_KEY = os.environ.encodekey(ENV) if hasattr(os.environ, "encodekey") else ENV
+from .reference import (
+    CHOICES,
+    ENV,
+    backend_for,
+    has_triton,
+    requested_backend,
+    triton_interpreting,
+)
 
 
 @contextmanager
@@ -100,21 +52,5 @@ def use_backend(name: str) -> Iterator[None]:
             os.environ[ENV] = old
 
 
-def backend_for(x: Tensor) -> KernelBackend:
-    """The kernel module that runs a layer on ``x``: its forward and backward, and the two
-    halves of the synchronised layer's backward (:class:`.backend.KernelBackend`)."""
-    if requested_backend() != "triton":
-        return reference
-    if not has_triton():
-        raise RuntimeError(
-            f"{ENV}=triton, but Triton is not installed: pip install triton, or set "
-            f"{ENV}=reference"
-        )
-    if not x.is_cuda and not triton_interpreting():
-        raise RuntimeError(
-            f"{ENV}=triton needs CUDA tensors (got a {x.device.type} tensor); to run the "
-            f"kernels on CPU set TRITON_INTERPRET=1 before starting Python (slow, for tests), "
-            f"or set {ENV}=reference"
-        )
-    return _triton_backend()
-
+__all__ = ["CHOICES", "ENV", "backend_for", "has_triton", "requested_backend",
+           "triton_interpreting", "use_backend"]

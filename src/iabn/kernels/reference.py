@@ -1,7 +1,8 @@
 """Reference In-Place ABN on PyTorch's native vectorised batch-norm kernels.
 
 No autograd here: these functions are the bodies of the ``torch.library`` operators in
-:mod:`iabn.ops`. Shapes: ``x``/``z``/``dz`` are ``(N, C, *spatial)`` with 0 to 3 spatial dims;
+:mod:`iabn.autograd.operators`. Shapes: ``x``/``z``/``dz`` are ``(N, C, *spatial)`` with 0 to 3
+spatial dims;
 every per-channel tensor is ``(C,)``.
 
 Forward runs ``aten::native_batch_norm.out`` with ``out=x`` (normalise, scale and shift in
@@ -15,18 +16,23 @@ the paper's reference).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .. import activation as act
-from ..layer_config import LayerConfig
-from . import scratch
+from . import activations as act
+from . import branch, scratch
+from .backend import KernelBackend
 from .common import (
     BATCH_NORM_BACKWARD,
     LOW_PRECISION,
+    LayerConfig,
     cast,
     channel_view,
     compute_dtype,
@@ -56,7 +62,7 @@ def full_dtype(dtype: torch.dtype, activation: str, variant: int) -> torch.dtype
     a rounding error on every element of the weight gradient's sum (2.1x the bound's
     yardstick).
     """
-    if activation == act.ELU or variant == 1:
+    if variant == 1 or act.ACTIVATIONS[activation].half_in_float32:
         return compute_dtype(dtype)
     return dtype
 
@@ -68,6 +74,7 @@ def forward_(
     running_mean: Tensor | None,
     running_var: Tensor | None,
     config: LayerConfig,
+    bits: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Overwrite ``x`` with ``phi(g * (x - mu) * invstd + beta)``; return ``(invstd, g)``.
 
@@ -76,8 +83,14 @@ def forward_(
     ``config.training`` normalises with the batch statistics and, when the running buffers are
     given, updates them in place as ``nn.BatchNorm`` does (unbiased variance,
     ``config.momentum``); otherwise it normalises with the running statistics.
+
+    An activation with one minimum (:mod:`.branch`): ``y`` is compared with ``y*`` in ``x``'s
+    dtype, as the activation then reads it, and where ``bits`` is given (from
+    :func:`.branch.new_bits`) the bits go there in logical element order
+    (:func:`.branch.pack_bits`).
     """
     training, momentum, eps, activation, activation_param, gamma_mode, _ = config
+    record = act.ACTIVATIONS[activation]
     channels = x.shape[1]
     sdtype = stat_dtype(x, weight, running_mean)
     device = x.device
@@ -107,7 +120,12 @@ def forward_(
             out=(work, unused, torch.empty(0, dtype=sdtype, device=device)),
         )
         invstd = running_invstd(running_var, eps, sdtype)
-    act.apply_(work, activation, activation_param)
+    if record.minimum is None:
+        record.apply_(work, activation_param)
+    else:
+        if bits is not None:
+            bits.copy_(branch.pack_bits(work < record.minimum.y_star))
+        record.minimum.apply_(work)
     if work is not x:
         x.copy_(work)
     return invstd, g
@@ -122,8 +140,10 @@ def backward(
     scale: Tensor,
     config: LayerConfig,
     output_mask: list[bool],
+    bits: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """Gradients ``(dx, dgamma, dbeta)`` from the stored output ``z`` and its gradient ``dz``.
+    """Gradients ``(dx, dgamma, dbeta)`` from the stored output ``z`` and its gradient ``dz``
+    (and ``bits``, the branch bits forward wrote, for an activation with one minimum).
 
     ``invstd`` and ``scale`` (``g``) are what :func:`forward_` returned. ``config.training``
     says whether forward used batch statistics (their gradient flows into ``dx``) or running
@@ -136,6 +156,8 @@ def backward(
     """
     if z.numel() == 0:
         return empty_grads(z, weight, bias, output_mask)
+    if bits is not None:
+        return _branch_backward(z, dz, weight, bias, invstd, scale, config, output_mask, bits)
     training, _, _, activation, activation_param, _, variant = config
     want_dx, want_dgamma, want_dbeta = output_mask
     # The batch-norm reductions (over y and dy) give the parameter gradients and, in training,
@@ -159,7 +181,7 @@ def grads_from_y(
     """The second half of :func:`backward`: the gradients from the recovered ``y`` (``None``
     where no reduction needs it: eval-mode ``dx`` alone), ``dy = phi'(y) dz`` and ``(g, beta)``
     in the compute dtype, as :func:`recover` gives them (also what
-    :mod:`iabn.branch_activation` gives). ``z`` only sets the dtype of ``dx``."""
+    the branch-bit backward gives). ``z`` only sets the dtype of ``dx``."""
     training, _, eps, _, _, gamma_mode, variant = config
     want_dx, want_dgamma, want_dbeta = output_mask
     train_dx = want_dx and training
@@ -374,11 +396,14 @@ def recover(
     g = cast(scale, cdtype)
     beta = cast(bias, cdtype) if bias is not None else torch.zeros_like(g)
     y_out = dy_out = None
-    if activation == act.LEAKY_RELU and scratch.worth_reusing(zc):
+    record = act.ACTIVATIONS[activation]
+    # (the size test first, spelled out: a small tensor does not call into scratch at all)
+    if (record.writes_out and zc.is_cpu and zc.numel() * zc.element_size() >= scratch.MIN_BYTES
+            and scratch.worth_reusing(zc)):
         y_out = scratch.empty_like(zc, scratch.INVERSE) if with_y else None
         dy_out = scratch.empty_like(zc, scratch.GRADIENT)
-    y = act.invert(zc, activation, activation_param, y_out) if with_y else None
-    dy = act.grad_from_output(dzc, zc, activation, activation_param, dy_out)
+    y = record.invert(zc, activation_param, y_out) if with_y else None
+    dy = record.grad_from_output(dzc, zc, activation_param, dy_out)
     return y, dy, g, beta
 
 
@@ -391,7 +416,7 @@ class Recovered(NamedTuple):
     """What :func:`input_grad` needs of a half-precision backward: ``z``, whose float32 ``y``
     and ``dy`` it recomputes piece by piece with ``recover_piece`` (``index`` and
     ``recover_piece`` as :func:`grads_over_pieces` takes them: from :func:`recovery`, or for
-    silu/gelu with the branch bits from :func:`iabn.branch_activation.recovery`)."""
+    an activation with a branch bit from :func:`_branch_recovery`)."""
 
     z: Tensor
     index: list[tuple]
@@ -400,12 +425,18 @@ class Recovered(NamedTuple):
 
 def local_sums(
     z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
+    bits: Tensor | None = None,
 ) -> tuple[tuple[Tensor, Tensor] | Recovered, Tensor]:
     """``(saved, sums)`` with ``sums = [sum(dy * xhat), sum(dy)]`` stacked ``(2, C)`` and
     ``saved`` what :func:`input_grad` needs: ``(y, dy)`` as scratch tensors (see
     :func:`recover`), valid until the next backward on this thread; for half
     inputs, whose ``y`` and ``dy`` are float32, :class:`Recovered` (nothing full-size in float32
-    is kept across the all-reduce, or made)."""
+    is kept across the all-reduce, or made). With ``bits``, ``y`` is recovered from ``z`` and
+    its branch bits (:func:`_branch_recovery`), the same way."""
+    if bits is not None and z.numel():
+        return _branch_local_sums(z, dz, bias, scale, config, bits)
+    if bits is not None:  # nothing to invert: the identity's empty (y, dy) and zero sums
+        config = config._replace(activation=act.IDENTITY)
     activation, activation_param = config.activation, config.activation_param
     if z.numel() and z.dtype in LOW_PRECISION:
         index, recover_piece = recovery(z, dz, bias, scale, activation, activation_param)
@@ -441,3 +472,157 @@ def input_grad(
     dx = torch.addcmul(channel_view(k3, ndim), dy, channel_view(k1, ndim))
     dx.addcmul_(y, channel_view(k2, ndim))
     return cast(dx, out_dtype)
+
+
+# ------------------------------------------------------ activations with a branch bit
+# (docs/design.md, "SiLU and GELU in place"): y from z and the bit by the Newton steps of
+# .branch, then the same gradients as the invertible activations'.
+
+
+def _branch_recovery(z: Tensor, bits: Tensor, dz: Tensor, activation: str) -> tuple[
+    list[tuple], RecoverPiece
+]:
+    """``(index, recover_piece)``: :func:`pieces` of ``z``, its branch bits and ``dz``, and
+    the function that gives a piece's ``y`` (:func:`.branch.invert`) and ``dy = phi'(y) dz``
+    in the compute dtype, as :func:`grads_over_pieces` and :func:`sums_over_pieces` take
+    them."""
+    compute = compute_dtype(z.dtype)
+    derivative = act.ACTIVATIONS[activation].minimum.derivative
+    # Newton's temporaries (at their peak 16.25 float32 tensors of what it inverts, measured
+    # with iabn.measure.traffic) are a piece's, not the activation's: 1/64 of it for large
+    # activations
+    (zv, dzv, leftv), index = pieces(z, dz, branch.unpack_bits(bits, z.shape),
+                                     parts=4 * PIECES)
+
+    def recover_piece(at: tuple, with_y: bool) -> tuple[Tensor, Tensor]:
+        y = branch.invert(zv[at].to(compute), leftv[at], activation, z.dtype)
+        return y, derivative(y).mul_(dzv[at].to(compute))
+
+    return index, recover_piece
+
+
+def _recover_all(z: Tensor, index: list[tuple],
+                 recover_piece: RecoverPiece) -> tuple[Tensor, Tensor]:
+    """``(y, dy)`` of the whole of ``z`` (whose dtype is its compute dtype), a piece at a
+    time."""
+    y, dy = torch.empty_like(z), torch.empty_like(z)
+    (yv, dyv), _ = pieces(y, dy)
+    for at in index:
+        y_piece, dy_piece = recover_piece(at, True)
+        yv[at].copy_(y_piece)
+        dyv[at].copy_(dy_piece)
+    return y, dy
+
+
+def _branch_backward(
+    z: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None, invstd: Tensor,
+    g: Tensor, config: LayerConfig, output_mask: list[bool], bits: Tensor,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    compute = compute_dtype(z.dtype)
+    index, recover_piece = _branch_recovery(z, bits, dz, config.activation)
+    if compute != z.dtype:  # half inputs: nothing of the activation's size in float32
+        return grads_over_pieces(z, weight, bias, invstd, g, config, output_mask, index,
+                                 recover_piece)
+    y, dy = _recover_all(z, index, recover_piece)
+    g = g.to(compute)
+    beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
+    return grads_from_y(y, dy, g, beta, invstd, z, weight, bias, config, output_mask)
+
+
+def _branch_local_sums(
+    z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
+    bits: Tensor,
+) -> tuple[tuple[Tensor, Tensor] | Recovered, Tensor]:
+    """:func:`local_sums` with ``y`` from ``z`` and its branch bits: ``saved`` is the whole
+    ``(y, dy)`` where the compute dtype is ``z``'s, and for half inputs a :class:`Recovered`
+    whose pieces are inverted again for ``dx`` (no float32 tensor of the activation's size,
+    as in :func:`backward`)."""
+    compute = compute_dtype(z.dtype)
+    index, recover_piece = _branch_recovery(z, bits, dz, config.activation)
+    if compute != z.dtype:
+        sums = sums_over_pieces(index, recover_piece, scale, bias, compute)
+        return Recovered(z, index, recover_piece), sums
+    y, dy = _recover_all(z, index, recover_piece)
+    g = scale.to(compute)
+    beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
+    return (y, dy), sums_from_y(y, dy, g, beta)
+
+
+# ------------------------------------------------------------------ which backend runs a call
+# (iabn.kernels.dispatch documents the choice; its helpers for tools and tests live there).
+# Here, beside the default backend, so that a layer call asks and runs in one module.
+
+ENV = "IABN_BACKEND"
+CHOICES = ("auto", "reference", "triton")
+
+
+@functools.cache
+def has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.cache
+def _triton_backend() -> KernelBackend:
+    from . import triton_backend
+
+    return triton_backend  # type: ignore[return-value]
+
+
+def requested_backend() -> str:
+    """The value of ``IABN_BACKEND`` (``auto`` when unset), validated."""
+    # os.environ.get costs ~0.7 µs a call (it encodes the key and decodes the value); the
+    # encoded table it keeps, which every change through os.environ updates, answers in a
+    # twentieth of that. Where it is missing (os.environ replaced by a plain mapping), the
+    # public way.
+    try:
+        raw = os.environ._data.get(_ENV_KEY)  # type: ignore[attr-defined]
+    except AttributeError:
+        raw = os.environ.get(ENV)
+    choice = _PARSED.get(raw)
+    if choice is None:
+        choice = _parse(os.fsdecode(raw) if isinstance(raw, bytes) else raw)
+        _PARSED[raw] = choice
+    return choice
+
+
+def _parse(raw: str | None) -> str:
+    choice = (raw or "").strip().lower() or "auto"
+    if choice not in CHOICES:
+        raise ValueError(
+            f"{ENV}={raw!r} is not a backend: use one of {', '.join(CHOICES)} "
+            f"(or unset it to choose by device)"
+        )
+    return choice
+
+
+# Valid raw values of the variable seen so far (bytes as the environment's table holds them),
+# parsed: a layer call pays one lookup in that table, not the string handling.
+_PARSED: dict[bytes | str | None, str] = {}
+_ENV_KEY = os.environ.encodekey(ENV) if hasattr(os.environ, "encodekey") else ENV
+
+
+def backend_for(x: Tensor) -> KernelBackend:
+    """The kernel module that runs a layer on ``x``: its forward and backward, and the two
+    halves of the synchronised layer's backward (:class:`.backend.KernelBackend`)."""
+    if requested_backend() != "triton":
+        return _SELF
+    if not has_triton():
+        raise RuntimeError(
+            f"{ENV}=triton, but Triton is not installed: pip install triton, or set "
+            f"{ENV}=reference"
+        )
+    if not x.is_cuda and not triton_interpreting():
+        raise RuntimeError(
+            f"{ENV}=triton needs CUDA tensors (got a {x.device.type} tensor); to run the "
+            f"kernels on CPU set TRITON_INTERPRET=1 before starting Python (slow, for tests), "
+            f"or set {ENV}=reference"
+        )
+    return _triton_backend()
+
+
+#: This module, the default backend.
+_SELF: KernelBackend = sys.modules[__name__]  # type: ignore[assignment]

@@ -26,10 +26,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .. import activation as act
-from ..layer_config import LayerConfig
+from . import activations as act
 from .common import (
     BATCH_NORM_BACKWARD,
+    LayerConfig,
     cast,
     channel_view,
     compute_dtype,
@@ -40,6 +40,12 @@ from .common import (
     running_invstd,
     stat_dtype,
 )
+
+
+def traces(config: LayerConfig) -> bool:
+    """Whether these operations compute the layer: its activation is invertible (one with a
+    branch bit is traced through the backends' own operations)."""
+    return act.ACTIVATIONS[config.activation].invertible
 
 
 def forward(
@@ -69,7 +75,8 @@ def forward(
         invstd = running_invstd(running_var, eps, sdtype)
     # Out of place, though nothing else reads y: inside the autograd Function, torch 2.11's
     # Dynamo also returns every intermediate of the forward, and an in-place activation made y
-    # the same tensor as z, whose gradient then went to y's unused slot (iabn.compiled). In the
+    # the same tensor as z, whose gradient then went to y's unused slot (iabn.autograd.compiled).
+    # In the
     # compiled graph functionalisation makes every operation out of place anyway.
     return act.apply(y, activation, activation_param), invstd, g
 

@@ -28,15 +28,22 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import activation as act
-from ..layer_config import LayerConfig
-from ..scale import ABS
-from . import reference
+from . import activations as act
 from . import triton_kernels as k
-from .common import dx_coefficients, stat_dtype
+from .branch import ITERATIONS
+from .common import (
+    ABS,
+    LayerConfig,
+    compute_dtype,
+    dx_coefficients,
+    effective_g,
+    empty_grads,
+    empty_invstd,
+    stat_dtype,
+)
 
-_ACTIVATION_CODES = {act.IDENTITY: k.IDENTITY, act.LEAKY_RELU: k.LEAKY_RELU, act.ELU: k.ELU,
-                     act.SILU: k.SILU, act.GELU: k.GELU}
+#: Activation name -> its code in the kernels (the registry's, for those the kernels run).
+_ACTIVATION_CODES = {name: a.code for name, a in act.ACTIVATIONS.items() if a.code is not None}
 
 #: Chebyshev coefficients of ``(1 + 2t) exp(t^2) erfc(t)`` in ``s = (t - K) / (t + K)``,
 #: ``K = 3.75`` (:func:`.triton_kernels._erfcx`): interpolation at 25 Chebyshev nodes of the
@@ -54,14 +61,14 @@ ERFCX_SERIES = (
 )
 _ERFCX_TERMS = {torch.float32: 16, torch.float64: 25}
 #: The ``constexpr`` SiLU/GELU arguments of the backward kernels for the other activations.
-_NO_BRANCH = {"NEWTON": 0, "CHEB": 0, "TAYLOR": False}
+_NO_BRANCH = {"BRANCH": False, "NEWTON": 0, "CHEB": 0, "TAYLOR": False}
 
 
 class Branch(NamedTuple):
-    """What the kernels of SiLU and GELU take besides the tensors of the layer: the packed
-    branch bits (``ceil(numel / 8)`` bytes; forward writes them, backward reads them), the
-    table of constants (:func:`branch_constants`), the Newton steps and whether the Taylor
-    series is used."""
+    """What the kernels of an activation with a branch bit take besides the tensors of the
+    layer: the packed branch bits (``ceil(numel / 8)`` bytes; forward writes them, backward
+    reads them), the table of constants (:func:`branch_constants`), the Newton steps and
+    whether the Taylor series is used."""
 
     bits: Tensor
     consts: Tensor
@@ -69,13 +76,32 @@ class Branch(NamedTuple):
     taylor: bool
 
 
+def _branch(z: Tensor, activation: str, bits: Tensor | None) -> Branch | None:
+    """The :class:`Branch` of a layer whose output is (or will be) ``z``, or ``None`` for an
+    activation without a branch bit: ``bits`` (a new buffer where forward is given none:
+    the fused pass writes them anyway), the constants of ``activation`` in the compute dtype
+    and :mod:`.branch`'s Newton steps."""
+    minimum = act.ACTIVATIONS[activation].minimum
+    if minimum is None:
+        return None
+    if bits is None:
+        bits = torch.empty((z.numel() + 7) // 8, dtype=torch.uint8, device=z.device)
+    compute = compute_dtype(z.dtype)
+    consts = branch_constants((minimum.y_star, minimum.z_star, minimum.curvature),
+                              minimum.taylor, compute, z.dtype, z.device,
+                              minimum.exponential_tail)
+    return Branch(bits, consts, ITERATIONS[compute], compute == torch.float32)
+
+
 @functools.cache
 def branch_constants(minimum: tuple[float, float, float], taylor: tuple[float, ...],
-                     compute: torch.dtype, stored: torch.dtype, device: torch.device) -> Tensor:
+                     compute: torch.dtype, stored: torch.dtype, device: torch.device,
+                     exponential_tail: bool = False) -> Tensor:
     """The table the SiLU/GELU kernels read their constants from (indices in
     :mod:`.triton_kernels`), in the compute dtype: the minimum ``(y*, z*, c)`` and the Taylor
-    series of :mod:`iabn.branch_activation`, what :func:`~iabn.branch_activation.invert`
-    derives from them, and :data:`ERFCX_SERIES`. ``stored``: the dtype of ``z``."""
+    series of the registry's :class:`~.activations.Minimum`, what :func:`.branch.invert`
+    derives from them, and :data:`ERFCX_SERIES`. ``stored``: the dtype of ``z``;
+    ``exponential_tail``: the registry's :attr:`~.activations.Minimum.exponential_tail`."""
     y_star, z_star, c = minimum
     info = torch.finfo(compute)
 
@@ -95,6 +121,7 @@ def branch_constants(minimum: tuple[float, float, float], taylor: tuple[float, .
     values[k.SQRT1_2] = math.sqrt(0.5)
     values[k.LOG_SQRT_2PI] = 0.5 * math.log(2 * math.pi)
     values[k.LOG_HALF] = math.log(0.5)
+    values[k.EXP_TAIL] = 1.0 if exponential_tail else 0.0
     values[int(k.TAYLOR_FIRST):int(k.CHEB_FIRST)] = taylor
     values += ERFCX_SERIES
     return torch.tensor(values, dtype=compute, device=device)
@@ -229,14 +256,18 @@ def forward_(
     running_mean: Tensor | None,
     running_var: Tensor | None,
     config: LayerConfig,
-    branch: Branch | None = None,
+    bits: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """As :func:`.reference.forward_`: overwrite ``x`` with the layer's output, update the
-    running statistics in training, return ``(invstd, g)``. SiLU and GELU take ``branch``,
-    whose ``bits`` (``ceil(numel / 8)`` bytes) receive the branch bits."""
-    if x.numel() == 0:
-        return reference.forward_(x, weight, bias, running_mean, running_var, config)
+    running statistics in training, return ``(invstd, g)``. An activation with one minimum
+    writes its branch bits into ``bits`` (``ceil(numel / 8)`` bytes) in the order of ``x``'s
+    memory, which only this backend's backward reads (``y`` compared in the compute dtype)."""
     training, momentum, eps, activation, activation_param, gamma_mode, _ = config
+    if x.numel() == 0:
+        sdtype = stat_dtype(x, weight, running_mean)
+        g = effective_g(weight, eps, gamma_mode, x.shape[1], sdtype, x.device)
+        return empty_invstd(training, running_var, eps, x.shape[1], sdtype, x.device), g
+    branch = _branch(x, activation, bits)
     work, layout = _dense(x)
     channels = layout.c
     sdtype = stat_dtype(x, weight, running_mean)
@@ -299,8 +330,8 @@ def _branch_arguments(branch: Branch | None, unread: Tensor, adtype: torch.dtype
     ``constexpr`` ones (unread placeholders for the other activations)."""
     if branch is None:
         return (unread, unread), _NO_BRANCH
-    return (branch.bits, branch.consts), dict(NEWTON=branch.newton, CHEB=_ERFCX_TERMS[adtype],
-                                              TAYLOR=branch.taylor)
+    return (branch.bits, branch.consts), dict(BRANCH=True, NEWTON=branch.newton,
+                                              CHEB=_ERFCX_TERMS[adtype], TAYLOR=branch.taylor)
 
 
 def _grad_partials(z: Tensor, dz: Tensor, bias: Tensor | None, layout: Layout,
@@ -365,13 +396,14 @@ def backward(
     scale: Tensor,
     config: LayerConfig,
     output_mask: list[bool],
-    branch: Branch | None = None,
+    bits: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """As :func:`.reference.backward` (``config.variant`` does not change the kernels'
-    arithmetic); SiLU and GELU take ``branch``, with the bits forward wrote."""
+    arithmetic), with the ``bits`` forward wrote for an activation with one minimum."""
     if z.numel() == 0:
-        return reference.backward(z, dz, weight, bias, invstd, scale, config, output_mask)
+        return empty_grads(z, weight, bias, output_mask)
     training, _, _, activation, activation_param, gamma_mode, _ = config
+    branch = _branch(z, activation, bits)
     want_dx = output_mask[0]
     want_dgamma = output_mask[1] and weight is not None
     want_dbeta = output_mask[2] and bias is not None
@@ -405,12 +437,13 @@ def backward(
 
 def local_sums(
     z: Tensor, dz: Tensor, bias: Tensor | None, scale: Tensor, config: LayerConfig,
-    branch: Branch | None = None,
+    bits: Tensor | None = None,
 ) -> tuple[tuple, Tensor]:
     """``(saved, sums)``: this rank's ``sums = [sum(dy * xhat), sum(dy)]`` ``(2, C)``, and
     what :func:`input_grad` needs (``z`` and ``dz``, read again there; nothing full-size is
     materialised)."""
     activation, activation_param = config.activation, config.activation_param
+    branch = _branch(z, activation, bits)
     if z.numel() == 0:  # a rank without samples contributes zeros
         sums = torch.zeros(2, z.shape[1], dtype=accumulation_dtype(z.dtype), device=z.device)
         return (z, dz, None, activation, activation_param, branch), sums

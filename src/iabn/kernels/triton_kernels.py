@@ -36,16 +36,23 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-#: Activation codes (``constexpr`` arguments). SILU and GELU keep a branch bit per element
-#: (:mod:`iabn.branch_activation`): their kernels take the packed bits and a table of
-#: constants (``consts``, below). Inside kernels the codes are written as literals (a kernel
-#: reads no non-``constexpr`` global): 1 leaky_relu, 2 elu, 3 silu, 4 gelu.
-IDENTITY, LEAKY_RELU, ELU, SILU, GELU = 0, 1, 2, 3, 4
+from .activations import ACTIVATIONS
+
+#: Activation codes, ``ACT`` of the kernels (``constexpr``: a kernel reads no other globals),
+#: the registry's :attr:`~.activations.Activation.code`. Kernels branch on these names, and an
+#: activation no branch names fails to compile (``tl.static_assert``) rather than take another
+#: one's path. The activations with a branch bit (``needs_branch``) get ``BRANCH=True``: their
+#: kernels take the packed bits and a table of constants (``consts``, below).
+IDENTITY, LEAKY_RELU, ELU, SILU, GELU, MISH = (
+    tl.constexpr(ACTIVATIONS[name].code)
+    for name in ("identity", "leaky_relu", "elu", "silu", "gelu", "mish")
+)
 
 
 class Traffic(NamedTuple):
     """The pointer arguments a kernel loads from (``reads``) and stores to (``writes``), by
-    name. :mod:`iabn.traffic` counts each launch's bytes from them; every kernel declares its
+    name. :mod:`iabn.measure.traffic` counts each launch's bytes from them; every kernel declares
+    its
     own right after its definition, to be kept true to its ``tl.load`` and ``tl.store``."""
 
     reads: tuple[str, ...]
@@ -65,11 +72,13 @@ def _declare(kernel, reads: tuple[str, ...], writes: tuple[str, ...]) -> None:
 
 @triton.jit
 def _activate(y, ACT: tl.constexpr, param):
-    if ACT == 1:
+    if ACT == LEAKY_RELU:
         y = tl.where(y >= 0, y, y * param)
-    elif ACT == 2:
+    elif ACT == ELU:
         # exp of the clamped value: the positive branch is discarded, and must not overflow.
         y = tl.where(y >= 0, y, param * (tl.exp(tl.minimum(y, 0.0)) - 1.0))
+    else:
+        tl.static_assert(ACT == IDENTITY, "an invertible activation without a branch here")
     return y
 
 
@@ -89,11 +98,11 @@ def _negative(z):
 @triton.jit
 def _recover(z, dz, ACT: tl.constexpr, param, tiny):
     """``(y, dy)``: the activation's input and gradient, from its output ``z`` and ``dz``."""
-    if ACT == 1:
+    if ACT == LEAKY_RELU:
         negative = _negative(z)
         y = tl.where(negative, z / param, z)
         dy = tl.where(negative, dz * param, dz)
-    elif ACT == 2:
+    elif ACT == ELU:
         # log(1 + z/alpha), kept finite where exp underflowed in forward (z == -alpha); the
         # gradient there, dz * (z + alpha), is 0, so the clamp changes no gradient.
         negative = _negative(z)
@@ -101,13 +110,14 @@ def _recover(z, dz, ACT: tl.constexpr, param, tiny):
         y = tl.where(negative, tl.log(1.0 + ratio), z)
         dy = tl.where(negative, dz * (z + param), dz)
     else:
+        tl.static_assert(ACT == IDENTITY, "an invertible activation without a branch here")
         y = z
         dy = dz
     return y, dy
 
 
 # ---------------------------------------------------------------------------------------------
-# SiLU and GELU: the branch bit and the Newton inversion of :func:`iabn.branch_activation.invert`,
+# SiLU, GELU and Mish: the branch bit and the Newton inversion of :func:`.branch.invert`,
 # step for step. Every constant that is not exact in float32 comes from a table in the compute
 # dtype (``consts``, :func:`.triton_backend.branch_constants`), at the indices below: a Python
 # float in a kernel is a float32 constant, which would cost a float64 layer its precision.
@@ -118,7 +128,7 @@ def _recover(z, dz, ACT: tl.constexpr, param, tiny):
 
 #: Indices into ``consts`` (``constexpr``: a kernel reads no other globals).
 (Y_STAR, Z_HI, Z_LO, Y_LO, SLOPE_RIGHT, SLOPE_LEFT, LOG_STAR, FLOOR, SMALLEST, TINY, SQRT1_2,
- LOG_SQRT_2PI, LOG_HALF, TAYLOR_FIRST) = (tl.constexpr(i) for i in range(14))
+ LOG_SQRT_2PI, LOG_HALF, EXP_TAIL, TAYLOR_FIRST) = (tl.constexpr(i) for i in range(15))
 #: The Taylor series has 9 coefficients; the Chebyshev series of ``erfcx`` follows it.
 CHEB_FIRST = tl.constexpr(int(TAYLOR_FIRST) + 9)
 
@@ -177,12 +187,28 @@ def _half_erfc(t, consts_ptr, CHEB: tl.constexpr):
 
 
 @triton.jit
+def _mish_tanh(y):
+    """``(t, 1 - t)``, ``t = tanh(softplus(y))``, without overflow or cancellation: with
+    ``e = exp(-|y|)``, ``t = (1 + 2e) / (1 + 2e + 2e^2)`` for ``y >= 0`` and
+    ``e (e + 2) / (e (e + 2) + 2)`` below."""
+    e = tl.exp(-tl.abs(y))
+    n = e * (e + 2.0)
+    right = 1.0 + 2.0 * e + 2.0 * e * e
+    t = tl.where(y >= 0, (1.0 + 2.0 * e) / right, n / (n + 2.0))
+    return t, tl.where(y >= 0, 2.0 * e * e / right, 2.0 / (n + 2.0))
+
+
+@triton.jit
 def _branch_value(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
     """``phi(y)``: SiLU ``y * sigmoid(y)``; GELU ``y * Phi(y)``, ``Phi`` from ``erf`` for
-    ``y >= 0`` (as ``F.gelu``) and from ``erfc`` below (no cancellation in the tail)."""
-    if ACT == 3:
+    ``y >= 0`` (as ``F.gelu``) and from ``erfc`` below (no cancellation in the tail); Mish
+    ``y * tanh(softplus(y))``."""
+    if ACT == SILU:
         f = y * _sigmoid(y)
+    elif ACT == MISH:
+        f = y * _mish_tanh(y)[0]
     else:
+        tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         r = _const(consts_ptr, SQRT1_2)
         left = y * _half_erfc(tl.maximum(-y, 0.0) * r, consts_ptr, CHEB)
         f = tl.where(y < 0, left, 0.5 * y * (1.0 + tl.math.erf(y * r)))
@@ -191,11 +217,16 @@ def _branch_value(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
 
 @triton.jit
 def _branch_derivative(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
-    """``phi'(y)``: ``s (1 + y (1 - s))``, ``s = sigmoid(y)``; ``Phi(y) + y phi_N(y)``."""
-    if ACT == 3:
+    """``phi'(y)``: ``s (1 + y (1 - s))``, ``s = sigmoid(y)``; ``Phi(y) + y phi_N(y)``;
+    Mish ``t + y s (1 - t^2)``, ``t = tanh(softplus(y))``."""
+    if ACT == SILU:
         s = _sigmoid(y)
         d = s * (1.0 + y * (1.0 - s))
+    elif ACT == MISH:
+        t, one_minus_t = _mish_tanh(y)
+        d = t + y * (one_minus_t * (1.0 + t)) * _sigmoid(y)
     else:
+        tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         r = _const(consts_ptr, SQRT1_2)
         cdf = tl.where(y < 0, _half_erfc(tl.maximum(-y, 0.0) * r, consts_ptr, CHEB),
                        0.5 * (1.0 + tl.math.erf(y * r)))
@@ -206,10 +237,15 @@ def _branch_derivative(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
 
 @triton.jit
 def _log_tail(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
-    """``log sigmoid(y)`` (SiLU) or ``log Phi(y)`` (GELU) for ``y < 0``, exact in the tail."""
-    if ACT == 3:
+    """``log(phi(y) / y)`` for ``y < 0``, exact in the tail: ``log sigmoid(y)`` (SiLU),
+    ``log Phi(y)`` (GELU), ``log tanh(softplus(y))`` (Mish)."""
+    if ACT == SILU:
         tail = y - _log1p(tl.exp(y))
+    elif ACT == MISH:
+        e = tl.exp(y)  # log tanh(softplus(y)) = y + log1p(e / 2) - log1p(e + e^2 / 2)
+        tail = y + _log1p(0.5 * e) - _log1p(e * (1.0 + 0.5 * e))
     else:
+        tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         t = -y * _const(consts_ptr, SQRT1_2)
         tail = _const(consts_ptr, LOG_HALF) + tl.log(_erfcx(t, consts_ptr, CHEB)) - t * t
     return tail
@@ -219,9 +255,14 @@ def _log_tail(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
 def _log_neg_derivative(y, tail, ACT: tl.constexpr, consts_ptr):
     """``d/dy log(-phi(y))`` for ``y < 0``; ``tail``: :func:`_log_tail` of ``y`` (GELU's
     derivative reuses it rather than evaluate ``erfcx`` again)."""
-    if ACT == 3:
+    if ACT == SILU:
         d = _sigmoid(-y) + 1.0 / y
+    elif ACT == MISH:
+        e = tl.exp(y)
+        h = 0.5 * e
+        d = 1.0 + h / (1.0 + h) - e * (1.0 + e) / (1.0 + e * (1.0 + h)) + 1.0 / y
     else:
+        tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         log_density = -0.5 * y * y - _const(consts_ptr, LOG_SQRT_2PI)
         d = tl.exp(log_density - tail) + 1.0 / y
     return d
@@ -277,8 +318,8 @@ def _invert(z, left, ACT: tl.constexpr, consts_ptr, NEWTON: tl.constexpr, CHEB: 
     target_l = tl.sqrt(_log_ratio(z_left, tl.maximum(_above_minimum(z_left, consts_ptr), 0.0),
                                   tl.log(-z_left), consts_ptr))
     y_l = y_star - target_l / slope_left
-    if ACT == 3:
-        y_l = tl.minimum(y_l, y_star - target_l * target_l)
+    # exponential tails (H^2 ~ -y): EXP_TAIL is 1, else 0 (y_l <= y* already)
+    y_l = tl.minimum(y_l, y_star - _const(consts_ptr, EXP_TAIL) * target_l * target_l)
     for _ in tl.static_range(NEWTON):
         g = tl.sqrt(tl.maximum(_phi_above_minimum(y_r, ACT, consts_ptr, CHEB, TAYLOR)[1], 0.0))
         g_slope = _branch_derivative(y_r, ACT, consts_ptr, CHEB) / tl.maximum(2.0 * g, tiny)
@@ -312,10 +353,11 @@ def _recover_branch(z, dz, bits_ptr, offsets, mask, ACT: tl.constexpr, consts_pt
 
 @triton.jit
 def _recover_any(z, dz, offsets, mask, ACT: tl.constexpr, param, tiny, bits_ptr, consts_ptr,
-                 NEWTON: tl.constexpr, CHEB: tl.constexpr, TAYLOR: tl.constexpr):
-    """``(y, dy)`` of any activation (``bits_ptr``, ``consts_ptr`` are read for SiLU and GELU
-    only)."""
-    if ACT >= 3:
+                 BRANCH: tl.constexpr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
+                 TAYLOR: tl.constexpr):
+    """``(y, dy)`` of any activation (``bits_ptr``, ``consts_ptr`` are read with ``BRANCH``
+    only: the activations with a branch bit)."""
+    if BRANCH:
         y, dy = _recover_branch(z, dz, bits_ptr, offsets, mask, ACT, consts_ptr, NEWTON, CHEB,
                                 TAYLOR)
     else:
@@ -578,13 +620,13 @@ _declare(normalize_branch_kernel, reads=("x_ptr", "coeffs_ptr", "consts_ptr"),
 
 @triton.jit
 def _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT: tl.constexpr, param, tiny,
-               bits_ptr, consts_ptr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
-               TAYLOR: tl.constexpr, ACC: tl.constexpr):
+               bits_ptr, consts_ptr, BRANCH: tl.constexpr, NEWTON: tl.constexpr,
+               CHEB: tl.constexpr, TAYLOR: tl.constexpr, ACC: tl.constexpr):
     """``(dy, dy * (y - beta))`` of one tile, zero where masked."""
     z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
     dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    y, dy = _recover_any(z, dz, offsets, mask, ACT, param, tiny, bits_ptr, consts_ptr, NEWTON,
-                         CHEB, TAYLOR)
+    y, dy = _recover_any(z, dz, offsets, mask, ACT, param, tiny, bits_ptr, consts_ptr, BRANCH,
+                         NEWTON, CHEB, TAYLOR)
     # masked elements: z = dz = 0, so dy = phi'(y) * 0 = 0 for every activation
     return dy, tl.where(mask, dy * (y - beta), 0.0)
 
@@ -593,8 +635,9 @@ def _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT: tl.constexpr, param, tin
 def grad_sums_ncs_kernel(
     z_ptr, dz_ptr, bias_ptr, parts_ptr, N, C, S, tiles_per_program, param: tl.float64,
     tiny: tl.float64, bits_ptr, consts_ptr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
-    TAYLOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, ACC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BRANCH: tl.constexpr, NEWTON: tl.constexpr,
+    CHEB: tl.constexpr, TAYLOR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """Grid ``(C, P)``, tiles as :func:`moments_ncs_kernel`."""
     param, tiny = tl.full((), param, ACC), tl.full((), tiny, ACC)  # float64 arguments, in ACC
@@ -615,7 +658,8 @@ def grad_sums_ncs_kernel(
         mask = (n < N)[:, None] & (s < S)[None, :]
         offsets = (n.to(tl.int64) * C + c)[:, None] * S + s[None, :]
         dy, dy_centred = _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT, param, tiny,
-                                    bits_ptr, consts_ptr, NEWTON, CHEB, TAYLOR, ACC)
+                                    bits_ptr, consts_ptr, BRANCH, NEWTON, CHEB, TAYLOR,
+                                    ACC)
         sum_dy += dy
         sum_dy_y += dy_centred
     plane = programs * C
@@ -632,8 +676,9 @@ _declare(grad_sums_ncs_kernel, reads=("z_ptr", "dz_ptr", "bias_ptr", "bits_ptr",
 def grad_sums_mc_kernel(
     z_ptr, dz_ptr, bias_ptr, parts_ptr, R, C, rows_per_program, param: tl.float64,
     tiny: tl.float64, bits_ptr, consts_ptr,
-    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, NEWTON: tl.constexpr, CHEB: tl.constexpr,
-    TAYLOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ACC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BRANCH: tl.constexpr, NEWTON: tl.constexpr,
+    CHEB: tl.constexpr, TAYLOR: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     """Grid ``(cdiv(C, BLOCK_C), P)``, rows as :func:`moments_mc_kernel`."""
     param, tiny = tl.full((), param, ACC), tl.full((), tiny, ACC)  # float64 arguments, in ACC
@@ -654,7 +699,8 @@ def grad_sums_mc_kernel(
         mask = (r < stop)[:, None] & c_mask[None, :]
         offsets = r.to(tl.int64)[:, None] * C + c[None, :]
         dy, dy_centred = _grad_tile(z_ptr, dz_ptr, offsets, mask, beta, ACT, param, tiny,
-                                    bits_ptr, consts_ptr, NEWTON, CHEB, TAYLOR, ACC)
+                                    bits_ptr, consts_ptr, BRANCH, NEWTON, CHEB, TAYLOR,
+                                    ACC)
         sum_dy += dy
         sum_dy_y += dy_centred
     plane = programs * C
@@ -726,7 +772,8 @@ _declare(
 def input_grad_kernel(
     z_ptr, dz_ptr, dx_ptr, coeffs_ptr, R, K, C, k_blocks, param: tl.float64, tiny: tl.float64,
     bits_ptr, consts_ptr,
-    CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr, NEWTON: tl.constexpr,
+    CHANNEL_ON_ROWS: tl.constexpr, ACT: tl.constexpr, BRANCH: tl.constexpr,
+    NEWTON: tl.constexpr,
     CHEB: tl.constexpr, TAYLOR: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -739,8 +786,8 @@ def input_grad_kernel(
     k3 = _per_channel(coeffs_ptr + 2 * C, r, k, R, K, C, CHANNEL_ON_ROWS)
     z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
     dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
-    y, dy = _recover_any(z, dz, offsets, mask, ACT, param, tiny, bits_ptr, consts_ptr, NEWTON,
-                         CHEB, TAYLOR)
+    y, dy = _recover_any(z, dz, offsets, mask, ACT, param, tiny, bits_ptr, consts_ptr, BRANCH,
+                         NEWTON, CHEB, TAYLOR)
     dx = k1 * dy + k2 * y + k3
     tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
 

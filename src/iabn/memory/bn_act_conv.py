@@ -27,11 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .. import activation as act
-from ..checks import check_inputs, check_options
-from ..kernels.common import channel_view, scale_and_shift, stat_dtype
-from ..modules import ABN, InPlaceABN
-from ..scale import SIGNED, gamma_grad
+from ..kernels import activations as act
+from ..kernels.common import SIGNED, channel_view, gamma_grad, scale_and_shift, stat_dtype
+from ..layers.batch_norm import ABN, InPlaceABN
+from ..layers.checks import check_inputs, check_options
 
 STRATEGIES = ("standard", "checkpoint", "checkpoint_opt", "inplace_I", "inplace_II")
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..modules import ABN
-from ..scale import ABS, SIGNED
+from ..kernels.common import ABS, SIGNED
+from ..layers.batch_norm import ABN
 
 IN_PLACE = "InPlaceABN"
 """Origin: the original's in-place layers (``InPlaceABN``, ``InPlaceABNSync``): ``|w| + eps``."""

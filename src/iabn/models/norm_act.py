@@ -15,9 +15,9 @@ from collections.abc import Callable
 
 from torch import nn
 
-from ..activation import ELU, GELU, IDENTITY, LEAKY_RELU, RELU, SILU
 from ..distributed import InPlaceABNSync
-from ..modules import ABN, InPlaceABN
+from ..kernels.activations import get as activation_record
+from ..layers.batch_norm import ABN, InPlaceABN
 
 NormAct = Callable[..., nn.Module]
 NAMES = ("bn", "abn", "iabn", "iabn_sync")
@@ -25,19 +25,7 @@ NAMES = ("bn", "abn", "iabn", "iabn_sync")
 
 def activation_module(activation: str, activation_param: float) -> nn.Module:
     """The ``torch.nn`` activation, in place (it follows a batch norm's fresh output)."""
-    if activation == LEAKY_RELU:
-        return nn.LeakyReLU(activation_param, inplace=True)
-    if activation == ELU:
-        return nn.ELU(activation_param, inplace=True)
-    if activation == RELU:
-        return nn.ReLU(inplace=True)
-    if activation == IDENTITY:
-        return nn.Identity()
-    if activation == SILU:
-        return nn.SiLU(inplace=True)
-    if activation == GELU:
-        return nn.GELU()
-    raise ValueError(f"unknown activation={activation!r}")
+    return activation_record(activation).torch_module(activation_param, inplace=True)
 
 
 class BatchNormAct2d(nn.BatchNorm2d):

@@ -16,7 +16,7 @@ from collections import OrderedDict
 
 from torch import Tensor, nn
 
-from .. import activation as act
+from ..kernels import activations as act
 from .common import classifier_head, init_weights
 from .norm_act import NormAct, norm_act_factory
 

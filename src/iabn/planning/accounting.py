@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..measure.trial_runs import preserved, same_randomness
 from ..memory import counting_saves, state_keys, storage_key
-from ..trial_runs import preserved, same_randomness
 from .cost import REST, OpCount, OpCounter
 from .segments import tensor_leaves
 from .wrappers import Observer, PlannedSequential, _chain, module_plan, recomputed

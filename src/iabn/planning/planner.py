@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..measure.trial_runs import preserved, same_randomness
 from ..memory import saved_tensor_bytes
-from ..trial_runs import preserved, same_randomness
 from .accounting import Run, Saved, observe, recomputed_saves, record
 from .cost import DeviceSpeed, calibrate
 from .report import DecisionRow, PlanReport

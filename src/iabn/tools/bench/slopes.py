@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ...kernels.dispatch import use_backend
-from ...modules import InPlaceABN
+from ...layers.batch_norm import InPlaceABN
 
 PROVIDERS = ("triton", "reference", "torch")
 SLOPE = 0.01

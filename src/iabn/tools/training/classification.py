@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...activation import ALL_ACTIVATIONS
+from ...kernels.activations import ALL_ACTIVATIONS
 from ...models import MODELS, NORM_ACT_NAMES, create
 from ..data.transforms import TransformedDataset
 from .classification_data import eval_transform, image_sources, train_transform

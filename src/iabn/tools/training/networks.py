@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...activation import check_activation
+from ...kernels.activations import check_activation
 from .config import ConfigError
 
 

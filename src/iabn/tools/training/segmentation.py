@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...activation import ALL_ACTIVATIONS
+from ...kernels.activations import ALL_ACTIVATIONS
 from ...models import NORM_ACT_NAMES, DeepLabV3Head, SegmentationNet, deeplabv3_wider_resnet38
 from ...models.preact import ResNeXt
 from ..data.digits import IMAGE_SIZE as DIGIT_SIDE

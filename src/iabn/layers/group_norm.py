@@ -3,20 +3,22 @@ counterpart :class:`InPlaceGroupNormAct` (docs/design.md, "In-place group norm")
 
 The in-place layer is an ``autograd.Function`` over PyTorch's own group-norm kernels
 (``aten::native_group_norm`` forward, ``aten::native_group_norm_backward`` backward). It does
-not go through the ``iabn::`` custom operators, the Triton kernels or :mod:`iabn.compiled` of
+not go through the ``iabn::`` custom operators, the Triton kernels or :mod:`iabn.autograd.compiled`
+of
 the batch-norm layers: under ``torch.compile`` Dynamo traces the Function as it is (forward and
 backward are ATen calls it can trace), on a copy of the input as for
-:func:`iabn.ops.overwritable` (so an input from outside the compiled graph is left unchanged).
+:func:`iabn.autograd.function.overwritable` (so an input from outside the compiled graph is left
+unchanged).
 
 The math, for one sample ``n`` and one group ``k`` of ``D = (C / G) * HxW`` values, with
 ``mean``, ``rstd = 1 / sqrt(var + eps)`` (biased variance) over the group, per channel ``c``
-the effective scale ``g_c = scale(weight_c)`` (:mod:`iabn.scale`) and ``beta_c = bias_c``::
+the effective scale ``g_c = scale(weight_c)`` (:mod:`iabn.kernels.common`) and ``beta_c = bias_c``::
 
     xhat = (x - mean) * rstd,   y = g_c * xhat + beta_c,   z = phi(y)
 
 Forward overwrites ``x`` with ``z`` and keeps ``z`` and ``rstd`` (shape ``(N, G)``; ``mean``
 is not needed). Backward recovers ``y = phi^-1(z)``, ``dy = phi'(y) * dz`` (from ``z``, as
-:mod:`iabn.activation` does) and ``xhat = (y - beta_c) / g_c``, then::
+:mod:`iabn.kernels.activations` does) and ``xhat = (y - beta_c) / g_c``, then::
 
     dbeta_c = sum_{n, s} dy                 dg_c = sum_{n, s} dy * xhat
     dx = rstd * (dxhat - mean_D(dxhat) - xhat * mean_D(dxhat * xhat)),   dxhat = g_c * dy
@@ -25,7 +27,7 @@ is not needed). Backward recovers ``y = phi^-1(z)``, ``dy = phi'(y) * dz`` (from
 ``dbeta``, ``dg`` and the bracket (its normalised input ``(xhat - 0) * 1`` is ``xhat``), so
 ``dx`` is its first output times ``rstd`` of the sample and group (checked against
 ``nn.GroupNorm`` in float64 by tests/core/test_group_norm.py). ``dweight = dg`` in signed mode,
-``dg`` times ``d|weight|/dweight`` in abs mode (:func:`iabn.scale.gamma_grad`).
+``dg`` times ``d|weight|/dweight`` in abs mode (:func:`iabn.kernels.common.gamma_grad`).
 
 float16 and bfloat16 inputs are normalised by the same kernel as ``nn.GroupNorm`` (forward
 outputs equal its outputs); backward recovers ``xhat`` and runs the backward kernel in
@@ -45,31 +47,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import activation as act
-from . import debug
+from .. import debug
+from ..autograd.function import needs_grad as layer_needs_grad
+from ..autograd.function import overwritable, transformed
+from ..kernels import activations as act
+from ..kernels.common import ABS, LOW_PRECISION, SIGNED, abs_sign, effective_scale, gamma_grad
+from ..kernels.reference import at_most, part_count
+from .batch_norm import (
+    OverwriteInputOption,
+    ValidatedOptions,
+    check_loaded_gamma_mode,
+    note_gamma_mode,
+)
 from .checks import (
     SUPPORTED_DTYPES,
-    _check_channel_tensor,
-    _check_param_dtypes,
-    _check_tensor_kind,
+    check_channel_tensor,
     check_options,
+    check_param_dtypes,
     check_per_call,
+    check_tensor_kind,
 )
-from .kernels.common import LOW_PRECISION
-from .kernels.reference import at_most, part_count
-from .modules import OverwriteInputOption, check_loaded_gamma_mode, note_gamma_mode
-from .ops import needs_grad as layer_needs_grad
-from .ops import overwritable
-from .scale import ABS, SIGNED, abs_sign, effective_scale, gamma_grad
-from .unchecked import _transformed
 
 _NATIVE_GROUP_NORM = torch.ops.aten.native_group_norm.default
 _NATIVE_GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
-
-
-#: Options read on every call; assigning one to a built layer validates it.
-_OPTIONS = ("num_groups", "num_channels", "eps", "activation", "activation_param",
-            "gamma_mode")
 
 
 def _check_count(name: str, value: Any) -> None:
@@ -96,8 +96,8 @@ def check_groups(num_groups: int, num_channels: int) -> None:
 
 def check_group_norm_inputs(input: Tensor, weight: Tensor | None, bias: Tensor | None,
                             num_groups: int, num_channels: int, *, in_place: bool) -> None:
-    """Validate a call before anything is written (the messages of :mod:`iabn.checks`)."""
-    _check_tensor_kind(input)
+    """Validate a call before anything is written (the messages of :mod:`iabn.layers.checks`)."""
+    check_tensor_kind(input)
     if input.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"input has dtype {input.dtype}; group normalisation needs float16, bfloat16, "
@@ -121,8 +121,8 @@ def check_group_norm_inputs(input: Tensor, weight: Tensor | None, bias: Tensor |
             f"normalisation needs at least one value per channel and sample"
         )
     for name, t in (("weight", weight), ("bias", bias)):
-        _check_channel_tensor(name, t, input, channels)
-    _check_param_dtypes(input, weight, bias)
+        check_channel_tensor(name, t, input, channels)
+    check_param_dtypes(input, weight, bias)
     if in_place:
         check_per_call(input, in_place=True)
 
@@ -183,7 +183,8 @@ class InPlaceGroupNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # only under create_graph=True (as iabn.ops.refuse_double_backward, naming the
+            # only under create_graph=True (as iabn.autograd.function.refuse_double_backward,
+            # naming the
             # group-norm layer's not-in-place counterpart)
             raise RuntimeError(
                 "InPlaceGroupNormAct does not support double backward (create_graph=True); "
@@ -211,7 +212,7 @@ class InPlaceGroupNormFunction(torch.autograd.Function):
 def _composed(input: Tensor, weight: Tensor | None, bias: Tensor | None, num_groups: int,
               eps: float, activation: str, activation_param: float, gamma_mode: str) -> Tensor:
     """The in-place layer from differentiable operators, for forward-mode AD and
-    ``torch.func`` (as :func:`iabn.unchecked._inplace_abn_composed`): group norm of a copy
+    ``torch.func`` (as :func:`iabn.autograd.function._composed_inplace`): group norm of a copy
     with the in-place layer's scale (signed: clamped, gradient passed straight through), the
     activation, and the result written into ``input``."""
     if weight is not None and gamma_mode != ABS:
@@ -310,7 +311,7 @@ def inplace_group_norm_act(input: Tensor, weight: Tensor | None, bias: Tensor | 
             lambda copy: inplace_group_norm_act(copy, weight, bias, *options),
             input, "InPlaceGroupNormAct",
         )
-    if _transformed():
+    if transformed():
         return _composed(input, weight, bias, *options)
     needs_grad = layer_needs_grad(input, weight, bias)
     if not needs_grad:
@@ -320,7 +321,7 @@ def inplace_group_norm_act(input: Tensor, weight: Tensor | None, bias: Tensor | 
     return InPlaceGroupNormFunction.apply(overwritable(input), weight, bias, *options)
 
 
-class GroupNormAct(nn.Module):
+class GroupNormAct(ValidatedOptions, nn.Module):
     """Group norm followed by an activation, without the in-place trick.
 
     Parameters, ``state_dict`` keys (``weight``, ``bias``; no running statistics),
@@ -372,19 +373,15 @@ class GroupNormAct(nn.Module):
         self.gamma_mode = gamma_mode
         self.reset_parameters()
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # Assigning an option to a built layer is validated as the constructor validates it,
-        # before it is stored (forward and backward trust these attributes).
-        if name in _OPTIONS and "gamma_mode" in self.__dict__:
-            options = {option: self.__dict__.get(option) for option in _OPTIONS}
-            options[name] = value
-            check_groups(options["num_groups"], options["num_channels"])
-            check_options(options["activation"], options["activation_param"],
-                          options["gamma_mode"], in_place=self._needs_inverse,
-                          eps=options["eps"])
-            if name == "activation_param":
-                value = float(value)
-        super().__setattr__(name, value)
+    #: Options read on every call; assigning one to a built layer validates it
+    #: (:class:`~iabn.layers.batch_norm.ValidatedOptions`).
+    _OPTIONS = ("num_groups", "num_channels", "eps", "activation", "activation_param",
+                "gamma_mode")
+
+    def _check_assigned(self, options: dict[str, Any], name: str) -> None:
+        check_groups(options["num_groups"], options["num_channels"])
+        check_options(options["activation"], options["activation_param"],
+                      options["gamma_mode"], in_place=self._needs_inverse, eps=options["eps"])
 
     def reset_parameters(self) -> None:
         if self.affine:
@@ -420,7 +417,7 @@ class GroupNormAct(nn.Module):
     def extra_repr(self) -> str:
         text = (f"{self.num_groups}, {self.num_channels}, eps={self.eps}, "
                 f"affine={self.affine}, activation={self.activation}")
-        if self.activation in (act.LEAKY_RELU, act.ELU):
+        if self.activation in act.WITH_PARAMETER:
             text += f", activation_param={self.activation_param}"
         if self.gamma_mode != SIGNED:
             text += f", gamma_mode={self.gamma_mode}"
@@ -437,7 +434,7 @@ class InPlaceGroupNormAct(OverwriteInputOption, GroupNormAct):
     the checks of :class:`iabn.InPlaceABN` (a leaf that requires grad, an inference tensor or
     one whose elements share memory is refused; ``iabn.debug.poison_overwritten`` finds later
     reads). Double backward is refused. ``overwrite_input=False`` (keyword): the output-only
-    mode of :class:`iabn.modules.OverwriteInputOption`, for an input that is needed again.
+    mode of :class:`iabn.layers.batch_norm.OverwriteInputOption`, for an input that is needed again.
     """
 
     _in_place = True

@@ -15,10 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .activation import check_activation
-from .kernels.common import LOW_PRECISION
-from .layer_config import LayerConfig
-from .scale import check_gamma_mode
+from ..kernels.activations import check_activation
+from ..kernels.common import LOW_PRECISION, LayerConfig, check_gamma_mode
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SHAPES = "(N, C), (N, C, L), (N, C, H, W) or (N, C, D, H, W)"
@@ -115,7 +113,7 @@ def check_inputs(
     ``synchronised``: the batch statistics come from all ranks, so this rank may hold a single
     value per channel, or none; the total is checked after the ranks' counts are gathered.
     """
-    _check_tensor_kind(input)
+    check_tensor_kind(input)
     if input.dtype not in SUPPORTED_DTYPES:
         raise TypeError(
             f"input has dtype {input.dtype}; batch normalisation needs float16, bfloat16, "
@@ -136,8 +134,8 @@ def check_inputs(
         ("weight", weight), ("bias", bias),
         ("running_mean", running_mean), ("running_var", running_var),
     ):
-        _check_channel_tensor(name, t, input, channels)
-    _check_param_dtypes(input, weight, bias, running_mean, running_var)
+        check_channel_tensor(name, t, input, channels)
+    check_param_dtypes(input, weight, bias, running_mean, running_var)
     if (running_mean is None) != (running_var is None):
         given, missing = (
             ("running_var", "running_mean") if running_mean is None
@@ -204,12 +202,12 @@ def check_per_call(input: Tensor, *, in_place: bool) -> None:
     inference tensor)."""
     # The common case in one test; any failure goes through the full check, which names it.
     if not isinstance(input, Tensor) or input.is_nested or input.layout is not _STRIDED:
-        _check_tensor_kind(input)
+        check_tensor_kind(input)
     if in_place:
         _check_writable(input)
 
 
-def _check_tensor_kind(input: Tensor) -> None:
+def check_tensor_kind(input: Tensor) -> None:
     if not isinstance(input, Tensor):
         raise TypeError(f"input must be a torch.Tensor, got {type(input).__name__}")
     if input.is_nested:
@@ -224,7 +222,7 @@ def _check_tensor_kind(input: Tensor) -> None:
         )
 
 
-def _check_channel_tensor(name: str, t: Tensor | None, input: Tensor, channels: int) -> None:
+def check_channel_tensor(name: str, t: Tensor | None, input: Tensor, channels: int) -> None:
     if t is None:
         return
     if not isinstance(t, Tensor):
@@ -241,7 +239,7 @@ def _check_channel_tensor(name: str, t: Tensor | None, input: Tensor, channels: 
         )
 
 
-def _check_param_dtypes(input: Tensor, *params: Tensor | None) -> None:
+def check_param_dtypes(input: Tensor, *params: Tensor | None) -> None:
     given = [p for p in params if p is not None]
     dtypes = {p.dtype for p in given}
     if len(dtypes) > 1:
@@ -287,7 +285,8 @@ def _check_writable(input: Tensor) -> None:
     # torch.func's wrapped tensors (vmap's batched ones) have no overlap query: there the
     # layer is computed by composition and ATen's copy_ into the input does its own check.
     # A contiguous tensor cannot overlap: asking that first spares the common case the
-    # overlap query (0.09 against 0.5 µs, CPU). (functorch_active, spelled out: a call less.)
+    # overlap query (0.09 against 0.5 µs, CPU). (_peek_interpreter_stack: whether a torch.func
+    # transform runs.)
     if (eager and _peek_interpreter_stack() is None and not input.is_contiguous()
             and has_internal_overlap(input)):
         raise ValueError(
@@ -295,11 +294,6 @@ def _check_writable(input: Tensor) -> None:
             "as_strided()), so it cannot be overwritten in place: pass input.contiguous(), or "
             "use the non-in-place iabn.ABN"
         )
-
-
-def functorch_active() -> bool:
-    """Whether a ``torch.func`` transform (``vmap``, ``grad``, ``jvp``...) is running."""
-    return _peek_interpreter_stack() is not None
 
 
 _peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack

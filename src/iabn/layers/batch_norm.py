@@ -19,6 +19,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from ..autograd.function import compute_abn, compute_inplace
+from ..kernels.activations import WITH_PARAMETER
+from ..kernels.common import ABS, SIGNED, LayerConfig
 from .checks import (
     check_inputs,
     check_num_features,
@@ -26,13 +29,41 @@ from .checks import (
     check_per_call,
     input_signature,
 )
-from .layer_config import LayerConfig
-from .scale import ABS, SIGNED
-from .unchecked import abn_unchecked, inplace_abn_unchecked
+
 
 #: The options a layer reads on every call; assigning one to a built layer validates it.
-_OPTIONS = ("num_features", "eps", "momentum", "activation", "activation_param", "gamma_mode",
-            "variant")
+class ValidatedOptions:
+    """Options assigned to a built layer are validated as the constructor validates them
+    (same messages) before they are stored: forward and backward read these attributes and
+    trust them. ``_OPTIONS`` names them; ``_check_assigned(options)`` checks them together.
+
+    A layer may keep facts of its options in ``__dict__`` between calls (``_CACHES``: the
+    batch-norm layers' call settings and the signature of their last validated call). Every
+    assignment of a public attribute drops them all, whether or not it is an option in
+    ``_OPTIONS``, so no option can leave a stale cache; assignments are rare (construction,
+    ``train()``/``eval()``), calls are not.
+    """
+
+    _OPTIONS: tuple[str, ...] = ()
+    _CACHES = ("_call_config", "_valid_signature")
+
+    def _check_assigned(self, options: dict[str, Any], name: str) -> None:
+        raise NotImplementedError
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # During __init__ (before gamma_mode, the last option, is set) the constructor has
+        # already checked the options together.
+        if name in self._OPTIONS and "gamma_mode" in self.__dict__:
+            options = {option: self.__dict__.get(option) for option in self._OPTIONS}
+            options[name] = value
+            self._check_assigned(options, name)
+            if name == "activation_param":
+                value = float(value)
+        super().__setattr__(name, value)
+        if name[0] != "_":
+            state = self.__dict__
+            for cache in self._CACHES:
+                state.pop(cache, None)
 
 
 class GammaModeWarning(UserWarning):
@@ -74,7 +105,7 @@ def check_loaded_gamma_mode(gamma_mode: str, local_metadata: dict, prefix: str) 
         _warn_abs_into_signed(prefix)
 
 
-class ABN(_NormBase):
+class ABN(ValidatedOptions, _NormBase):
     """Batch norm followed by an activation, without the in-place trick.
 
     Stores its input and output for backward, like ``nn.BatchNorm2d`` + an in-place
@@ -85,8 +116,9 @@ class ABN(_NormBase):
         num_features: C of an ``(N, C, *spatial)`` input.
         eps, momentum, affine, track_running_stats, device, dtype: as ``nn.BatchNorm2d``
             (``momentum=None`` is a cumulative average).
-        activation: ``"leaky_relu"`` (default), ``"elu"``, ``"identity"``, ``"relu"``,
-            ``"silu"`` or ``"gelu"`` (exact, erf form: ``nn.GELU()``).
+        activation: a name of :data:`iabn.kernels.activations.ACTIVATIONS` (default
+            ``"leaky_relu"``), computed as its ``torch.nn`` module computes it (``"gelu"``:
+            the exact, erf form, ``nn.GELU()``).
         activation_param: leaky_relu's negative slope (default 0.01) or elu's alpha.
         gamma_mode: ``"signed"`` (default; ``nn.BatchNorm`` weights load unchanged) or
             ``"abs"`` (``|weight| + eps``, for checkpoints of the original package).
@@ -95,8 +127,8 @@ class ABN(_NormBase):
     _in_place = False
     #: Whether backward inverts the activation (so it must be invertible).
     _needs_inverse = False
-    #: Whether the in-place computation keeps a branch bit, so it takes silu and gelu
-    #: (iabn.branch_activation); the synchronised layers do not.
+    #: Whether the in-place computation keeps a branch bit, so it takes the activations with
+    #: one minimum (iabn.kernels.branch); the synchronised layers do not.
     _branch_bit = False
 
     def __init__(
@@ -121,30 +153,20 @@ class ABN(_NormBase):
         self.activation_param = float(activation_param)
         self.gamma_mode = gamma_mode
 
-    def __setattr__(self, name: str, value) -> None:
-        # An option assigned to a built layer is validated as the constructor validates it
-        # (same messages), before it is stored: forward and backward read these attributes
-        # and trust them. During __init__ the constructor has already checked them together.
-        if name in _OPTIONS and "gamma_mode" in self.__dict__:
-            options = {option: self.__dict__.get(option) for option in _OPTIONS}
-            options[name] = value
-            if name == "num_features":
-                check_num_features(value)
-            else:
-                check_options(
-                    options["activation"], options["activation_param"], options["gamma_mode"],
-                    in_place=self._needs_inverse,
-                    variant=2 if options["variant"] is None else options["variant"],
-                    eps=options["eps"], momentum=options["momentum"], branch=self._branch_bit,
-                )
-            if name == "activation_param":
-                value = float(value)
-        super().__setattr__(name, value)
-        if name in _OPTIONS:
-            # Both per-layer caches of forward hold facts of the old options: the call
-            # settings, and the signature of a call validated against the old num_features.
-            self.__dict__.pop("_call_config", None)
-            self.__dict__.pop("_valid_signature", None)
+    #: The options a layer reads on every call (ValidatedOptions).
+    _OPTIONS = ("num_features", "eps", "momentum", "activation", "activation_param",
+                "gamma_mode", "variant")
+
+    def _check_assigned(self, options: dict[str, Any], name: str) -> None:
+        if name == "num_features":
+            check_num_features(options[name])
+            return
+        check_options(
+            options["activation"], options["activation_param"], options["gamma_mode"],
+            in_place=self._needs_inverse,
+            variant=2 if options["variant"] is None else options["variant"],
+            eps=options["eps"], momentum=options["momentum"], branch=self._branch_bit,
+        )
 
     def _normalisation(self) -> tuple[bool, Tensor | None, Tensor | None]:
         """(use batch statistics?, running_mean, running_var) exactly as ``nn.BatchNorm``."""
@@ -238,7 +260,8 @@ class ABN(_NormBase):
     def _layer_config(self, use_batch_stats: bool, momentum: float) -> LayerConfig:
         """This call's settings, built from the options and kept (``_call_config`` in
         ``__dict__``) for the next calls with the same ``use_batch_stats`` and ``momentum``
-        (:meth:`_prepare` compares them; assigning an option drops it in ``__setattr__``)."""
+        (:meth:`_prepare` compares them; assigning an attribute drops it:
+        :class:`ValidatedOptions`)."""
         config = LayerConfig(use_batch_stats, momentum, self.eps, self.activation,
                              self.activation_param, self.gamma_mode,
                              self.__dict__.get("variant", 2))
@@ -255,7 +278,7 @@ class ABN(_NormBase):
 
     #: The computation after the checks, called as ``(input, running_mean, running_var,
     #: weight, bias, config)``: the out-of-place one here, the in-place one in InPlaceABN.
-    _compute = staticmethod(abn_unchecked)
+    _compute = staticmethod(compute_abn)
 
     def __prepare_scriptable__(self) -> ABN:
         # torch.jit.script calls this on every submodule before compiling: fail here, with the
@@ -283,7 +306,7 @@ class ABN(_NormBase):
             f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
             f"activation={self.activation}"
         )
-        if self.activation in ("leaky_relu", "elu"):
+        if self.activation in WITH_PARAMETER:
             text += f", activation_param={self.activation_param}"
         if self.gamma_mode != SIGNED:
             text += f", gamma_mode={self.gamma_mode}"
@@ -329,8 +352,9 @@ class InPlaceABN(OverwriteInputOption, ABN):
     Same arguments as :class:`ABN` plus ``variant`` (2, the default, or 1: the paper's two
     backward passes) and ``overwrite_input`` (``False``: the output-only mode of
     :class:`OverwriteInputOption`, for an input that is needed again). ``activation`` must be
-    invertible: ``"leaky_relu"``, ``"elu"`` or ``"identity"``, or ``"silu"``/``"gelu"``, which
-    keep one bit per element saying which of the two inputs of an output it was
+    invertible (``INVERTIBLE_ACTIVATIONS`` of :mod:`iabn.kernels.activations`: ``"leaky_relu"``,
+    ``"elu"``, ``"identity"``) or have one minimum (``BRANCH_ACTIVATIONS``, e.g. ``"silu"``),
+    which keep one bit per element saying which of the two inputs of an output it was
     (docs/design.md, "SiLU and GELU in place"). The returned tensor *is* the input tensor, so
     the input must not be needed elsewhere afterwards (e.g. a residual shortcut); see the
     in-place contract in the documentation (docs/usage/layers.md).
@@ -367,7 +391,7 @@ class InPlaceABN(OverwriteInputOption, ABN):
 
     def _compute(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
                  weight: Tensor | None, bias: Tensor | None, config: LayerConfig) -> Tensor:
-        return inplace_abn_unchecked(self._to_overwrite(input), running_mean, running_var,
+        return compute_inplace(self._to_overwrite(input), running_mean, running_var,
                                      weight, bias, config)
 
     def extra_repr(self) -> str:

@@ -1,8 +1,10 @@
 """The in-place layer under ``torch.compile``: forward and backward as ATen operations that the
 compiler traces into its graphs (docs/design.md, "Under torch.compile").
 
-Eager mode calls the kernels directly (:mod:`iabn.ops`); while Dynamo traces, the layer runs
-:func:`inplace_abn` instead, in which every operation is visible: Inductor fuses the batch-norm
+Eager mode calls the kernels directly (:mod:`iabn.autograd.function`); while Dynamo traces, the
+layer runs
+:func:`traced_inplace_abn` instead, in which every operation is visible: Inductor fuses the
+batch-norm
 statistics, the normalisation and the activation with their neighbours, and the backward
 (inverse activation, its derivative, batch-norm backward) into a few kernels, with no call
 back into Python per layer.
@@ -38,10 +40,10 @@ which holds the same values. Functionalisation turns that copy into a renaming w
 is an intermediate of the graph (no pass is added); where it is a graph input (a graph break
 just before the layer, a layer compiled alone) AOTAutograd writes it back after the graph, one
 pass. Not calling ``ctx.mark_dirty`` also avoids the compiler's loss of it on graph inputs
-(torch 2.13-2.14; :func:`iabn.ops.overwritable`), so no defensive copy is needed here.
+(torch 2.13-2.14; :func:`iabn.autograd.function.overwritable`), so no defensive copy is needed here.
 
 **No in-place operation makes the output.** The function's forward computes ``z`` with an
-out-of-place activation (:func:`iabn.activation.apply`). Torch 2.11's Dynamo returns every
+out-of-place activation (:func:`iabn.kernels.activations.apply`). Torch 2.11's Dynamo returns every
 intermediate tensor of an autograd Function's forward as an extra output of the traced
 Function; with the activation written in place into batch norm's output, that output was one
 of them and the same tensor as ``z``, so autograd bound ``z`` to the intermediate's output slot,
@@ -59,11 +61,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .kernels import traceable
-from .layer_config import LayerConfig
+from ..kernels import traceable
+from ..kernels.common import LayerConfig
 
 #: Whether the compiler is given the traceable layer (else the opaque ``iabn::`` operators of
-#: :mod:`iabn.ops`). On for every supported torch: tests/core/test_compile.py passes on 2.11.0,
+#: :mod:`iabn.autograd.operators`). On for every supported torch: tests/core/test_compile.py passes
+#: on 2.11.0,
 #: 2.12.0, 2.13.0 and 2.14.1 (CPU). It was on from 2.14 only while the forward wrote the
 #: activation in place, which gave torch 2.11.0 wrong gradients ("No in-place operation makes
 #: the output" above).
@@ -100,7 +103,7 @@ class TracedInPlaceABNFunction(torch.autograd.Function):
         return dx, dgamma, dbeta, None, None, None
 
 
-def inplace_abn(
+def traced_inplace_abn(
     input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
     weight: Tensor | None, bias: Tensor | None, config: LayerConfig,
 ) -> Tensor:
@@ -121,4 +124,4 @@ def inplace_abn(
     return z
 
 
-__all__ = ["TracedInPlaceABNFunction", "inplace_abn"]
+__all__ = ["TracedInPlaceABNFunction", "traced_inplace_abn"]

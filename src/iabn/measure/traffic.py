@@ -267,7 +267,7 @@ def _aten_accesses(func, args: tuple, kwargs: dict) -> tuple[list[Tensor], list[
                 for t in _tensors(value)]
         return _BATCH_NORM_PASSES[name](values), _distinct(outs)
     if "batch_norm" in name:
-        raise ValueError(f"no pass rule for aten.{name}: add one to iabn.traffic")
+        raise ValueError(f"no pass rule for aten.{name}: add one to iabn.measure.traffic")
     reads: list[Tensor] = []
     writes: list[Tensor] = []
     for argument, value in _bound(func, args, kwargs):
@@ -315,11 +315,11 @@ _BATCH_NORM_PASSES = {
 def _triton_kernels():
     """The kernel module, if Triton is installed (imported here so that every kernel is hooked
     however late the backend is first used)."""
-    from .kernels import dispatch
+    from ..kernels import dispatch
 
     if not dispatch.has_triton():
         return None
-    from .kernels import triton_kernels
+    from ..kernels import triton_kernels
 
     return triton_kernels
 
@@ -378,7 +378,7 @@ def _fresh_scratch() -> Iterator[None]:
     # The reference backward keeps its CPU temporaries in reused per-thread buffers
     # (kernels/scratch.py); released first, they are allocated inside the counted backward,
     # as a GPU (which does not use them) allocates its temporaries.
-    from .kernels import scratch
+    from ..kernels import scratch
 
     scratch.release()
     yield

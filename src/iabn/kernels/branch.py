@@ -1,0 +1,181 @@
+"""The branch bit of the activations with one minimum (``silu``, ``gelu``, ``mish``: the
+registry's ``needs_branch``), and the Newton steps that recover ``y`` from ``z`` and the bit
+(docs/design.md, "SiLU and GELU in place"). Math only, used by the reference backend
+(:mod:`.reference`), whose Triton twin runs the same steps in :mod:`.triton_kernels` with the
+constants and step counts of this module.
+
+Such an activation falls to one minimum ``z* = phi(y*)`` and rises again, so every output
+``z* < z < 0`` comes from two inputs. Forward keeps, besides ``z``, the bit ``y < y*`` of every
+element, packed eight to a byte (``uint8``, 1/32 of a float32 activation; :func:`new_bits`
+makes the buffer the backends fill); backward recovers ``y`` on that branch by a fixed number
+of Newton steps in the compute dtype (float32 for half inputs).
+
+The Newton steps. Near the minimum ``phi(y) - z* ~ c (y - y*)^2 / 2`` (``c = phi''(y*)``), so
+Newton on ``phi`` itself stalls there; it runs on functions that are close to linear across
+the minimum instead:
+
+- right branch (``y >= y*``): ``G(y) = sqrt(phi(y) - z*) = sqrt(z - z*)``, from
+  ``y0 = max(y* + sqrt(2 (z - z*) / c), z)``;
+- left branch (``y < y*``, ``z* < z < 0``): ``H(y) = sqrt(log(z* / phi(y))) = sqrt(log(z* / z))``
+  with ``log(-phi(y))`` formed as ``log(-y) + log(phi(y) / y)`` (the registry's ``log_tail``:
+  ``log sigmoid(y)``, ``log Phi(y)``...), exact in the tail where ``z`` is tiny, from
+  ``y0 = y* - H / |H'(y*)|`` (exponential tails, SiLU and Mish: or ``y* - H^2`` where that
+  is further out: their tail is ``H^2 ~ -y``).
+
+Each step is clamped to its branch; ``invert`` has the details that make float32 exact near
+the minimum (``z*`` in two parts, ``log1p``, a Taylor series of ``phi - z*``). Four steps in
+float32 and five in float64 reach the float64 inverse of the stored ``z`` (measured over ``y``
+in [-80, 30] and 1e-9 .. 1 from ``y*``: at most 3.7e-7 relative in float32, 2.9e-8 within
+0.05 of ``y*``; 4e-15 in float64 away from the minimum).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import activations as act
+
+#: Newton steps per compute dtype (float32 also for half inputs); measured, see above.
+ITERATIONS = {torch.float32: 4, torch.float64: 5}
+#: ``(y*, z*, c)`` per activation with one minimum: where ``phi' = 0``, ``phi(y*)`` and
+#: ``c = phi''(y*)`` (the registry's :class:`~iabn.kernels.activations.Minimum`). Plain
+#: floats: the compiler traces them as constants.
+MINIMA = {name: (act.ACTIVATIONS[name].minimum.y_star, act.ACTIVATIONS[name].minimum.z_star,
+                 act.ACTIVATIONS[name].minimum.curvature) for name in act.BRANCH_ACTIVATIONS}
+#: ``phi(y* + u) - z* = sum_k a_k u^k``, ``k = 2..10``: the Taylor coefficients
+#: ``phi^(k)(y*) / k!`` (float64, from torch's own derivatives; checked by the tests). Within
+#: ``|u| <= 0.3`` they give ``phi - z*`` to 1e-9 of itself where float32 evaluation of
+#: ``phi`` leaves an absolute error of ``z*``'s rounding, which the square root near the
+#: minimum turns into errors in ``y`` of sqrt(eps) (measured: 5x the weight-gradient error of
+#: the exact float64 inverse of the stored float32 ``z`` without them, 1.0-1.3x with them).
+TAYLOR = {name: act.ACTIVATIONS[name].minimum.taylor for name in act.BRANCH_ACTIVATIONS}
+TAYLOR_RADIUS = 0.3
+
+
+def value(y: Tensor, activation: str) -> Tensor:
+    """``phi(y)`` as a new tensor, accurate in the left tail (the registry's
+    :attr:`~iabn.kernels.activations.Minimum.value`)."""
+    return act.ACTIVATIONS[activation].minimum.value(y)
+
+
+def apply_(x: Tensor, activation: str) -> Tensor:
+    """``x <- phi(x)``; half inputs are computed in float32 and rounded once."""
+    return act.ACTIVATIONS[activation].minimum.apply_(x)
+
+
+def derivative(y: Tensor, activation: str) -> Tensor:
+    """``phi'(y)``."""
+    return act.ACTIVATIONS[activation].minimum.derivative(y)
+
+
+def minimum(activation: str) -> tuple[float, float, float]:
+    """``(y*, z*, c)`` of ``activation`` (:data:`MINIMA`)."""
+    return MINIMA[activation]
+
+
+def _log_neg(y: Tensor, activation: str) -> Tensor:
+    """``log(-phi(y))`` for ``y < 0``, exact where ``phi(y)`` is tiny."""
+    return torch.log(-y).add_(act.ACTIVATIONS[activation].minimum.log_tail(y))
+
+
+def _log_neg_derivative(y: Tensor, activation: str) -> Tensor:
+    return act.ACTIVATIONS[activation].minimum.log_tail_derivative(y).add_(y.reciprocal())
+
+
+def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Tensor:
+    """``y`` with ``phi(y) = z`` on the branch ``left`` (``y < y*``) names, in ``z``'s dtype.
+
+    ``stored``: the dtype ``z`` was rounded to. A left-branch ``z`` that underflowed to 0 is
+    taken as the smallest subnormal of that dtype: ``y`` then is the point below which every
+    output rounds to 0 (docs/design.md: the bound)."""
+    y_star, z_star, c = minimum(activation)
+    info = torch.finfo(z.dtype)
+    # below this, G and H are dominated by the rounding of z: use their slope at y*
+    floor = 4 * math.sqrt(info.eps)
+    smallest = torch.finfo(stored).tiny * torch.finfo(stored).eps
+    slope_right = math.sqrt(c / 2)
+    slope_left = math.sqrt(c / (2 * -z_star))
+    log_star = math.log(-z_star)
+    # z* in two parts: z - z_hi is exact near z* (Sterbenz), so z* rounded to z's dtype does
+    # not shift every target near the minimum by the same amount (measured in float32: 8x
+    # the weight-gradient error of the exact inverse, 1.0x with the split)
+    z_hi = float(torch.tensor(z_star, dtype=z.dtype))
+    z_lo = z_star - z_hi
+
+    def above_minimum(f: Tensor) -> Tensor:
+        return (f - z_hi).sub_(z_lo)
+
+    y_hi = float(torch.tensor(y_star, dtype=z.dtype))
+    y_lo = y_star - y_hi
+    series = TAYLOR[activation] if z.dtype == torch.float32 else None
+
+    def phi_above_minimum(y: Tensor) -> tuple[Tensor, Tensor]:
+        """``(phi(y), phi(y) - z*)``, the latter from the Taylor series near y* (float32)."""
+        f = value(y, activation)
+        d = above_minimum(f)
+        if series is None:
+            return f, d
+        u = (y - y_hi).sub_(y_lo)
+        poly = torch.full_like(u, series[-1])
+        for coefficient in series[-2::-1]:
+            poly.mul_(u).add_(coefficient)
+        poly.mul_(u).mul_(u)
+        return f, torch.where(u.abs() <= TAYLOR_RADIUS, poly, d)
+
+    def log_ratio(f: Tensor, d: Tensor, log_f: Tensor | None) -> Tensor:
+        # log(z* / f) for z* <= f < 0: log1p(d / -f) near the minimum, where it is exact;
+        # log(-z*) - log(-f) in the tail, where d / -f grows without bound
+        ratio = d / -f
+        tail = log_star - (torch.log(-f) if log_f is None else log_f)
+        return torch.where(ratio <= 1, torch.log1p(ratio), tail).clamp_(min=0)
+
+    # right branch: G(y) = sqrt(phi(y) - z*) = target_r
+    target_r = above_minimum(z).clamp_(min=0).sqrt_()
+    y_r = torch.maximum(target_r / slope_right + y_star, z)
+    # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
+    z_left = z.clamp(min=z_star, max=-smallest)
+    target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
+    y_l = y_star - target_l / slope_left
+    if act.ACTIVATIONS[activation].minimum.exponential_tail:
+        y_l = torch.minimum(y_l, y_star - target_l.square())
+    for _ in range(ITERATIONS[z.dtype]):
+        g = phi_above_minimum(y_r)[1].clamp_(min=0).sqrt_()
+        g_slope = derivative(y_r, activation) / (2 * g).clamp_(min=info.tiny)
+        g_slope = torch.where(g > floor, g_slope, slope_right)
+        y_r = (y_r - (g - target_r) / g_slope).clamp_(min=y_star)
+        f, d = phi_above_minimum(y_l)
+        f = f.clamp_(max=-info.tiny)
+        h = log_ratio(f, d.clamp_(min=0), _log_neg(y_l, activation)).sqrt_()
+        h_slope = _log_neg_derivative(y_l, activation) / (-2 * h).clamp_(max=-info.tiny)
+        h_slope = torch.where(h > floor, h_slope, -slope_left)
+        y_l = (y_l - (h - target_l) / h_slope).clamp_(max=y_star)
+    return torch.where(left, y_l, y_r)
+
+
+# ------------------------------------------------------------------ the branch bits
+
+def _bit_weights(device: torch.device) -> Tensor:
+    return torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """A bool tensor as ``uint8`` bytes, eight elements each in its logical (contiguous)
+    order, the last byte padded with zeros: ``ceil(numel / 8)`` bytes."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = F.pad(flat, (0, pad))
+    return flat.view(-1, 8).mul_(_bit_weights(mask.device)).sum(-1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
+    """The inverse of :func:`pack_bits`: a contiguous bool tensor of ``shape``."""
+    bits = packed.unsqueeze(-1).bitwise_and(_bit_weights(packed.device)).ne(0)
+    return bits.reshape(-1)[: math.prod(shape)].view(shape)
+
+
+__all__ = ["invert", "minimum", "pack_bits", "unpack_bits"]

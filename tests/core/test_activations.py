@@ -1,0 +1,80 @@
+"""The activation registry (iabn.kernels.activations): each record's functions against torch's
+own module of it, in float64, and the facts the kernels and iabn.convert read from it."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from iabn.kernels import activations as act
+
+from helpers import BRANCH, INVERTIBLE, activation_names, param_for
+
+F64 = torch.float64
+
+
+def _points():
+    return torch.cat([torch.linspace(-12, 12, 2401, dtype=F64),
+                      torch.tensor([0.0, -0.0, 1e-300, -1e-300, -30.0, 30.0], dtype=F64)])
+
+
+@pytest.mark.parametrize("name", activation_names())
+def test_apply_and_apply__are_torch_s_module(name):
+    record = act.ACTIVATIONS[name]
+    param = param_for(name)
+    y = _points()
+    expected = record.torch_module(param)(y)
+    assert torch.equal(record.apply(y, param), expected)
+    assert torch.equal(record.apply_(y.clone(), param), expected)
+
+
+@pytest.mark.parametrize("name", INVERTIBLE)
+def test_invert_and_grad_from_output_recover_torch_s_input_and_gradient(name):
+    record = act.ACTIVATIONS[name]
+    param = param_for(name)
+    y = torch.linspace(-6, 6, 1201, dtype=F64).requires_grad_()
+    z = record.torch_module(param)(y)
+    dz = torch.linspace(-1, 1, y.numel(), dtype=F64)
+    (dy,) = torch.autograd.grad(z, y, dz)
+    torch.testing.assert_close(record.invert(z.detach(), param), y.detach(), rtol=1e-12,
+                               atol=1e-12)
+    torch.testing.assert_close(record.grad_from_output(dz, z.detach(), param), dy,
+                               rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", BRANCH)
+def test_the_minimum_s_functions_are_torch_s(name):
+    """``value`` and ``derivative`` equal torch's module and its autograd derivative; the
+    log tail is ``log(phi(y) / y)`` and its derivative that of the log tail, for ``y < 0``."""
+    minimum = act.ACTIVATIONS[name].minimum
+    module = act.ACTIVATIONS[name].torch_module()
+    y = torch.linspace(-8, 8, 1601, dtype=F64).requires_grad_()
+    z = module(y)
+    (slope,) = torch.autograd.grad(z.sum(), y)
+    y = y.detach()
+    # (gelu's erfc form differs from torch's erf form where the latter cancels: 1.5e-16)
+    torch.testing.assert_close(minimum.value(y), z.detach(), rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(minimum.derivative(y), slope, rtol=1e-12, atol=1e-15)
+    # (above -3, where torch's gelu loses under 1e-13 of itself to cancellation)
+    left = y[(y < -1e-3) & (y > -3)].clone().requires_grad_()
+    tail = torch.log(module(left) / left)
+    (tail_slope,) = torch.autograd.grad(tail.sum(), left)
+    torch.testing.assert_close(minimum.log_tail(left.detach()), tail.detach(), rtol=1e-12,
+                               atol=1e-14)
+    torch.testing.assert_close(minimum.log_tail_derivative(left.detach()), tail_slope,
+                               rtol=1e-9, atol=1e-12)
+
+
+def test_kinds_and_codes():
+    """Every activation the kernels run has its own code, which the kernels' source names;
+    the activations with a minimum are those that need a branch bit."""
+    codes = [a.code for a in act.ACTIVATIONS.values() if a.code is not None]
+    assert len(codes) == len(set(codes))
+    assert set(act.IN_PLACE_ACTIVATIONS) == {n for n, a in act.ACTIVATIONS.items()
+                                             if a.code is not None}
+    source = (Path(act.__file__).parent / "triton_kernels.py").read_text()
+    for name, record in act.ACTIVATIONS.items():
+        assert record.needs_branch == (record.minimum is not None)
+        assert not (record.invertible and record.needs_branch), name
+        if record.code is not None:
+            assert f'"{name}"' in source, name
