@@ -156,6 +156,8 @@ def test_mixed_parameter_dtypes():
         ({"activation": "elu", "activation_param": 0.0}, "alpha of elu"),
         ({"gamma_mode": "positive"}, "use 'signed'.*or 'abs'"),
         ({"variant": 3}, "variant=3"),
+        ({"momentum": math.nan}, "momentum=nan: must be a finite number"),
+        ({"momentum": math.inf}, "momentum=inf: must be a finite number"),
     ],
     ids=str,
 )
@@ -164,6 +166,33 @@ def test_invalid_configuration_rejected_at_construction(kwargs, message):
         iabn.InPlaceABN(8, **kwargs)
     with pytest.raises(ValueError, match=message):
         inplace_abn(torch.randn(2, 8), None, None, training=True, **kwargs)
+
+
+@pytest.mark.parametrize("cls", [iabn.ABN, iabn.InPlaceABN])
+def test_a_nan_momentum_assigned_is_refused_before_anything_changes(cls):
+    layer = cls(4)
+    with pytest.raises(ValueError, match="momentum=nan: must be a finite number"):
+        layer.momentum = math.nan
+    assert layer.momentum == 0.1
+    layer(torch.randn(2, 4, 3, 3))
+    assert torch.isfinite(layer.running_mean).all() and torch.isfinite(layer.running_var).all()
+
+
+@pytest.mark.parametrize("training", ["yes", "no", 1, None, torch.tensor(True)],
+                         ids=["'yes'", "'no'", "1", "None", "tensor"])
+def test_training_of_the_functionals_must_be_a_bool(training):
+    """``training="no"`` is truthy: it would train. Nothing is written before the refusal."""
+    from iabn.compat import functions
+
+    x = torch.randn(2, 4, 3, 3)
+    rm, rv = torch.zeros(4), torch.ones(4)
+    for call in (lambda: inplace_abn(x, rm, rv, training=training),
+                 lambda: abn(x, rm, rv, training=training),
+                 lambda: functions.inplace_abn(x, None, None, rm, rv, training)):
+        before = x.clone()
+        with pytest.raises(TypeError, match=r"training=.*: must be True or False"):
+            call()
+        assert torch.equal(x, before) and torch.equal(rm, torch.zeros(4))
 
 
 def test_abn_accepts_relu_but_rejects_unknown():

@@ -78,10 +78,11 @@ class ABN(modules.ABN):
         device=None,
         dtype=None,
         gamma_mode: str = SIGNED,
+        bias: bool = True,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
-            activation_param, device, dtype, gamma_mode=gamma_mode,
+            activation_param, device, dtype, gamma_mode=gamma_mode, bias=bias,
         )
 
 
@@ -107,10 +108,12 @@ class InPlaceABN(modules.InPlaceABN, ABN):
         track_running_stats: bool = True,
         activation: str = "leaky_relu",
         activation_param: float = 0.01,
+        *,
+        bias: bool = True,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
-            activation_param, gamma_mode=ABS,
+            activation_param, gamma_mode=ABS, bias=bias,
         )
 
 
@@ -133,10 +136,12 @@ class _ZeroSlopeInPlaceABN(InPlaceABN):
         track_running_stats: bool = True,
         activation: str = "leaky_relu",
         activation_param: float = 0.01,
+        *,
+        bias: bool = True,
     ) -> None:
         warn_zero_slope("InPlaceABN")
         ABN.__init__(self, num_features, eps, momentum, affine, track_running_stats, "relu",
-                     0.0, gamma_mode=ABS)
+                     0.0, gamma_mode=ABS, bias=bias)
         self.variant = 2
         self.__dict__["_in_place"] = False
 
@@ -161,10 +166,12 @@ class InPlaceABNSync(distributed.InPlaceABNSync, ABN):
         activation: str = "leaky_relu",
         activation_param: float = 0.01,
         group: Any = None,
+        *,
+        bias: bool = True,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
-            activation_param, gamma_mode=ABS, group=group,
+            activation_param, gamma_mode=ABS, group=group, bias=bias,
         )
 
     def set_group(self, group: Any) -> None:

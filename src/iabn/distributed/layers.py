@@ -87,11 +87,12 @@ class InPlaceABNSync(_Synchronised, InPlaceABN):
         gamma_mode: str = SIGNED,
         group: Any = None,
         overwrite_input: bool = True,
+        bias: bool = True,
     ) -> None:
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
             activation_param, device, dtype, gamma_mode=gamma_mode,
-            overwrite_input=overwrite_input,
+            overwrite_input=overwrite_input, bias=bias,
         )
         self.group = group
         self._ranks_checked = False
@@ -121,6 +122,7 @@ class ABNSync(_Synchronised, ABN):
         *,
         gamma_mode: str = SIGNED,
         group: Any = None,
+        bias: bool = True,
     ) -> None:
         if activation == "relu":
             raise ValueError(
@@ -132,7 +134,7 @@ class ABNSync(_Synchronised, ABN):
                       momentum=momentum, branch=True)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
-            activation_param, device, dtype, gamma_mode=gamma_mode,
+            activation_param, device, dtype, gamma_mode=gamma_mode, bias=bias,
         )
         self.group = group
         self._ranks_checked = False

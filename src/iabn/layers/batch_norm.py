@@ -23,6 +23,7 @@ from ..autograd.function import compute_abn, compute_inplace
 from ..kernels.activations import WITH_PARAMETER
 from ..kernels.common import ABS, SIGNED, LayerConfig
 from .checks import (
+    check_flag,
     check_inputs,
     check_num_features,
     check_options,
@@ -144,11 +145,15 @@ class ABN(ValidatedOptions, _NormBase):
         dtype=None,
         *,
         gamma_mode: str = SIGNED,
+        bias: bool = True,
     ) -> None:
         check_num_features(num_features)
         check_options(activation, activation_param, gamma_mode, in_place=self._needs_inverse,
                       eps=eps, momentum=momentum, branch=self._branch_bit)
+        check_flag("bias", bias)
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        if not bias:  # as nn.BatchNorm2d(C, bias=False): no bias parameter, none in state_dict
+            self.register_parameter("bias", None)
         self.activation = activation
         self.activation_param = float(activation_param)
         self.gamma_mode = gamma_mode
@@ -310,6 +315,8 @@ class ABN(ValidatedOptions, _NormBase):
             text += f", activation_param={self.activation_param}"
         if self.gamma_mode != SIGNED:
             text += f", gamma_mode={self.gamma_mode}"
+        if self.affine and self.bias is None:
+            text += ", bias=False"
         return text
 
 
@@ -379,12 +386,13 @@ class InPlaceABN(OverwriteInputOption, ABN):
         gamma_mode: str = SIGNED,
         variant: int = 2,
         overwrite_input: bool = True,
+        bias: bool = True,
     ) -> None:
         check_options(activation, activation_param, gamma_mode, in_place=True, variant=variant,
                       eps=eps, momentum=momentum, branch=self._branch_bit)
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, activation,
-            activation_param, device=device, dtype=dtype, gamma_mode=gamma_mode,
+            activation_param, device=device, dtype=dtype, gamma_mode=gamma_mode, bias=bias,
         )
         self.variant = variant
         self.overwrite_input = overwrite_input
@@ -427,5 +435,7 @@ def rebuilt_as(source: nn.Module, cls: type[Layer], activation: str, activation_
                     source.track_running_stats)
     else:
         settings = (source.num_groups, source.num_channels, source.eps, source.affine)
+    if source.affine and source.bias is None:  # nn.BatchNorm2d(C, bias=False) and the like
+        options.setdefault("bias", False)
     layer = cls(*settings, activation, activation_param, device="meta", **options)
     return holding_tensors_of(layer, source)

@@ -53,6 +53,12 @@ def _check_options(
             f"momentum={momentum!r}: must be a number (the running-statistics factor, e.g. "
             f"0.1) or None (a cumulative average)"
         )
+    if momentum is not None and not math.isfinite(momentum):
+        raise ValueError(
+            f"momentum={momentum!r}: must be a finite number (the running-statistics factor, "
+            f"e.g. 0.1) or None (a cumulative average); a NaN would make every running "
+            f"statistic NaN"
+        )
     check_activation(activation, activation_param, in_place=in_place, branch=branch)
     check_gamma_mode(gamma_mode)
     if variant not in (1, 2) or isinstance(variant, bool):
@@ -80,6 +86,12 @@ def check_eps(eps: float) -> None:
             f"eps={eps!r}: must be a finite number > 0 (e.g. 1e-5); eps <= 0 divides by zero "
             f"(NaN outputs and gradients) on a channel whose values are all equal"
         )
+
+
+def check_flag(name: str, value: object) -> None:
+    """A yes/no option must be a bool: ``training="no"`` is truthy and would train."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r}: must be True or False")
 
 
 def check_num_features(num_features: int) -> None:
@@ -361,6 +373,7 @@ def checked_call(
     since a synchronised call may hold a single value per channel. ``group`` is ``None``
     without it.
     """
+    check_flag("training", training)
     check_options(activation, activation_param, gamma_mode, in_place=in_place, variant=variant,
                   eps=eps, momentum=momentum, branch=branch)
     check_argument_order(function, running_mean, running_var)

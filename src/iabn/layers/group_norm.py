@@ -62,6 +62,7 @@ from .batch_norm import (
 from .checks import (
     SUPPORTED_DTYPES,
     check_channel_tensor,
+    check_flag,
     check_options,
     check_param_dtypes,
     check_per_call,
@@ -352,19 +353,24 @@ class GroupNormAct(ValidatedOptions, nn.Module):
         dtype=None,
         *,
         gamma_mode: str = SIGNED,
+        bias: bool = True,
     ) -> None:
         check_groups(num_groups, num_channels)
         check_options(activation, activation_param, gamma_mode, in_place=self._needs_inverse,
                       eps=eps)
+        check_flag("bias", bias)
         super().__init__()
         factory = {"device": device, "dtype": dtype}
         self.num_groups = num_groups
         self.num_channels = num_channels
         self.eps = eps
         self.affine = affine
-        if affine:
+        if affine:  # bias=False: as nn.GroupNorm(G, C, bias=False), no bias parameter
             self.weight = nn.Parameter(torch.empty(num_channels, **factory))
-            self.bias = nn.Parameter(torch.empty(num_channels, **factory))
+            if bias:
+                self.bias = nn.Parameter(torch.empty(num_channels, **factory))
+            else:
+                self.register_parameter("bias", None)
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
@@ -386,7 +392,8 @@ class GroupNormAct(ValidatedOptions, nn.Module):
     def reset_parameters(self) -> None:
         if self.affine:
             nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
+            if self.bias is not None:
+                nn.init.zeros_(self.bias)
 
     def _options(self) -> tuple[int, float, str, float, str]:
         return (self.num_groups, self.eps, self.activation, self.activation_param,
@@ -421,6 +428,8 @@ class GroupNormAct(ValidatedOptions, nn.Module):
             text += f", activation_param={self.activation_param}"
         if self.gamma_mode != SIGNED:
             text += f", gamma_mode={self.gamma_mode}"
+        if self.affine and self.bias is None:
+            text += ", bias=False"
         return text
 
 
@@ -453,9 +462,10 @@ class InPlaceGroupNormAct(OverwriteInputOption, GroupNormAct):
         *,
         gamma_mode: str = SIGNED,
         overwrite_input: bool = True,
+        bias: bool = True,
     ) -> None:
         super().__init__(num_groups, num_channels, eps, affine, activation, activation_param,
-                         device, dtype, gamma_mode=gamma_mode)
+                         device, dtype, gamma_mode=gamma_mode, bias=bias)
         self.overwrite_input = overwrite_input
 
     def forward(self, input: Tensor) -> Tensor:
