@@ -15,10 +15,17 @@ from iabn import compat
 C = 6
 
 
+def _without_bias(norm):
+    """PyTorch's norm with what its ``bias=False`` does (no bias parameter), made by hand:
+    torch 2.14 has the keyword, torch 2.11 (the oldest supported) does not."""
+    norm.register_parameter("bias", None)
+    return norm
+
+
 def _pairs():
     """(iabn layer, PyTorch reference: norm without bias + the same activation)."""
     def bn():
-        return nn.BatchNorm2d(C, bias=False)
+        return _without_bias(nn.BatchNorm2d(C))
 
     return {
         "ABN": (lambda: iabn.ABN(C, bias=False),
@@ -32,10 +39,10 @@ def _pairs():
                                     overwrite_input=False),
             lambda: nn.Sequential(bn(), nn.ELU())),
         "GroupNormAct": (lambda: iabn.GroupNormAct(2, C, bias=False),
-                         lambda: nn.Sequential(nn.GroupNorm(2, C, bias=False),
+                         lambda: nn.Sequential(_without_bias(nn.GroupNorm(2, C)),
                                                nn.LeakyReLU(0.01))),
         "InPlaceGroupNormAct": (lambda: iabn.InPlaceGroupNormAct(2, C, bias=False),
-                                lambda: nn.Sequential(nn.GroupNorm(2, C, bias=False),
+                                lambda: nn.Sequential(_without_bias(nn.GroupNorm(2, C)),
                                                       nn.LeakyReLU(0.01))),
     }
 
@@ -88,7 +95,7 @@ def test_every_constructor_takes_it_and_checks_it():
 
 
 def test_convert_keeps_a_norm_without_bias():
-    model = nn.Sequential(nn.Conv2d(3, C, 3, padding=1), nn.BatchNorm2d(C, bias=False),
+    model = nn.Sequential(nn.Conv2d(3, C, 3, padding=1), _without_bias(nn.BatchNorm2d(C)),
                           nn.LeakyReLU(0.01), nn.Conv2d(C, 2, 1)).double()
     with torch.no_grad():
         model[1].weight.uniform_(0.5, 1.5)
