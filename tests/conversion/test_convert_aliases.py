@@ -26,7 +26,6 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 import iabn
-from analysis_paths import ANALYSES, force_recording
 
 C = 6
 # Conversion computes the same float64 operations in another order. The largest difference
@@ -35,12 +34,9 @@ C = 6
 TOL = 1e-12
 
 
-@pytest.fixture(autouse=True, params=ANALYSES)
-def analysis(request, monkeypatch):
-    """Every model here is checked on both ways to a graph: fx's trace and a recorded run."""
-    if request.param == "recorded run":
-        force_recording(monkeypatch)
-    return request.param
+# Every model here is checked on both ways to a graph: fx's trace and a recorded run
+# (the fixture ``analysis``, tests/conversion/conftest.py).
+pytestmark = pytest.mark.usefixtures("analysis")
 
 
 def _x(seed=0):

@@ -298,12 +298,11 @@ def _record_both(model: nn.Module, args: tuple) -> tuple[dict[bool, Traced], tup
             try:
                 traced[mode], saves, norm_inputs = record(model, args, mode, count_saves=mode)
             except Exception as error:
-                first = str(error).strip().splitlines()[0] if str(error).strip() else ""
                 raise ValueError(
                     f"example_input: {type(model).__name__}'s forward fails on it in "
-                    f"{'train' if mode else 'eval'} mode ({type(error).__name__}: "
-                    f"{first[:200]}); give an input the model runs on, e.g. a batch of the "
-                    f"training data") from error
+                    f"{'train' if mode else 'eval'} mode ({_first_line(error, 200)}); give "
+                    f"an input the model runs on, e.g. a batch of the training data"
+                ) from error
         if mode:
             counted = (saves, norm_inputs)
     return traced, counted
@@ -337,9 +336,14 @@ def _bytes_by_norm(graph: fx.Graph, modules: dict[str, nn.Module], saves: Any,
     return result, sum(sizes.values()), input_savers
 
 
+def _first_line(error: Exception, most: int) -> str:
+    """``TraceError: its first line``, cut at ``most`` characters, for a one-line message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0][:most] if lines else ''}"
+
+
 def _fx_failure(model: nn.Module, error: Exception) -> str:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
-    return f"torch.fx cannot trace {type(model).__name__} ({type(error).__name__}: {first[:120]})"
+    return f"torch.fx cannot trace {type(model).__name__} ({_first_line(error, 120)})"
 
 
 def _listed(items: list[str], most: int = 3) -> str:
@@ -436,8 +440,6 @@ def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy:
     the same path whatever their input's values; each is converted with the input it got
     in this run, its outputs counted as written by the code around it (which the recorded
     graph cannot vouch for). Norms outside them are left as they are."""
-    calls = {name: [*traced[True].calls.get(name, []), *traced[False].calls.get(name, [])]
-             for name in {*traced[True].calls, *traced[False].calls}}
     parts: list[str] = []
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -445,12 +447,10 @@ def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy:
             name = f"{prefix}.{child_name}" if prefix else child_name
             if not any(is_convertible_norm(m) for m in child.modules()):
                 continue
-            runs = calls.get(name, [])
-            if not runs or any(runs):  # a container, or values read inside: look deeper
-                visit(name, child)
-            elif (not is_convertible_norm(child)
-                  and len(traced[True].calls.get(name, [])) <= 1
-                  and len(traced[False].calls.get(name, [])) <= 1):
+            per_mode = [t.calls.get(name, []) for t in traced.values()]  # a bool per call
+            if not any(per_mode) or any(map(any, per_mode)):
+                visit(name, child)  # a container, or values read inside: look deeper
+            elif not is_convertible_norm(child) and all(len(c) <= 1 for c in per_mode):
                 parts.append(name)
 
     visit("", original)

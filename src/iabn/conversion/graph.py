@@ -30,7 +30,7 @@ import inspect
 import operator
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -187,28 +187,36 @@ class Tracer(fx.Tracer):
                             may_write=True, needs_class=True)
 
 
-def _stored_proxies(root: nn.Module, depth: int = 4) -> dict[int, str]:
-    """``id(proxy) -> "name.attribute[0]"`` for the proxies held in ``root``'s modules'
-    attributes, inside lists, tuples and dicts up to ``depth`` levels."""
-    found: dict[int, str] = {}
+def attribute_values(root: nn.Module, kind: type, depth: int = 4) -> Iterator[tuple[Any, str]]:
+    """The values of type ``kind`` held in ``root``'s modules' attributes (not their modules,
+    parameters, buffers nor a ``forward`` put on the instance), inside lists, tuples and
+    dicts up to ``depth`` levels, each with where it is (``"name.attribute[0]"``)."""
 
-    def visit(value: Any, path: str, level: int) -> None:
-        if isinstance(value, fx.Proxy):
-            found.setdefault(id(value), path)
-            while isinstance(value, Attribute):  # ``h.mT``, a view of h: h is what escapes
-                value = value.root
-                found.setdefault(id(value), path)
+    def visit(value: Any, path: str, level: int) -> Iterator[tuple[Any, str]]:
+        if isinstance(value, kind):
+            yield value, path
         elif level < depth and isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
-                visit(item, f"{path}[{i}]", level + 1)
+                yield from visit(item, f"{path}[{i}]", level + 1)
         elif level < depth and isinstance(value, dict):
             for key, item in value.items():
-                visit(item, f"{path}[{key!r}]", level + 1)
+                yield from visit(item, f"{path}[{key!r}]", level + 1)
 
     for name, m in root.named_modules():
         for attribute, value in vars(m).items():
-            if attribute not in ("_modules", "_parameters", "_buffers"):
-                visit(value, f"{name}.{attribute}" if name else attribute, 0)
+            if attribute not in ("_modules", "_parameters", "_buffers", "forward"):
+                yield from visit(value, f"{name}.{attribute}" if name else attribute, 0)
+
+
+def _stored_proxies(root: nn.Module) -> dict[int, str]:
+    """``id(proxy) -> "name.attribute[0]"`` for the proxies held in ``root``'s modules'
+    attributes (:func:`attribute_values`); ``h.mT`` stored names ``h`` too (a view of it)."""
+    found: dict[int, str] = {}
+    for value, path in attribute_values(root, fx.Proxy):
+        found.setdefault(id(value), path)
+        while isinstance(value, Attribute):
+            value = value.root
+            found.setdefault(id(value), path)
     return found
 
 

@@ -52,8 +52,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..memory import attributing_saves, state_keys, storage_key
 from .graph import (
     INPLACE_OPERATORS,
+    Escape,
     Traced,
     add_escape,
+    attribute_values,
     hook_kinds,
     is_convertible_norm,
     is_leaf,
@@ -111,7 +113,7 @@ class _Recorder(TorchFunctionMode):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.graph = fx.Graph()
-        self.escapes: dict[fx.Node, Any] = {}
+        self.escapes: dict[fx.Node, Escape] = {}
         self.value_reads: list[str] = []
         self.node_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> its node
         self.state = {id(t): name for name, t in (*model.named_parameters(),
@@ -304,26 +306,6 @@ def _held_by_python(recorder: _Recorder, known: set[fx.Node]) -> list[fx.Node]:
     return held
 
 
-def _stored_tensors(root: nn.Module, depth: int = 4) -> Iterator[tuple[Tensor, str]]:
-    """The tensors held in ``root``'s modules' attributes (not parameters or buffers), inside
-    lists, tuples and dicts up to ``depth`` levels, with where they are."""
-
-    def visit(value: Any, path: str, level: int) -> Iterator[tuple[Tensor, str]]:
-        if isinstance(value, Tensor):
-            yield value, path
-        elif level < depth and isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                yield from visit(item, f"{path}[{i}]", level + 1)
-        elif level < depth and isinstance(value, dict):
-            for key, item in value.items():
-                yield from visit(item, f"{path}[{key!r}]", level + 1)
-
-    for name, m in root.named_modules():
-        for attribute, value in vars(m).items():
-            if attribute not in ("_modules", "_parameters", "_buffers", "forward"):
-                yield from visit(value, f"{name}.{attribute}" if name else attribute, 0)
-
-
 def record(model: nn.Module, args: tuple, training: bool,
            count_saves: bool = False) -> tuple[Traced, Any, dict[str, Any]]:
     """Run ``model(*args)`` once in training or eval mode and record its graph (see the
@@ -358,7 +340,7 @@ def record(model: nn.Module, args: tuple, training: bool,
                    f"passed to {' and '.join(kinds)} of the model", may_write=True,
                    needs_class=True)
     stored = {}
-    for t, where in _stored_tensors(model):
+    for t, where in attribute_values(model, Tensor):
         for node in _nodes_of(recorder, t):
             stored.setdefault(node, where)
     for node, where in stored.items():
