@@ -2,6 +2,8 @@
 
 ``inplace_abn`` overwrites ``input`` with its result and returns it; ``abn`` is the standard,
 non-in-place composition (batch norm, then activation) with the same parametrisation.
+``inplace_layer_norm`` and ``inplace_rms_norm`` take ``F.layer_norm``'s and ``F.rms_norm``'s
+arguments (:mod:`iabn.layers.layer_norm`).
 
 Argument order follows ``F.batch_norm`` — ``(input, running_mean, running_var, weight, bias,
 training, momentum, eps)`` — not the original ``inplace_abn`` package, whose functional put
@@ -18,6 +20,7 @@ from torch import Tensor
 from .autograd.function import compute_abn, compute_inplace
 from .distributed.function import inplace_abn_sync
 from .layers.checks import checked_call
+from .layers.layer_norm import inplace_layer_norm, inplace_rms_norm
 
 
 def inplace_abn(
@@ -91,4 +94,4 @@ def abn(
     return compute_abn(input, running_mean, running_var, weight, bias, config)
 
 
-__all__ = ["abn", "inplace_abn", "inplace_abn_sync"]
+__all__ = ["abn", "inplace_abn", "inplace_abn_sync", "inplace_layer_norm", "inplace_rms_norm"]
