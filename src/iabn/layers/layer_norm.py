@@ -45,7 +45,8 @@ per training forward on CUDA.
 Half inputs (float16, bfloat16, also with float32 parameters as autocast and FSDP give them):
 forward as PyTorch computes it; backward rebuilds ``xhat`` in float32, a part of the rows at a
 time in eager mode (rows are independent, so the parts are exact), writing ``dx`` in the
-input's dtype. Double backward is refused. Under ``torch.compile`` Dynamo traces the
+input's dtype. Double backward is refused; forward-mode AD and ``torch.func`` compute the
+layer by composition. Under ``torch.compile`` Dynamo traces the
 ``autograd.Function`` as it is (ATen calls), on a copy of an input to be overwritten
 (:func:`iabn.autograd.function.overwritable`).
 """
@@ -62,7 +63,7 @@ from torch import Tensor, nn
 
 from .. import debug
 from ..autograd.function import needs_grad as layer_needs_grad
-from ..autograd.function import overwritable
+from ..autograd.function import overwritable, transformed
 from ..kernels.common import LOW_PRECISION
 from ..kernels.reference import at_most, part_count
 from .batch_norm import OverwriteInputOption
@@ -356,6 +357,19 @@ def norm_call(input: Tensor, weight: Tensor | None, bias: Tensor | None,
     if overwrite and debug._ACTIVE and debug.intercepts():
         return debug.poisoned_call(
             lambda copy: norm_call(copy, weight, bias, *options, layer), input, layer)
+    if transformed():
+        # forward-mode AD and torch.func, which cannot run the Function: PyTorch's own norm
+        # of a copy (its backward keeps that copy), written into the input
+        v = _view(input, channels)
+        source = v.clone() if overwrite else v
+        if kind == LAYER:
+            out = torch.nn.functional.layer_norm(source, shape, weight, bias, eps)
+        else:
+            out = torch.nn.functional.rms_norm(source, shape, weight, eps)
+        if not overwrite:
+            return out.movedim(-1, 1) if channels else out
+        v.copy_(out)
+        return input
     if not layer_needs_grad(input, weight, bias):
         v = _view(input, channels)
         with torch.no_grad():
