@@ -19,6 +19,7 @@ from torch import Tensor
 
 from .autograd.function import compute_abn, compute_inplace
 from .distributed.function import inplace_abn_sync
+from .layers.activation import gelu_activation, inplace_activation
 from .layers.checks import checked_call
 from .layers.layer_norm import inplace_layer_norm, inplace_rms_norm
 
@@ -94,4 +95,29 @@ def abn(
     return compute_abn(input, running_mean, running_var, weight, bias, config)
 
 
-__all__ = ["abn", "inplace_abn", "inplace_abn_sync", "inplace_layer_norm", "inplace_rms_norm"]
+def inplace_gelu(input: Tensor, approximate: str = "none", *,
+                 overwrite_input: bool = True) -> Tensor:
+    """``F.gelu(input, approximate=approximate)`` that keeps only its output and one bit per
+    element for backward (:class:`iabn.InPlaceGELU`): written into ``input``, which is
+    returned, or with ``overwrite_input=False`` into a new tensor."""
+    return inplace_activation(input, gelu_activation(approximate),
+                              overwrite_input=overwrite_input,
+                              layer="iabn.functional.inplace_gelu")
+
+
+def inplace_silu(input: Tensor, *, overwrite_input: bool = True) -> Tensor:
+    """``F.silu(input)`` that keeps only its output and one bit per element for backward
+    (:class:`iabn.InPlaceSiLU`); ``overwrite_input`` as :func:`inplace_gelu`."""
+    return inplace_activation(input, "silu", overwrite_input=overwrite_input,
+                              layer="iabn.functional.inplace_silu")
+
+
+def inplace_mish(input: Tensor, *, overwrite_input: bool = True) -> Tensor:
+    """``F.mish(input)`` that keeps only its output and one bit per element for backward
+    (:class:`iabn.InPlaceMish`); ``overwrite_input`` as :func:`inplace_gelu`."""
+    return inplace_activation(input, "mish", overwrite_input=overwrite_input,
+                              layer="iabn.functional.inplace_mish")
+
+
+__all__ = ["abn", "inplace_abn", "inplace_abn_sync", "inplace_activation", "inplace_gelu",
+           "inplace_layer_norm", "inplace_mish", "inplace_rms_norm", "inplace_silu"]

@@ -9,7 +9,7 @@ invertible (``leaky_relu``, ``elu``, ``identity``)
     ``y = phi^-1(z)`` and ``dy = phi'(y) dz`` from ``z`` alone (:attr:`Activation.invert`,
     :attr:`Activation.grad_from_output`), on PyTorch's own vectorised kernels (``leaky_relu``,
     ``elu`` and their ``*_backward`` ops evaluated from the output), never per-element Python.
-with one minimum (``silu``, ``gelu``, ``mish``: :attr:`Activation.needs_branch`)
+with one minimum (``silu``, ``gelu``, ``gelu_tanh``, ``mish``: :attr:`Activation.needs_branch`)
     every output ``z* < z < 0`` comes from two inputs; the in-place batch-norm layers keep one
     bit per element that names the branch and recover ``y`` by Newton steps
     (:mod:`.branch`) on the functions of :class:`Minimum`. The in-place group-norm layer and
@@ -43,6 +43,7 @@ IDENTITY = "identity"
 RELU = "relu"
 SILU = "silu"
 GELU = "gelu"
+GELU_TANH = "gelu_tanh"
 MISH = "mish"
 
 
@@ -229,6 +230,9 @@ def _grad_relu(dz: Tensor, z: Tensor, param: float, out: Tensor | None = None) -
 # ------------------------------------------------------------------ silu, gelu, mish
 
 _SQRT1_2 = math.sqrt(0.5)
+#: ATen's in-place GELU (``F.gelu`` has no ``inplace``): the kernel of ``F.gelu``, writing
+#: its input.
+_GELU_INPLACE = torch.ops.aten.gelu_.default
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 
@@ -272,7 +276,57 @@ def _gelu_apply_plain_(x: Tensor, param: float) -> Tensor:
     # Its backward reads its input: where autograd records x, x must stay as it is.
     if x.requires_grad and torch.is_grad_enabled():
         return F.gelu(x)
-    return x.copy_(F.gelu(x))
+    return _GELU_INPLACE(x)
+
+
+#: The tanh approximation's constants, as ATen's (``kBeta = sqrt(2 / pi)``, ``kKappa``).
+_GELU_TANH_BETA = math.sqrt(2 / math.pi)
+_GELU_TANH_KAPPA = 0.044715
+
+
+def _gelu_tanh_2u(y: Tensor) -> Tensor:
+    """``2u``, ``u = sqrt(2/pi) (y + 0.044715 y^3)``: ``(1 + tanh(u)) / 2 = sigmoid(2u)``."""
+    return y.square().mul_(_GELU_TANH_KAPPA).add_(1).mul_(y).mul_(2 * _GELU_TANH_BETA)
+
+
+def _gelu_tanh_2u_derivative(y: Tensor) -> Tensor:
+    """``d(2u)/dy = 2 sqrt(2/pi) (1 + 3 * 0.044715 y^2)``."""
+    return y.square().mul_(3 * _GELU_TANH_KAPPA).add_(1).mul_(2 * _GELU_TANH_BETA)
+
+
+def _gelu_tanh_value(y: Tensor) -> Tensor:
+    """``y * sigmoid(2u)``: torch's ``y * (1 + tanh(u)) / 2`` cancels in the left tail (float32:
+    steps of 6e-8 in ``1 + tanh(u)``, 0 below y = -5.3), this form keeps ``y`` there."""
+    return torch.sigmoid(_gelu_tanh_2u(y)).mul_(y)
+
+
+def _gelu_tanh_apply_(x: Tensor) -> Tensor:
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return x.copy_(_gelu_tanh_value(x.float()))
+    return x.copy_(_gelu_tanh_value(x))
+
+
+def _gelu_tanh_derivative(y: Tensor) -> Tensor:
+    """``s + y s (1 - s) d(2u)/dy`` with ``s = sigmoid(2u)``."""
+    s = torch.sigmoid(_gelu_tanh_2u(y))
+    return (1 - s).mul_(y).mul_(_gelu_tanh_2u_derivative(y)).add_(1).mul_(s)
+
+
+def _gelu_tanh_log_tail(y: Tensor) -> Tensor:
+    """``log sigmoid(2u)``, exact for ``y < 0``."""
+    return F.logsigmoid(_gelu_tanh_2u(y))
+
+
+def _gelu_tanh_log_tail_derivative(y: Tensor) -> Tensor:
+    return torch.sigmoid(_gelu_tanh_2u(y).neg_()).mul_(_gelu_tanh_2u_derivative(y))
+
+
+def _gelu_tanh_apply_plain_(x: Tensor, param: float) -> Tensor:
+    # torch's own tanh GELU (what nn.GELU(approximate="tanh") computes); as the exact form,
+    # into a new tensor where autograd records x (its backward reads its input)
+    if x.requires_grad and torch.is_grad_enabled():
+        return F.gelu(x, approximate="tanh")
+    return _GELU_INPLACE(x, approximate="tanh")
 
 
 def _mish_derivative(y: Tensor) -> Tensor:
@@ -304,6 +358,7 @@ def _branch(value, derivative, log_tail, log_tail_derivative, apply_, y_star, z_
 # ------------------------------------------------------------------ the registry
 
 _NONE = (("approximate", "none"),)
+_TANH = (("approximate", "tanh"),)
 
 #: Every activation, by name, in the order messages list them.
 ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
@@ -381,6 +436,26 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
         ),
     ),
     Activation(
+        GELU_TANH, 6, None, False, apply_=_gelu_tanh_apply_plain_,
+        apply=lambda x, p: F.gelu(x, approximate="tanh"),
+        make_module=lambda p, inplace: nn.GELU(approximate="tanh"),
+        minimum=_branch(
+            _gelu_tanh_value, _gelu_tanh_derivative, _gelu_tanh_log_tail,
+            _gelu_tanh_log_tail_derivative, _gelu_tanh_apply_,
+            -0.7524614220710163, -0.17004075057125406, 0.4304000910248585,
+            (0.21520004551242924, 0.12917281537859632, -0.003945713380462007,
+             -0.0227888966161918, -0.002769888057175427, 0.0028117584942618738,
+             0.000657632406865239, -0.00026919242731945523, -9.27442023020545e-05),
+            # -phi(y) falls like exp(-c |y|^3): H grows like |y|^1.5, so the linear start
+            # from y* is the better one (y = -20: -22.5)
+            exponential_tail=False,
+        ),
+        forms=TorchForms(
+            modules=(ModuleForm(nn.GELU, lambda m: m.approximate == "tanh"),),
+            functions=(FunctionForm(F.gelu, "F.gelu", _TANH),),
+        ),
+    ),
+    Activation(
         MISH, 5, None, False, apply_=lambda x, p: F.mish(x, inplace=True),
         apply=lambda x, p: F.mish(x), make_module=lambda p, inplace: nn.Mish(inplace=inplace),
         minimum=_branch(
@@ -425,24 +500,55 @@ WITH_PARAMETER = tuple(n for n, a in ACTIVATIONS.items() if a.parameter is not N
 
 def module_activation(module: nn.Module) -> tuple[str, float] | None:
     """``(name, parameter)`` of the activation ``module`` computes, if a record recognises it
-    (exact type and its condition; the parameter read from the module), else ``None``."""
-    hit = MODULE_FORMS.get(type(module))
-    if hit is None:
-        return None
-    record, form = hit
-    if form.accepts is not None and not form.accepts(module):
-        return None
-    return record.name, record.param_of(module)
+    (exact type and its condition; the parameter read from the module), else ``None``.
+    ``nn.GELU`` is two records': ``gelu`` (``approximate="none"``) and ``gelu_tanh``."""
+    for record, form in MODULE_FORMS.get(type(module), ()):
+        if form.accepts is None or form.accepts(module):
+            return record.name, record.param_of(module)
+    return None
 
 
-#: ``nn.Module`` class -> ``(record, ModuleForm)``.
-MODULE_FORMS: dict[type, tuple[Activation, ModuleForm]] = {
-    form.cls: (a, form) for a in ACTIVATIONS.values() for form in a.forms.modules
-}
-#: function -> ``(record, FunctionForm)``.
+def _index(pairs) -> dict:
+    table: dict = {}
+    for key, value in pairs:
+        table.setdefault(key, []).append(value)
+    return {key: tuple(values) for key, values in table.items()}
+
+
+#: ``nn.Module`` class -> every ``(record, ModuleForm)`` of it, in the registry's order (each
+#: form's condition picks one: ``nn.GELU``'s ``approximate``).
+MODULE_FORMS: dict[type, tuple[tuple[Activation, ModuleForm], ...]] = _index(
+    (form.cls, (a, form)) for a in ACTIVATIONS.values() for form in a.forms.modules
+)
+#: function -> every ``(record, FunctionForm)`` of it, in the registry's order: ``F.gelu`` is
+#: ``gelu`` with ``approximate="none"`` and ``gelu_tanh`` with ``"tanh"`` (the form's
+#: ``required`` keywords pick one; :func:`function_activation`).
+FUNCTION_FORM_CHOICES: dict[Callable, tuple[tuple[Activation, FunctionForm], ...]] = _index(
+    (form.function, (a, form)) for a in ACTIVATIONS.values() for form in a.forms.functions
+)
+#: function -> the first ``(record, FunctionForm)`` of :data:`FUNCTION_FORM_CHOICES` (``F.gelu``:
+#: the exact ``gelu``, whose ``required`` refuses ``approximate="tanh"``). Kept for callers that
+#: take one form per function; :func:`function_activation` chooses among all of them.
 FUNCTION_FORMS: dict[Callable, tuple[Activation, FunctionForm]] = {
-    form.function: (a, form) for a in ACTIVATIONS.values() for form in a.forms.functions
+    function: choices[0] for function, choices in FUNCTION_FORM_CHOICES.items()
 }
+
+
+def function_activation(function: Callable, arguments: dict[str, object]
+                        ) -> tuple[Activation, FunctionForm] | None:
+    """The ``(record, form)`` a call of ``function`` with these keyword ``arguments`` (bound
+    by name) computes: the first form whose ``required`` keywords hold (absent ones take their
+    required value, torch's default), else ``None``."""
+    try:
+        choices = FUNCTION_FORM_CHOICES.get(function, ())
+    except TypeError:  # an unhashable callable
+        return None
+    for record, form in choices:
+        if all(arguments.get(key, value) == value for key, value in form.required):
+            return record, form
+    return None
+
+
 #: Tensor method name -> record.
 METHOD_FORMS: dict[str, Activation] = {
     method: a for a in ACTIVATIONS.values() for method in a.forms.methods

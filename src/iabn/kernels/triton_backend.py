@@ -122,6 +122,8 @@ def branch_constants(minimum: tuple[float, float, float], taylor: tuple[float, .
     values[k.LOG_SQRT_2PI] = 0.5 * math.log(2 * math.pi)
     values[k.LOG_HALF] = math.log(0.5)
     values[k.EXP_TAIL] = 1.0 if exponential_tail else 0.0
+    values[k.TANH_BETA2] = 2 * math.sqrt(2 / math.pi)  # the tanh GELU's, as ATen's
+    values[k.TANH_KAPPA] = 0.044715
     values[int(k.TAYLOR_FIRST):int(k.CHEB_FIRST)] = taylor
     values += ERFCX_SERIES
     return torch.tensor(values, dtype=compute, device=device)

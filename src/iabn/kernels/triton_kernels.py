@@ -43,9 +43,9 @@ from .activations import ACTIVATIONS
 #: activation no branch names fails to compile (``tl.static_assert``) rather than take another
 #: one's path. The activations with a branch bit (``needs_branch``) get ``BRANCH=True``: their
 #: kernels take the packed bits and a table of constants (``consts``, below).
-IDENTITY, LEAKY_RELU, ELU, SILU, GELU, MISH = (
+IDENTITY, LEAKY_RELU, ELU, SILU, GELU, MISH, GELU_TANH = (
     tl.constexpr(ACTIVATIONS[name].code)
-    for name in ("identity", "leaky_relu", "elu", "silu", "gelu", "mish")
+    for name in ("identity", "leaky_relu", "elu", "silu", "gelu", "mish", "gelu_tanh")
 )
 
 
@@ -128,7 +128,8 @@ def _recover(z, dz, ACT: tl.constexpr, param, tiny):
 
 #: Indices into ``consts`` (``constexpr``: a kernel reads no other globals).
 (Y_STAR, Z_HI, Z_LO, Y_LO, SLOPE_RIGHT, SLOPE_LEFT, LOG_STAR, FLOOR, SMALLEST, TINY, SQRT1_2,
- LOG_SQRT_2PI, LOG_HALF, EXP_TAIL, TAYLOR_FIRST) = (tl.constexpr(i) for i in range(15))
+ LOG_SQRT_2PI, LOG_HALF, EXP_TAIL, TANH_BETA2, TANH_KAPPA, TAYLOR_FIRST) = (
+    tl.constexpr(i) for i in range(17))
 #: The Taylor series has 9 coefficients; the Chebyshev series of ``erfcx`` follows it.
 CHEB_FIRST = tl.constexpr(int(TAYLOR_FIRST) + 9)
 
@@ -199,14 +200,25 @@ def _mish_tanh(y):
 
 
 @triton.jit
+def _tanh_2u(y, consts_ptr):
+    """The tanh GELU's ``2u = 2 sqrt(2/pi) (y + 0.044715 y^3)`` and ``d(2u)/dy``
+    (``(1 + tanh(u)) / 2 = sigmoid(2u)``)."""
+    beta2 = _const(consts_ptr, TANH_BETA2)
+    kappa_y2 = _const(consts_ptr, TANH_KAPPA) * (y * y)
+    return beta2 * y * (1.0 + kappa_y2), beta2 * (1.0 + 3.0 * kappa_y2)
+
+
+@triton.jit
 def _branch_value(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
     """``phi(y)``: SiLU ``y * sigmoid(y)``; GELU ``y * Phi(y)``, ``Phi`` from ``erf`` for
     ``y >= 0`` (as ``F.gelu``) and from ``erfc`` below (no cancellation in the tail); Mish
-    ``y * tanh(softplus(y))``."""
+    ``y * tanh(softplus(y))``; tanh GELU ``y * sigmoid(2u)``."""
     if ACT == SILU:
         f = y * _sigmoid(y)
     elif ACT == MISH:
         f = y * _mish_tanh(y)[0]
+    elif ACT == GELU_TANH:
+        f = y * _sigmoid(_tanh_2u(y, consts_ptr)[0])
     else:
         tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         r = _const(consts_ptr, SQRT1_2)
@@ -225,6 +237,10 @@ def _branch_derivative(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
     elif ACT == MISH:
         t, one_minus_t = _mish_tanh(y)
         d = t + y * (one_minus_t * (1.0 + t)) * _sigmoid(y)
+    elif ACT == GELU_TANH:
+        v, dv = _tanh_2u(y, consts_ptr)
+        s = _sigmoid(v)
+        d = s * (1.0 + y * (1.0 - s) * dv)
     else:
         tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         r = _const(consts_ptr, SQRT1_2)
@@ -244,6 +260,9 @@ def _log_tail(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
     elif ACT == MISH:
         e = tl.exp(y)  # log tanh(softplus(y)) = y + log1p(e / 2) - log1p(e + e^2 / 2)
         tail = y + _log1p(0.5 * e) - _log1p(e * (1.0 + 0.5 * e))
+    elif ACT == GELU_TANH:
+        v = _tanh_2u(y, consts_ptr)[0]  # log sigmoid(2u), 2u < 0
+        tail = v - _log1p(tl.exp(v))
     else:
         tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         t = -y * _const(consts_ptr, SQRT1_2)
@@ -261,6 +280,9 @@ def _log_neg_derivative(y, tail, ACT: tl.constexpr, consts_ptr):
         e = tl.exp(y)
         h = 0.5 * e
         d = 1.0 + h / (1.0 + h) - e * (1.0 + e) / (1.0 + e * (1.0 + h)) + 1.0 / y
+    elif ACT == GELU_TANH:
+        v, dv = _tanh_2u(y, consts_ptr)
+        d = _sigmoid(-v) * dv + 1.0 / y
     else:
         tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         log_density = -0.5 * y * y - _const(consts_ptr, LOG_SQRT_2PI)

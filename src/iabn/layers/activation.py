@@ -1,0 +1,335 @@
+"""Activations with one minimum as in-place layers without a norm: :class:`InPlaceGELU`,
+:class:`InPlaceSiLU`, :class:`InPlaceMish` (docs/design.md, "In-place activations without a
+norm").
+
+``z = phi(x)`` is computed by PyTorch's own function (``F.gelu``, ``F.silu``, ``F.mish``: the
+outputs are torch's, bit for bit) and written into ``x``'s storage (``overwrite_input=True``)
+or into a new tensor (``False``). Backward needs ``y = x``, which is not kept: each output
+``z* < z < 0`` comes from two inputs, so forward also keeps one bit per element, ``x < y*``,
+packed eight to a byte (:func:`iabn.kernels.branch.pack_bits`), and backward recovers ``x``
+from ``z`` and the bit by the Newton steps of :func:`iabn.kernels.branch.invert` (in float32
+for half inputs), then ``dx = phi'(x) * dz``. Saved for backward: ``z`` (the returned tensor)
+and ``ceil(numel / 8)`` bytes; ``nn.GELU`` and the others keep their input instead.
+
+The layers run on any strided input (a half of ``fc1(x).chunk(2, -1)``, a permuted view),
+under ``torch.compile`` (Dynamo traces the ``Function``: its forward and backward are tensor
+operations; on a copy of an overwritten input, as :func:`iabn.autograd.function.overwritable`
+explains), and by composition under forward-mode AD and ``torch.func``. Double backward is
+refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import debug
+from ..autograd.function import overwritable, transformed
+from ..kernels import branch
+from ..kernels.activations import ACTIVATIONS, GELU, GELU_TANH, MISH, SILU
+from ..kernels.common import LOW_PRECISION
+from ..kernels.reference import PIECES, at_most, part_count
+from .batch_norm import OverwriteInputOption
+from .checks import SUPPORTED_DTYPES, has_internal_overlap
+
+#: ``nn.GELU``'s ``approximate`` -> the registry's record.
+GELU_FORMS = {"none": GELU, "tanh": GELU_TANH}
+#: The activations these layers take: the registry's with one minimum.
+ACTIVATION_NAMES = (SILU, GELU, GELU_TANH, MISH)
+
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
+
+
+# ------------------------------------------------------------------ checks
+
+
+def gelu_activation(approximate: str) -> str:
+    """The registry's name of ``nn.GELU(approximate=...)``; a ``ValueError`` naming the two
+    accepted values otherwise."""
+    try:
+        return GELU_FORMS[approximate]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"approximate={approximate!r}: must be 'none' (the exact erf form, nn.GELU's "
+            f"default) or 'tanh' (the tanh approximation), as for nn.GELU"
+        ) from None
+
+
+def check_overwrite_input(value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"overwrite_input={value!r}: must be True (overwrite the input, the default) or "
+            f"False (write a new tensor and keep only it for backward)"
+        )
+
+
+def check_activation_input(input: Tensor, layer: str, *, overwrite: bool) -> None:
+    """Validate a call before anything is written: a dense floating-point tensor, and where it
+    is overwritten one autograd and its memory allow to be (the in-place contract)."""
+    if not isinstance(input, Tensor):
+        raise TypeError(f"{layer}: input must be a torch.Tensor, got {type(input).__name__}")
+    if input.is_nested or input.layout is not torch.strided:
+        kind = "nested" if input.is_nested else str(input.layout)
+        raise TypeError(
+            f"{layer}: input is a {kind} tensor; the layer takes dense (strided) tensors: "
+            f"pass input.to_dense() (a nested one: torch.nested.to_padded_tensor(input, 0.0))"
+        )
+    if input.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{layer}: input has dtype {input.dtype}; the layer takes float16, bfloat16, "
+            f"float32 or float64 tensors: convert it first, e.g. input.float()"
+        )
+    if not overwrite:
+        return
+    eager = not torch.compiler.is_compiling()
+    if eager and input.is_inference() and not torch.is_inference_mode_enabled():
+        raise ValueError(
+            f"{layer}: input is an inference tensor (made under torch.inference_mode()), which "
+            f"cannot be overwritten outside inference mode: run the layer under "
+            f"torch.inference_mode() too, or pass overwrite_input=False"
+        )
+    if torch.is_grad_enabled():
+        leaf = input if input._base is None else input._base
+        if leaf.is_leaf and leaf.requires_grad:
+            what = "a leaf tensor" if leaf is input else "a view of a leaf tensor"
+            raise RuntimeError(
+                f"{layer}: input is {what} that requires grad; with overwrite_input=True the "
+                f"layer overwrites its input, and autograd cannot differentiate with respect "
+                f"to an overwritten leaf. Pass overwrite_input=False (a new output, the input "
+                f"left as it is), or a computed tensor (e.g. input.clone())"
+            )
+    if (eager and _peek_interpreter_stack() is None and not input.is_contiguous()
+            and has_internal_overlap(input)):
+        raise ValueError(
+            f"{layer}: input has elements that share memory (e.g. a tensor made by expand() "
+            f"or as_strided()), so it cannot be overwritten in place: pass "
+            f"overwrite_input=False, or input.contiguous()"
+        )
+
+
+# ------------------------------------------------------------------ the math
+
+
+def input_from_output(z: Tensor, bits: Tensor, activation: str) -> Tensor:
+    """``y`` with ``phi(y) = z`` on the branch its bit names, in the compute dtype (float32
+    for half ``z``), shaped like ``z``."""
+    compute = torch.float32 if z.dtype in LOW_PRECISION else z.dtype
+    return branch.invert(z.to(compute), branch.unpack_bits(bits, z.shape), activation, z.dtype)
+
+
+def _grad_whole(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
+    compute = torch.float32 if z.dtype in LOW_PRECISION else z.dtype
+    y = branch.invert(z.to(compute), left, activation, z.dtype)
+    dy = ACTIVATIONS[activation].minimum.derivative(y).mul_(dz.to(compute))
+    return dy.to(z.dtype)
+
+
+def input_grad(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
+    """``dx = phi'(y) dz`` with ``y`` recovered from ``z`` and the packed ``bits``.
+
+    Newton's temporaries (about 16 tensors of what it inverts, in the compute dtype) are those
+    of one slice along ``z``'s largest dimension: 1/64 of a large activation, as the
+    batch-norm layers' backward (:func:`iabn.kernels.reference.pieces`); while compiling the
+    whole, which Inductor fuses."""
+    left = branch.unpack_bits(bits, z.shape)
+    count = part_count(z.numel(), 4 * PIECES) if z.dim() else 1
+    if count == 1 or torch.compiler.is_compiling():
+        return _grad_whole(z, dz, left, activation)
+    dim = max(range(z.dim()), key=lambda d: z.shape[d])
+    dx = torch.empty_like(z)
+    for a, b in at_most(z.shape[dim], count):
+        at = (slice(None),) * dim + (slice(a, b),)
+        dx[at] = _grad_whole(z[at], dz[at], left[at], activation)
+    return dx
+
+
+class InPlaceActivationFunction(torch.autograd.Function):
+    """Autograd of the layers: keeps the output ``z`` and the packed branch bits
+    (``ceil(numel / 8)`` bytes); ``overwrite``: ``z`` is written into ``x`` (marked dirty)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, activation: str, overwrite: bool) -> Tensor:  # type: ignore[override]
+        record = ACTIVATIONS[activation]
+        # y < y* in x's dtype, before x is overwritten (as the batch-norm layers' forward)
+        bits = branch.pack_bits(x < record.minimum.y_star)
+        if overwrite:
+            record.apply_(x, 0.0)  # torch's own function, in place (no grad mode here)
+            z = x
+            ctx.mark_dirty(x)
+        else:
+            z = record.apply(x, 0.0)
+        ctx.save_for_backward(z, bits)
+        ctx.activation = activation
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, None, None]:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            # only under create_graph=True
+            raise RuntimeError(
+                "the in-place activation layers (iabn.InPlaceGELU, InPlaceSiLU, InPlaceMish) "
+                "do not support double backward (create_graph=True); use nn.GELU, nn.SiLU or "
+                "nn.Mish where second derivatives are needed"
+            )
+        z, bits = ctx.saved_tensors
+        return input_grad(z, dz, bits, ctx.activation), None, None
+
+
+def compute_activation(input: Tensor, activation: str, overwrite: bool, layer: str) -> Tensor:
+    """``phi(input)``, written into ``input`` where ``overwrite`` (and ``input`` returned), after
+    the checks: the debug mode's poisoned call, the composed form under forward-mode AD and
+    ``torch.func``, the function alone without autograd, or :class:`InPlaceActivationFunction`."""
+    record = ACTIVATIONS[activation]
+    if overwrite and debug._ACTIVE and debug.intercepts():
+        return debug.poisoned_call(
+            lambda copy: compute_activation(copy, activation, True, layer), input, layer)
+    if transformed():
+        # torch's differentiable function on a copy (its backward reads its input)
+        out = record.apply(input.clone() if overwrite else input, 0.0)
+        return input.copy_(out) if overwrite else out
+    if not (torch.is_grad_enabled() and input.requires_grad):
+        if not overwrite:
+            return record.apply(input, 0.0)
+        with torch.no_grad():
+            record.apply_(input, 0.0)
+        return input
+    if overwrite and _written_view_refused(input):
+        overwrite = False  # a new tensor, as overwrite_input=False (see below)
+    return InPlaceActivationFunction.apply(
+        overwritable(input) if overwrite else input, activation, overwrite)
+
+
+_DEFAULT_VIEW = torch._C._autograd.CreationMeta.DEFAULT
+
+
+def _written_view_refused(x: Tensor) -> bool:
+    """Whether autograd refuses to let ``x`` be overwritten while it records: one of several
+    views a function returned (``chunk``, ``split``, ``unbind``: timm's GluMlp gates,
+    ``fc1(x).chunk(2, -1)[1]``), or a view made under ``no_grad``. Writing the elements
+    through a fresh view of the base is allowed, but then reading the *other* views of that
+    base (GluMlp's first half, multiplied next) raises; such an input is computed as with
+    ``overwrite_input=False`` instead (a new tensor; ``z`` and the bits kept, not the input)."""
+    return (not torch.compiler.is_compiling() and x._is_view()
+            and torch._C._autograd._get_creation_meta(x) != _DEFAULT_VIEW)
+
+
+def inplace_activation(input: Tensor, activation: str, *, overwrite_input: bool = True,
+                       layer: str | None = None) -> Tensor:
+    """``phi(input)`` of an activation with one minimum (``"silu"``, ``"gelu"``,
+    ``"gelu_tanh"``, ``"mish"``) that keeps only its output and one bit per element for
+    backward; overwrites ``input`` and returns it, or with ``overwrite_input=False`` returns a
+    new tensor and leaves ``input`` as it is. ``layer`` names the caller in messages."""
+    layer = layer or f"iabn.functional.inplace_activation({activation!r})"
+    if activation not in ACTIVATION_NAMES:
+        raise ValueError(
+            f"{layer}: activation={activation!r}: use one of "
+            f"{', '.join(map(repr, ACTIVATION_NAMES))} (the activations with one minimum; "
+            f"the invertible ones need no bit)"
+        )
+    check_overwrite_input(overwrite_input)
+    check_activation_input(input, layer, overwrite=overwrite_input)
+    return compute_activation(input, activation, overwrite_input, layer)
+
+
+# ------------------------------------------------------------------ the modules
+
+
+class _InPlaceActivation(OverwriteInputOption):
+    """What the three layers share: ``overwrite_input`` (:class:`OverwriteInputOption`),
+    the forward, TorchScript's refusal and the ``extra_repr``."""
+
+    #: iabn.debug names the in-place layers by this class attribute.
+    _in_place = True
+
+    def _activation(self) -> str:
+        raise NotImplementedError
+
+    def forward(self, input: Tensor) -> Tensor:
+        activation = self._activation()
+        overwrite = self.__dict__.get("_in_place", True)
+        layer = type(self).__name__
+        check_activation_input(input, layer, overwrite=overwrite)
+        return compute_activation(input, activation, overwrite, layer)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        raise RuntimeError(
+            f"iabn.{type(self).__name__} cannot be compiled by TorchScript (torch.jit.script): "
+            f"its forward is Python that TorchScript cannot compile. Use torch.compile, or the "
+            f"torch.nn activation in its place (it has no parameters)"
+        )
+
+    def _overwrite_repr(self) -> str:
+        return "" if self.overwrite_input else "overwrite_input=False"
+
+
+class InPlaceGELU(_InPlaceActivation, nn.GELU):
+    """``nn.GELU`` that keeps only its output and one bit per element for backward.
+
+    Args:
+        approximate: ``"none"`` (default, the exact erf form) or ``"tanh"``, as ``nn.GELU``.
+        overwrite_input: ``True`` (default): the output is written into the input, which is
+            returned (the in-place contract of :class:`iabn.InPlaceABN`: the input must not
+            be needed afterwards; a leaf that requires grad is refused). ``False``: a new
+            tensor, the input left as it is and not kept for backward.
+
+    Outputs are ``F.gelu``'s, bit for bit; backward recovers the input from the output and
+    the bit (docs/design.md, "In-place activations without a norm").
+    """
+
+    def __init__(self, approximate: str = "none", *, overwrite_input: bool = True) -> None:
+        gelu_activation(approximate)
+        check_overwrite_input(overwrite_input)
+        super().__init__(approximate=approximate)
+        self.overwrite_input = overwrite_input
+
+    def _activation(self) -> str:
+        return gelu_activation(self.approximate)  # checked on every call: it may be assigned
+
+    def extra_repr(self) -> str:
+        return ", ".join(filter(None, (super().extra_repr(), self._overwrite_repr())))
+
+
+class InPlaceSiLU(_InPlaceActivation, nn.SiLU):
+    """``nn.SiLU`` that keeps only its output and one bit per element for backward.
+
+    Args:
+        overwrite_input: as :class:`InPlaceGELU`. ``nn.SiLU``'s own ``inplace`` attribute
+            stays ``False`` and is not read: ``overwrite_input`` alone decides.
+    """
+
+    def __init__(self, *, overwrite_input: bool = True) -> None:
+        check_overwrite_input(overwrite_input)
+        super().__init__(inplace=False)
+        self.overwrite_input = overwrite_input
+
+    def _activation(self) -> str:
+        return SILU
+
+    def extra_repr(self) -> str:
+        return self._overwrite_repr()
+
+
+class InPlaceMish(_InPlaceActivation, nn.Mish):
+    """``nn.Mish`` that keeps only its output and one bit per element for backward.
+
+    Args:
+        overwrite_input: as :class:`InPlaceGELU`; ``nn.Mish``'s ``inplace`` stays ``False``
+            and is not read.
+    """
+
+    def __init__(self, *, overwrite_input: bool = True) -> None:
+        check_overwrite_input(overwrite_input)
+        super().__init__(inplace=False)
+        self.overwrite_input = overwrite_input
+
+    def _activation(self) -> str:
+        return MISH
+
+    def extra_repr(self) -> str:
+        return self._overwrite_repr()
+
+
+__all__ = ["InPlaceActivationFunction", "InPlaceGELU", "InPlaceMish", "InPlaceSiLU",
+           "inplace_activation"]
