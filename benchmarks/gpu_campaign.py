@@ -117,7 +117,8 @@ STATE = "gpu_campaign_state.json"
 SUMMARY = "gpu_campaign_summary.md"
 LOGS = "gpu_campaign_logs"
 COMMITTED = ROOT / "benchmarks" / "results"
-GROUPS = ("tests", "suite", "slopes", "host", "gpu_speed", "network", "batch", "offload", "plan")
+GROUPS = ("tests", "suite", "slopes", "host", "gpu_speed", "network", "batch", "offload", "plan",
+          "transformers")
 #: The whole-network table: model -> (short name, batch, layouts).
 NETWORK = {"resnet50": ("r50", 64, ("channels_last", "nchw")),
            "resnext101": ("rx101", 32, ("channels_last",)),
@@ -131,7 +132,7 @@ NETWORK_BUDGET_GIB = 12
 ALLOWANCE = {"suite": 420, "slope_errors": 240, "host_overhead": 90, "gpu_speed": 300,
              "gpu_speed_plot": 30, "gpu_speed_compile": 360, "eager": 240, "compile": 360,
              "reduce_overhead": 420, "offload_pcie": 90, "offload_pareto": 300, "plan": 300,
-             "batch": 300}
+             "batch": 300, "transformers": 420}
 SMOKE_ALLOWANCE = 30
 #: The parts by value: a fresh campaign's first call runs the verdict (correctness on CUDA,
 #: one layer, the headline ResNet-50 step); later calls go on down this list (a part takes the
@@ -139,6 +140,7 @@ SMOKE_ALLOWANCE = 30
 ORDER = ("gpu_tests", "layer", "net_eager_r50_bf16_cl", "net_eager_r50_fp32_cl",
          "net_compile_r50_bf16_cl", "net_compile_r50_fp32_cl", "net_eager_rx101_*",
          "net_eager_wrn38_*", "batch_*", "net_ro_r50_*_cl", "suite", "offload_*", "plan",
+         "transformers",
          "slope_errors", "net_ro_*", "net_compile_*", "host_overhead", "gpu_speed*", "net_*")
 VERDICT = ("gpu_tests", "layer", "net_eager_r50_bf16_cl", "net_eager_r50_fp32_cl")
 #: The first call must deliver the verdict within this, by the verdict parts' caps: each is
@@ -210,7 +212,8 @@ def files(smoke: bool) -> dict[str, str]:
             "pcie": f"offload_pcie_{tag}.json",
             "pareto": f"memory_time_pareto_vgg19_{tag}.json",
             "pareto_png": f"memory_time_pareto_vgg19_{tag}.png",
-            "plan": f"plan_anchors_{tag}.json"}
+            "plan": f"plan_anchors_{tag}.json",
+            "transformers": f"transformer_step_{tag}.json"}
 
 
 def network_cells() -> list[tuple[str, str, str, str]]:
@@ -336,6 +339,10 @@ def plan(smoke: bool) -> list[Part]:
                   "--plan-budgets", str(PLAN_BUDGET), "--compile-budgets=",
                   "--no-anchor-plans", "--json", f["plan"]], ["plan"],
                  note="smoke: batch 2 at 32x32, no plan at checkpointing's bytes"),
+            part("transformers", "transformers",
+                 ["benchmarks/transformer_step.py", "--device", "cpu", "--quick", "--models",
+                  "vit_small", "--json", f["transformers"]], ["transformers"],
+                 note="smoke: ViT-S at 32x32, depth 2, eager"),
         ]
         return by_value(parts)
     parts += [
@@ -369,6 +376,13 @@ def plan(smoke: bool) -> list[Part]:
               "--batch", str(NETWORK[PLAN_MODEL][1]), "--size", str(NETWORK_IMAGE),
               "--plan-budgets", str(PLAN_BUDGET), "--compile-budgets=", "--json", f["plan"]],
              ["plan"]),
+        # ViT-S/16 and ConvNeXt-T converted (output-only layer norms, in-place GELU) against
+        # the models as given, eager and compiled, both dtypes
+        part("transformers", "transformers",
+             ["benchmarks/transformer_step.py", "--device", "cuda", "--models",
+              "vit_small,convnext_tiny", "--batch", "64", "--modes", "eager,compile",
+              "--dtypes", "bfloat16,float32", "--repeats", "15", "--json",
+              f["transformers"]], ["transformers"]),
     ]
     return by_value(parts)
 

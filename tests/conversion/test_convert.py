@@ -457,9 +457,9 @@ def test_report_table_and_json():
     assert data["saved_before"] == report.saved_before
     text = str(report)
     assert "bn1" in text and "InPlaceABN" in text and "whole model" in text
-    assert "policy leaky_relu; 2 normalisation layers: 2 InPlaceABN" in text
+    assert "policy leaky_relu; 2 layers: 2 InPlaceABN" in text
     _, report = iabn.convert(_randomise(ConvNormAct()), _x())
-    assert "policy lossless; 1 normalisation layer: 1 InPlaceABN" in str(report)
+    assert "policy lossless; 1 layer: 1 InPlaceABN" in str(report)
 
 
 def test_bad_arguments_name_the_fix():
@@ -513,12 +513,12 @@ class FunctionalActivation(nn.Module):
 
 
 def _every_form():
-    """(id, model builder, activation name, parameter, marks): each module and function form
+    """(id, model builder, activation name, parameter): each module and function form
     of every activation in the registry (iabn.kernels.activations), so that an activation
     added there is converted without a change here. A module form with a condition is built
     as the record's own torch module (``nn.GELU(approximate="tanh")``), a function form with
     its required keywords."""
-    from iabn.kernels.activations import ACTIVATIONS, FUNCTION_FORMS
+    from iabn.kernels.activations import ACTIVATIONS
 
     cases = []
     for name in activation_names():
@@ -530,24 +530,19 @@ def _every_form():
                 build = lambda r=record, p=param: ConvNormAct(r.torch_module(p))  # noqa: E731
             else:
                 build = lambda cls=form.cls, kw=kwargs: ConvNormAct(cls(**kw))  # noqa: E731
-            cases.append((f"{name}-{form.cls.__name__}", build, name, param, ()))
+            cases.append((f"{name}-{form.cls.__name__}", build, name, param))
         for form in record.forms.functions:
             if form.function in (torch.relu_, F.leaky_relu_, F.elu_):
                 continue  # the in-place functions: the same recognition as their pairs
             args = (param,) if record.parameter else ()
-            # the converter reads FUNCTION_FORMS, one record per function (F.gelu: the exact
-            # gelu); F.gelu(approximate="tanh") is fused once it reads
-            # activations.function_activation, which chooses among all of them
-            marks = () if FUNCTION_FORMS[form.function][0] is record else (
-                pytest.mark.xfail(strict=True, reason="the converter reads FUNCTION_FORMS"),)
             cases.append((f"{name}-{form.display}",
                           lambda f=form.function, a=args, kw=dict(form.required):
-                          FunctionalActivation(f, *a, **kw), name, param, marks))
+                          FunctionalActivation(f, *a, **kw), name, param))
     return cases
 
 
 @pytest.mark.parametrize(("build", "name", "param"),
-                         [pytest.param(*case[1:4], marks=case[4], id=case[0])
+                         [pytest.param(*case[1:], id=case[0])
                           for case in _every_form()])
 def test_every_activation_form_of_the_registry_is_fused(build, name, param):
     model = _randomise(build())

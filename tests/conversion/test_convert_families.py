@@ -14,14 +14,8 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 import iabn
-from iabn.memory import saved_tensor_bytes
+from conversion_checks import RELATIVE_TOLERANCE, assert_bytes_are_real, assert_same_model
 from model_families import DECODERS, Detector, Segmenter
-
-# The converted models compute the same float64 operations, some in another order (the
-# in-place layers' backward); the largest difference measured over these models is 1.5e-13
-# of the compared tensor's largest value (SSDlite's gradients; the hand-made families 5.9e-14;
-# torch 2.14.1, CPU): 1e-12 is ~6.5x that.
-RELATIVE_TOLERANCE = 1e-12
 
 
 def _randomise(model):
@@ -34,46 +28,6 @@ def _randomise(model):
             m.running_mean.data = torch.randn(m.running_mean.shape, generator=g)
             m.running_var.data = torch.rand(m.running_var.shape, generator=g) + 0.5
     return model.double()
-
-
-def _step(model, x, training):
-    model = copy.deepcopy(model).train(training)
-    x = x.clone().requires_grad_()
-    out = model(x)
-    outs = out if isinstance(out, list) else [out]
-    names, weights = zip(*model.named_parameters(), strict=True)
-    loss = sum((t * torch.linspace(-1, 1, t.numel(), dtype=t.dtype).view_as(t)).sum()
-               for t in outs)
-    grads = torch.autograd.grad(loss, [x, *weights], allow_unused=True)
-    return [t.detach() for t in outs], dict(zip(["input", *names], grads, strict=True))
-
-
-def assert_same_model(original, converted, x):
-    """Outputs and gradients equal in train and eval mode, relative to the largest of each."""
-    worst = 0.0
-    for training in (True, False):
-        expected_out, expected_grads = _step(original, x, training)
-        out, grads = _step(converted, x, training)
-        assert grads.keys() == expected_grads.keys()
-        for got, want in [*zip(out, expected_out, strict=True),
-                          *((grads[k], expected_grads[k]) for k in grads)]:
-            assert (got is None) == (want is None)
-            if got is not None:
-                scale = max(float(want.abs().max()), 1e-300)
-                worst = max(worst, float((got - want).abs().max()) / scale)
-    print(f"largest relative difference {worst:.3g}")
-    assert worst <= RELATIVE_TOLERANCE, worst
-
-
-def _bytes_are_real(model, converted, report, x):
-    args = x if isinstance(x, tuple) else (x,)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)  # as convert counts (the same dropout, the same random sizes)
-        assert report.saved_before == saved_tensor_bytes(copy.deepcopy(model).train(), *args)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        assert report.saved_after == saved_tensor_bytes(copy.deepcopy(converted).train(),
-                                                        *args)
 
 
 def test_the_families_do_not_trace():
@@ -93,7 +47,7 @@ def test_detector_with_routed_layers_goes_in_place_exactly():
     assert all(type(m) is not nn.SiLU for m in converted.modules())
     assert "decided on one recorded run" in report.result_reason
     assert "input shape 2x3x64x64" in report.result_reason
-    _bytes_are_real(model, converted, report, x)
+    assert_bytes_are_real(model, converted, report, x)
     # the target: a lossless conversion keeps at most 0.60x of the activation bytes
     # (measured 0.487x here: each layer keeps its output and one bit an element)
     assert report.saved_after <= 0.60 * report.saved_before
@@ -112,7 +66,7 @@ def test_segmentation_decoders_are_analysed_and_exact(decoder, policy):
              if isinstance(m, (nn.BatchNorm2d, nn.GroupNorm))]
     assert [row.name for row in report.rows] == norms
     assert not any(row.decision == "untouched" for row in report.rows), report
-    _bytes_are_real(model, converted, report, x)
+    assert_bytes_are_real(model, converted, report, x)
     if policy == "lossless":  # conv + BN + ReLU: ABN keeps what they kept
         assert report.saved_after <= report.saved_before
         assert_same_model(model, converted, x)
@@ -229,7 +183,7 @@ def test_torchvision_detector_reading_values_is_converted_by_parts():
     assert report.result == "converted by parts"
     assert "part by part: backbone, head" in report.result_reason
     assert report.counts.get("InPlaceABN", 0) > 0 and report.counts.get("ABN", 0) > 0
-    _bytes_are_real(model, converted, report, (images, targets))
+    assert_bytes_are_real(model, converted, report, (images, targets))
     for training in (True, False):
         runs = []
         for m in (model, converted):

@@ -54,7 +54,11 @@ def test_the_minimum_s_functions_are_torch_s(name):
     y = y.detach()
     # (gelu's erfc form differs from torch's erf form where the latter cancels: 1.5e-16)
     torch.testing.assert_close(minimum.value(y), z.detach(), rtol=1e-14, atol=1e-15)
-    torch.testing.assert_close(minimum.derivative(y), slope, rtol=1e-12, atol=1e-15)
+    # torch's derivative of the tanh GELU, 0.5 (1 + tanh u) + ..., cancels in the left tail:
+    # measured against mpmath (40 digits) over this range it is off by 4.7e-15, the
+    # registry's by 2.2e-16, so its reference takes 1e-14 (2x torch's error)
+    atol = 1e-14 if name == "gelu_tanh" else 1e-15
+    torch.testing.assert_close(minimum.derivative(y), slope, rtol=1e-12, atol=atol)
     # (above -3, where torch's gelu loses under 1e-13 of itself to cancellation)
     left = y[(y < -1e-3) & (y > -3)].clone().requires_grad_()
     tail = torch.log(module(left) / left)

@@ -18,13 +18,18 @@ from ..measure.trial_runs import preserved, same_randomness
 from ..memory import attributing_saves, saved_tensor_bytes, state_keys, storage_key
 from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
 from .graph import (
+    OWN_LAYERS,
     Traced,
     add_escape,
     find_sites,
     is_convertible_norm,
+    is_layer_site,
+    is_site_module,
     node_activation,
     trace,
 )
+from .layers import decide_layer, find_layer_sites
+from .layers import new_layer as new_own_layer
 from .recording import record
 from .report import ConversionReport, LayerRow
 from .rewrite import as_graph_module, new_layer, removal_obstacle, swap, swap_obstacle
@@ -43,8 +48,9 @@ def convert(
     verify: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[nn.Module, ConversionReport]:
-    """Replace each batch norm (and the activation that follows it) by iabn's layers where
-    that is provably safe; return ``(converted model, report)``. ``model`` is not modified.
+    """Replace each batch norm (and the activation that follows it), group, layer and RMS norm,
+    and GELU/SiLU/Mish by iabn's layers where that is provably safe; return ``(converted
+    model, report)``. ``model`` is not modified.
 
     Every ``nn.BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm`` and timm ``BatchNormAct2d`` becomes:
 
@@ -66,6 +72,16 @@ def convert(
 
     ``nn.GroupNorm`` follows the same rules, becoming :class:`iabn.InPlaceGroupNormAct` for
     ``InPlaceABN`` (and its output-only mode) and :class:`iabn.GroupNormAct` for ``ABN``.
+
+    Layer and RMS norms (``nn.LayerNorm``, ``nn.RMSNorm``, timm's ``LayerNorm``,
+    ``LayerNorm2d``, ``RmsNorm``, torchvision's ConvNeXt ``LayerNorm2d``) and the GELU, SiLU
+    and Mish modules no norm absorbed (a transformer's MLP) become iabn's layers of the same
+    computation, which keep their output instead of their input
+    (:class:`iabn.InPlaceLayerNorm`, :class:`iabn.InPlaceLayerNorm2d`,
+    :class:`iabn.InPlaceRMSNorm`, :class:`iabn.InPlaceGELU`, :class:`iabn.InPlaceSiLU`,
+    :class:`iabn.InPlaceMish`): in place under the rules above, output-only where their input
+    is computed in the graph and saved by no other operation (a residual stream), untouched
+    otherwise (:mod:`iabn.conversion.layers`).
 
     The rules are checked on ``torch.fx`` graphs of the forward in training and in eval mode.
     Where every decision can be expressed by swapping modules, the result is ``model``'s own
@@ -194,9 +210,32 @@ def _convert(model: nn.Module, args: tuple, policy: str, verify: bool,
         if decision.layer != UNTOUCHED:
             layers[name] = new_layer(work.get_submodule(name), decision)
             fused.extend(s for s in found if s.activation is not None)
+    # then the layers replaced on their own (layer norms, activations no norm absorbed)
+    absorbed = {s.activation_node.target for s in fused
+                if s.activation_node is not None and s.activation_node.op == "call_module"}
+    layer_sites = {mode: find_layer_sites(t.graph, modules, t.escapes, absorbed)
+                   for mode, t in traced.items()}
+    for name, module in modules.items():
+        if name in absorbed or not is_layer_site(module):
+            continue
+        per_graph = [[s for s in layer_sites[mode] if s.name == name] for mode in (True, False)]
+        found = [s for calls in per_graph for s in calls]
+        if not found:
+            continue  # an activation module forward does not call (or a norm's own)
+        if any(len(calls) > 1 for calls in per_graph) or not all(per_graph):
+            decision = Decision(UNTOUCHED, "forward calls it more than once (a shared layer)"
+                                if any(len(calls) > 1 for calls in per_graph) else
+                                "forward calls it in one mode only")
+        else:
+            kept_by = input_savers.get(name)
+            decision = decide_layer(module, found,
+                                    _input_kept(kept_by, modules) if kept_by else None)
+        rows_info.append((name, type(module).__name__, decision))
+        if decision.layer != UNTOUCHED:
+            layers[name] = new_own_layer(work.get_submodule(name), decision)
 
     obstacle = swap_obstacle(original, list(graphs.values()), fused)
-    say(f"replacing {len(layers)} of {len(rows_info)} normalisation layers; counting the "
+    say(f"replacing {len(layers)} of {len(rows_info)} layers; counting the "
         f"bytes the converted model saves")
     if recorded_saves is not None:
         assert obstacle is None, obstacle  # unfusable() kept every fusion a module swap
@@ -265,7 +304,7 @@ class _Attributing(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
-        if n.op == "call_module" and is_convertible_norm(self._modules[n.target]):
+        if n.op == "call_module" and is_site_module(self._modules[n.target]):
             first = self.env.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
             if isinstance(first, Tensor):
                 self.norm_inputs[n.name] = storage_key(first)
@@ -324,9 +363,11 @@ def _bytes_by_norm(graph: fx.Graph, modules: dict[str, nn.Module], saves: Any,
     by_name = {node.name: node for node in graph.nodes}
     result, input_savers = {}, {}
     for node in graph.nodes:
-        if node.op == "call_module" and (is_convertible_norm(modules[node.target])
-                                         or isinstance(modules[node.target],
-                                                       (ABN, GroupNormAct))):
+        m = modules[node.target] if node.op == "call_module" else None
+        if is_layer_site(m) or isinstance(m, OWN_LAYERS):
+            # what it alone keeps: its output is saved by the next layer whichever keeps it
+            result[node.target] = saves.alone_bytes(node.name)
+        elif m is not None and (is_convertible_norm(m) or isinstance(m, (ABN, GroupNormAct))):
             result[node.target] = sizes.get(node.name, 0) + sum(
                 sizes.get(user.name, 0) for user in node.users
                 if node_activation(user, modules) is not None)
@@ -359,7 +400,7 @@ def _input_kept(savers: set[fx.Node], modules: dict[str, nn.Module]) -> str | No
     """Why a norm's input stays saved for backward whatever the norm keeps: the nodes other
     than normalisations (each of which may stop keeping it) that save it."""
     others = sorted(str(n.target) if n.op == "call_module" else n.name for n in savers
-                    if not (n.op == "call_module" and is_convertible_norm(modules[n.target])))
+                    if not (n.op == "call_module" and is_site_module(modules[n.target])))
     if not others:
         return None
     return (f"{', '.join(map(repr, others[:3]))} also save{'s' * (len(others) == 1)} it for "
@@ -445,12 +486,12 @@ def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy:
     def visit(prefix: str, module: nn.Module) -> None:
         for child_name, child in module.named_children():
             name = f"{prefix}.{child_name}" if prefix else child_name
-            if not any(is_convertible_norm(m) for m in child.modules()):
+            if not any(is_site_module(m) for m in child.modules()):
                 continue
             per_mode = [t.calls.get(name, []) for t in traced.values()]  # a bool per call
             if not any(per_mode) or any(map(any, per_mode)):
                 visit(name, child)  # a container, or values read inside: look deeper
-            elif not is_convertible_norm(child) and all(len(c) <= 1 for c in per_mode):
+            elif not is_site_module(child) and all(len(c) <= 1 for c in per_mode):
                 parts.append(name)
 
     visit("", original)
@@ -472,7 +513,7 @@ def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy:
     outside = ("not in a part of the model whose forward reads no tensor values "
                "(the model's forward does, so its path may differ for other inputs)")
     rows = [layers.get(name) or LayerRow(name, type(m).__name__, UNTOUCHED, outside)
-            for name, m in original.named_modules() if is_convertible_norm(m)]
+            for name, m in original.named_modules() if is_site_module(m)]
     done = sum(row.decision != UNTOUCHED for row in rows)
     warnings.warn(
         f"iabn.convert: {why}; so it is converted part by part: the "

@@ -44,8 +44,13 @@ from torch.nn.modules.conv import _ConvNd
 from torch.utils._pytree import tree_leaves
 
 from ..kernels import activations as registry
+from ..layers.activation import InPlaceGELU, InPlaceMish, InPlaceSiLU
 from ..layers.batch_norm import ABN
 from ..layers.group_norm import GroupNormAct
+from ..layers.layer_norm import InPlaceLayerNorm, InPlaceRMSNorm
+
+#: iabn's layers that replace a module on their own (:mod:`iabn.conversion.layers`).
+OWN_LAYERS = (InPlaceLayerNorm, InPlaceRMSNorm, InPlaceGELU, InPlaceSiLU, InPlaceMish)
 
 #: Python's in-place operators, which fx would otherwise record as their out-of-place forms.
 INPLACE_OPERATORS = {
@@ -122,7 +127,8 @@ def is_leaf(m: nn.Module, timm_modules: tuple[type, ...]) -> bool:
     """Whether a graph shows a call of ``m`` as one ``call_module`` node: normalisation layers,
     iabn's layers, timm's "do not trace" modules, and (as fx's default) PyTorch's own modules
     but ``nn.Sequential``."""
-    if isinstance(m, (_BatchNorm, ABN, GroupNormAct)) or is_norm_act(m):
+    if (isinstance(m, (_BatchNorm, ABN, GroupNormAct, *OWN_LAYERS))
+            or is_norm_act(m) or is_layer_site(m)):
         return True
     if timm_modules and isinstance(m, timm_modules):
         return True
@@ -275,6 +281,62 @@ def is_convertible_norm(m: nn.Module) -> bool:
     return type(m) in NORM_CLASSES or is_norm_act(m)
 
 
+# ------------------------------------------------------------------ layers of their own
+
+#: timm's and torchvision's modules that compute what a PyTorch module computes (their
+#: ``forward`` read in timm 1.0.31 and torchvision 0.29: ``F.layer_norm``; ``F.layer_norm``
+#: between two permutes; ``x * rsqrt(mean(x^2) + eps) * weight``; ``F.gelu``), by
+#: ``(module, class name)``, unless their ``_fast_norm`` is set (then they call apex or cast
+#: to autocast's dtype, which iabn does not reproduce).
+_TIMM_KINDS = {
+    ("timm.layers.norm", "LayerNorm"): "layer_norm",
+    ("timm.layers.norm", "LayerNorm2d"): "layer_norm_2d",
+    ("timm.layers.norm", "RmsNorm"): "rms_norm",
+    # torchvision's ConvNeXt: F.layer_norm between the same two permutes (torchvision 0.29)
+    ("torchvision.models.convnext", "LayerNorm2d"): "layer_norm_2d",
+}
+_TIMM_ACTIVATIONS = {
+    ("timm.layers.activations", "GELU"): "gelu",
+    ("timm.layers.activations", "GELUTanh"): "gelu_tanh",
+}
+
+
+def layer_kind(m: nn.Module) -> str | None:
+    """What a normalisation that iabn replaces by a layer of its own (not fused with an
+    activation) computes: ``"layer_norm"`` (``nn.LayerNorm``, timm's ``LayerNorm``),
+    ``"layer_norm_2d"`` (timm's ``LayerNorm2d``: over dim 1), ``"rms_norm"``
+    (``nn.RMSNorm``, timm's ``RmsNorm``), or ``None``. Exact classes: a subclass may have
+    changed ``forward``."""
+    cls = type(m)
+    if cls is nn.LayerNorm:
+        return "layer_norm"
+    if cls is getattr(nn, "RMSNorm", None):
+        return "rms_norm"
+    kind = _TIMM_KINDS.get((cls.__module__, cls.__name__))
+    if kind is not None and getattr(m, "_fast_norm", False) is False:
+        return kind
+    return None
+
+
+def activation_kind(m: nn.Module) -> str | None:
+    """The activation with one minimum (the registry's branch activations: ``silu``,
+    ``gelu``...) a module computes, which iabn's own in-place activation layers replace."""
+    found = module_activation(m)
+    return found.name if found is not None and found.name in registry.BRANCH_ACTIVATIONS \
+        else None
+
+
+def is_layer_site(m: nn.Module) -> bool:
+    """A module :mod:`iabn.conversion.layers` may replace on its own: a layer or RMS norm,
+    or an activation with one minimum."""
+    return layer_kind(m) is not None or activation_kind(m) is not None
+
+
+def is_site_module(m: nn.Module) -> bool:
+    """A module the conversion decides about: a convertible norm or a layer site."""
+    return is_convertible_norm(m) or is_layer_site(m)
+
+
 # ------------------------------------------------------------------ activations
 
 
@@ -304,6 +366,10 @@ def module_activation(m: nn.Module) -> Activation | None:
     """The activation a module computes, if it is one iabn's layers can fuse (the registry's
     module forms: exact type and condition, e.g. ``nn.GELU`` with ``approximate="none"``)."""
     found = registry.module_activation(m)
+    if found is None:
+        cls = type(m)
+        name = _TIMM_ACTIVATIONS.get((cls.__module__, cls.__name__))
+        found = (name, 0.0) if name in registry.ACTIVATIONS else None
     if found is None:
         return None
     name, param = found
@@ -339,9 +405,12 @@ def node_activation(node: fx.Node, modules: dict[str, nn.Module]) -> Activation 
             return None
         record, form = hit
         arguments = _call_arguments(node.target, form, record.parameter, node)
-        if arguments is None or any(arguments.get(key, value) != value
-                                    for key, value in form.required):
-            return None  # e.g. F.gelu's tanh approximation: another function
+        # the records sharing a function (F.gelu: gelu, gelu_tanh) differ by keyword values
+        hit = None if arguments is None else registry.function_activation(node.target,
+                                                                          arguments)
+        if hit is None:
+            return None
+        record, form = hit
         if record.parameter is None:
             return Activation(record.name, 0.0, form.display)
         param = _number(arguments.get(record.parameter.keyword, record.parameter.default))
@@ -419,7 +488,9 @@ _NEW_MODULES = (nn.Linear, nn.Bilinear, nn.LazyLinear, ABN)
 def _returns_new(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     if node.op == "call_module":
         m = modules[node.target]
-        return isinstance(m, (ABN, GroupNormAct)) or (
+        if isinstance(m, OWN_LAYERS):
+            return not m.overwrite_input
+        return isinstance(m, (ABN, GroupNormAct)) or is_layer_site(m) or (
             type(m) in _NEW_MODULES or type(m).__module__ in _NEW_MODULE_FILES)
     if node.op == "call_function":
         if node.target is getattr:
@@ -451,6 +522,8 @@ def _writes_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool
         return False
     if node.op == "call_module":
         m = modules[node.target]
+        if isinstance(m, OWN_LAYERS):
+            return m.overwrite_input
         if getattr(m, "inplace", False) is True or getattr(m, "_in_place", False):
             return True  # an nn module with inplace=True, or iabn's in-place layers
         if isinstance(m, (ABN, GroupNormAct)):
@@ -559,12 +632,12 @@ def find_sites(graph: fx.Graph, modules: dict[str, nn.Module],
                   and source not in escapes and len(source.users) > 1
                   and all(user.op != "output" for user in source.users))
         sites.append(Site(node.target, node, activation, activation_node, next_op,
-                          _input_not_fresh(node, modules, escapes),
+                          input_not_fresh(node, modules, escapes),
                           later_write(output, modules, escapes), unfused, reused))
     return sites
 
 
-def _input_not_fresh(node: fx.Node, modules: dict[str, nn.Module],
+def input_not_fresh(node: fx.Node, modules: dict[str, nn.Module],
                      escapes: dict[fx.Node, Escape]) -> str | None:
     source = node.args[0] if node.args else None
     if not isinstance(source, fx.Node):

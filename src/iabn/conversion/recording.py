@@ -57,8 +57,8 @@ from .graph import (
     add_escape,
     attribute_values,
     hook_kinds,
-    is_convertible_norm,
     is_leaf,
+    is_site_module,
     timm_leaves,
 )
 
@@ -211,7 +211,7 @@ class _Recorder(TorchFunctionMode):
                 result = forward(*args, **kwargs)
             else:
                 node = self.create("call_module", name, args, kwargs)
-                if is_convertible_norm(m) and args and isinstance(args[0], Tensor):
+                if is_site_module(m) and args and isinstance(args[0], Tensor):
                     self.norm_inputs[node.name] = storage_key(args[0])
                 before, self.current = self.current, node.name
                 self.inside += 1

@@ -9,10 +9,11 @@ from dataclasses import asdict, dataclass, field
 
 @dataclass(frozen=True)
 class LayerRow:
-    """One normalisation module of the model and what became of it.
+    """One normalisation (or activation) module of the model and what became of it.
 
     ``decision``: the new layer's class (``InPlaceABN``, ``ABN``, ``InPlaceABNSync``,
-    ``ABNSync``) or ``"untouched"``; ``reason`` says why.
+    ``ABNSync``, ``InPlaceLayerNorm``, ``InPlaceGELU``...) or ``"untouched"``; ``reason``
+    says why.
 
     ``saved_before``/``saved_after``: bytes of activation memory the norm and its activation
     keep for backward at the example input (storages first saved by their graph nodes; see
@@ -78,7 +79,7 @@ class ConversionReport:
                for row in (header, *lines)]
         counts = ", ".join(f"{n} {d}" for d, n in sorted(self.counts.items()))
         out.append("")
-        layers = "normalisation layer" + "s" * (len(self.rows) != 1)
+        layers = "layer" + "s" * (len(self.rows) != 1)
         out.append(f"policy {self.policy}; {len(self.rows)} {layers}: {counts}")
         out.append(f"norm + activation part: {_bytes(self.norm_saved_before)} -> "
                    f"{_bytes(self.norm_saved_after)}"

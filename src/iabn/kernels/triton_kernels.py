@@ -240,7 +240,7 @@ def _branch_derivative(y, ACT: tl.constexpr, consts_ptr, CHEB: tl.constexpr):
     elif ACT == GELU_TANH:
         v, dv = _tanh_2u(y, consts_ptr)
         s = _sigmoid(v)
-        d = s * (1.0 + y * (1.0 - s) * dv)
+        d = s * (1.0 + y * _sigmoid(-v) * dv)  # 1 - s rounds where s is near 1
     else:
         tl.static_assert(ACT == GELU, "an activation with a branch bit without a branch here")
         r = _const(consts_ptr, SQRT1_2)

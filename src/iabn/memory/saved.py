@@ -92,6 +92,14 @@ class AttributedSaves:
     first_bytes: dict[Hashable, int] = field(default_factory=dict)
     #: storage key -> every owner that saved (part of) that storage
     savers: dict[StorageKey, set[Hashable]] = field(default_factory=dict)
+    #: storage key -> its bytes
+    sizes: dict[StorageKey, int] = field(default_factory=dict)
+
+    def alone_bytes(self, owner: Hashable) -> int:
+        """Bytes of the storages ``owner`` alone saved: what it keeps that nothing else
+        keeps (the figure of a layer whose output the next layer saves anyway)."""
+        return sum(self.sizes[key] for key, owners in self.savers.items()
+                   if owners == {owner})
 
 
 @contextlib.contextmanager
@@ -108,8 +116,8 @@ def attributing_saves(
         current = owner()
         saves.savers.setdefault(key, set()).add(current)
         if first:
-            saves.first_bytes[current] = (saves.first_bytes.get(current, 0)
-                                          + t.untyped_storage().nbytes())
+            saves.sizes[key] = t.untyped_storage().nbytes()
+            saves.first_bytes[current] = saves.first_bytes.get(current, 0) + saves.sizes[key]
 
     with counting_saves(excluded, attribute):
         yield saves

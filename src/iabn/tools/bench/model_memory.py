@@ -340,7 +340,7 @@ def format_result(result: MemoryResult) -> str:
     shape = "x".join(map(str, result.input_shape))
     lines = [f"iabn memory: {result.model} ({result.source}), input {shape} {result.dtype} on "
              f"{result.device}; activation bytes saved for backward in one training forward"]
-    rows = [("", "bytes", "MiB", "ratio", "norm + activation part", "normalisation layers")]
+    rows = [("", "bytes", "MiB", "ratio", "norm + activation part", "layers")]
     rows.append(("as given", str(result.saved_bytes), _mib(result.saved_bytes), "1.000", "",
                  ""))
     for c in result.converted.values():

@@ -1,0 +1,131 @@
+"""The modules :func:`iabn.convert` replaces on their own, not fused with a neighbour: layer
+and RMS norms (``nn.LayerNorm``, ``nn.RMSNorm``, timm's ``LayerNorm``, ``LayerNorm2d``,
+``RmsNorm``) and the activations with one minimum (GELU in both forms, SiLU, Mish) that no
+batch or group norm absorbed (docs/design.md, "Converting existing models").
+
+Each keeps its input for backward as PyTorch computes it; iabn's layer keeps its output
+instead (plus per-row statistics, or one bit per element), so the rules are the batch-norm
+layers' without the fusion:
+
+- nothing may write into its output later (the new layer keeps it);
+- *in place* (``overwrite_input=True``) where its input is fresh: made by a convolution,
+  linear layer, addition or concatenation and used by nothing else;
+- *output only* (``overwrite_input=False``) where the input is computed in the graph and read
+  by other operations (a transformer's residual stream, read again by the addition) or comes
+  through a view, and no other operation saves it for backward: the input is then freed once
+  those operations are done, where PyTorch's layer kept it to the end of backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import fx, nn
+
+from ..layers.activation import InPlaceGELU, InPlaceMish, InPlaceSiLU
+from ..layers.layer_norm import InPlaceLayerNorm, InPlaceLayerNorm2d, InPlaceRMSNorm
+from .decide import IN_PLACE, OUTPUT_ONLY, UNTOUCHED, Decision
+from .graph import (
+    Escape,
+    activation_kind,
+    input_not_fresh,
+    is_layer_site,
+    later_write,
+    layer_kind,
+)
+
+
+@dataclass(frozen=True)
+class LayerSite:
+    """One call of a module replaced on its own, in one graph."""
+
+    name: str                   # the module's qualified name
+    node: fx.Node
+    input_fresh: str | None     # None when fresh (in place is safe), else why not
+    output_written: str | None  # None when nothing writes the output later, else why
+    input_outside: str | None   # why the input is not a tensor computed in the graph
+
+
+def find_layer_sites(graph: fx.Graph, modules: dict[str, nn.Module],
+                     escapes: dict[fx.Node, Escape], skip: set[str]) -> list[LayerSite]:
+    """Every call of a module :func:`~iabn.conversion.graph.is_layer_site` names in
+    ``graph``, but those in ``skip`` (activations fused into a norm)."""
+    sites = []
+    for node in graph.nodes:
+        if (node.op != "call_module" or node.target in skip
+                or not is_layer_site(modules[node.target])):
+            continue
+        source = node.args[0] if node.args else None
+        outside = None
+        if not isinstance(source, fx.Node):
+            outside = "its input is not a traced tensor"
+        elif source.op == "placeholder":
+            outside = "its input is the model's input, which the caller keeps"
+        elif source in escapes:
+            outside = f"its input escapes: {escapes[source].how}"
+        elif any(user.op == "output" for user in source.users):
+            outside = "its input is also returned by the model"
+        sites.append(LayerSite(node.target, node, input_not_fresh(node, modules, escapes),
+                               later_write(node, modules, escapes), outside))
+    return sites
+
+
+def decide_layer(module: nn.Module, sites: list[LayerSite], input_kept: str | None
+                 ) -> Decision:
+    """In place, output only or untouched, from the module's calls in the graphs (one per
+    graph). ``input_kept``: why the input stays saved for backward whatever this layer keeps
+    (another operation saves it), if it does."""
+    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+        return Decision(UNTOUCHED, "it has hooks, which a new layer would not carry")
+    kept = "the new layer keeps its output for backward"
+    written = next((s.output_written for s in sites if s.output_written), None)
+    if written is not None:
+        return Decision(UNTOUCHED, f"{written}, and {kept}")
+    not_fresh = next((s.input_fresh for s in sites if s.input_fresh), None)
+    if not_fresh is None:
+        return Decision(IN_PLACE, "its input is used only by it, output not written later")
+    outside = next((s.input_outside for s in sites if s.input_outside), None)
+    if outside is not None:
+        return Decision(UNTOUCHED, f"{outside}: keeping only the output would free nothing")
+    if input_kept is not None:
+        return Decision(UNTOUCHED, f"{not_fresh}, and {input_kept}")
+    return Decision(OUTPUT_ONLY, f"{not_fresh}: not overwritten; only its output is kept "
+                    f"for backward")
+
+
+_ACTIVATION_LAYERS = {"gelu": InPlaceGELU, "silu": InPlaceSiLU, "mish": InPlaceMish}
+
+
+def new_layer(module: nn.Module, decision: Decision) -> nn.Module:
+    """iabn's layer for ``module``, holding its very parameters (an optimizer built on them
+    keeps working)."""
+    overwrite = decision.layer == IN_PLACE
+    kind = layer_kind(module)
+    if kind == "layer_norm":
+        layer = InPlaceLayerNorm(module.normalized_shape, module.eps,
+                                 module.weight is not None, module.bias is not None,
+                                 overwrite_input=overwrite, device="meta")
+    elif kind == "layer_norm_2d":
+        (channels,) = module.normalized_shape
+        layer = InPlaceLayerNorm2d(channels, module.eps, module.weight is not None,
+                                   overwrite_input=overwrite)
+        if module.weight is not None and module.bias is None:
+            layer.bias = None
+    elif kind == "rms_norm":
+        layer = InPlaceRMSNorm(module.normalized_shape, module.eps, module.weight is not None,
+                               overwrite_input=overwrite, device="meta")
+    else:
+        name = activation_kind(module)
+        if name == "gelu_tanh":
+            return InPlaceGELU(approximate="tanh", overwrite_input=overwrite)
+        if name == "gelu":
+            return InPlaceGELU(overwrite_input=overwrite)
+        return _ACTIVATION_LAYERS[name](overwrite_input=overwrite)
+    for field in ("weight", "bias"):
+        if getattr(layer, field, None) is not None:
+            setattr(layer, field, getattr(module, field))
+    layer.train(module.training)
+    return layer
+
+
+__all__ = ["LayerSite", "decide_layer", "find_layer_sites", "new_layer"]
