@@ -113,9 +113,11 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
     y_lo = y_star - y_hi
     series = TAYLOR[activation] if z.dtype == torch.float32 else None
 
-    def phi_above_minimum(y: Tensor) -> tuple[Tensor, Tensor]:
-        """``(phi(y), phi(y) - z*)``, the latter from the Taylor series near y* (float32)."""
-        f = value(y, activation)
+    def phi_above_minimum(y: Tensor, right: bool = False) -> tuple[Tensor, Tensor]:
+        """``(phi(y), phi(y) - z*)``, the latter from the Taylor series near y* (float32).
+        ``right``: every ``y >= y*``, where torch's own function does not cancel (GELU's
+        erfc form, for the left tail, computes both forms)."""
+        f = act.ACTIVATIONS[activation].apply(y, 0.0) if right else value(y, activation)
         d = above_minimum(f)
         if series is None:
             return f, d
@@ -133,17 +135,25 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
         tail = log_star - (torch.log(-f) if log_f is None else log_f)
         return torch.where(ratio <= 1, torch.log1p(ratio), tail).clamp_(min=0)
 
+    # On a CPU outside the compiler each branch's steps run on its own elements only (a
+    # boolean gather): the left branch's log tail (log_ndtr for GELU, 10 ns an element) ran
+    # on every element otherwise, and most elements are on the right (a ViT-S step's GELUs
+    # on CPU: 1.9 of 2.4 s in their backward before). On a GPU a gather needs the host to
+    # know the count (a synchronisation), and the compiler wants static shapes: both
+    # branches run on every element there and one is chosen per element.
+    split = z.device.type == "cpu" and not torch.compiler.is_compiling()
+    z_right, z_left = (z[~left], z[left]) if split else (z, z)
     # right branch: G(y) = sqrt(phi(y) - z*) = target_r
-    target_r = above_minimum(z).clamp_(min=0).sqrt_()
-    y_r = torch.maximum(target_r / slope_right + y_star, z)
+    target_r = above_minimum(z_right).clamp_(min=0).sqrt_()
+    y_r = torch.maximum(target_r / slope_right + y_star, z_right)
     # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
-    z_left = z.clamp(min=z_star, max=-smallest)
+    z_left = z_left.clamp(min=z_star, max=-smallest)
     target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
     y_l = y_star - target_l / slope_left
     if act.ACTIVATIONS[activation].minimum.exponential_tail:
         y_l = torch.minimum(y_l, y_star - target_l.square())
     for _ in range(ITERATIONS[z.dtype]):
-        g = phi_above_minimum(y_r)[1].clamp_(min=0).sqrt_()
+        g = phi_above_minimum(y_r, right=True)[1].clamp_(min=0).sqrt_()
         g_slope = derivative(y_r, activation) / (2 * g).clamp_(min=info.tiny)
         g_slope = torch.where(g > floor, g_slope, slope_right)
         y_r = (y_r - (g - target_r) / g_slope).clamp_(min=y_star)
@@ -153,7 +163,12 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
         h_slope = _log_neg_derivative(y_l, activation) / (-2 * h).clamp_(max=-info.tiny)
         h_slope = torch.where(h > floor, h_slope, -slope_left)
         y_l = (y_l - (h - target_l) / h_slope).clamp_(max=y_star)
-    return torch.where(left, y_l, y_r)
+    if not split:
+        return torch.where(left, y_l, y_r)
+    y = torch.empty_like(z)
+    y[left] = y_l
+    y[~left] = y_r
+    return y
 
 
 # ------------------------------------------------------------------ the branch bits

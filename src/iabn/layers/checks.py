@@ -234,9 +234,11 @@ def check_tensor_kind(input: Tensor) -> None:
         )
 
 
-def check_channel_tensor(name: str, t: Tensor | None, input: Tensor, channels: int) -> None:
+def check_param_tensor(name: str, t: Tensor | None, input: Tensor) -> bool:
+    """``t`` (a weight or bias) is ``None`` (returns False) or a tensor on the input's device
+    (returns True); its shape is the caller's to check."""
     if t is None:
-        return
+        return False
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
     if t.device != input.device:
@@ -244,7 +246,11 @@ def check_channel_tensor(name: str, t: Tensor | None, input: Tensor, channels: i
             f"{name} is on {t.device} but input is on {input.device}: move the layer with "
             f".to({str(input.device)!r}) (or the input to {t.device})"
         )
-    if tuple(t.shape) != (channels,):
+    return True
+
+
+def check_channel_tensor(name: str, t: Tensor | None, input: Tensor, channels: int) -> None:
+    if check_param_tensor(name, t, input) and tuple(t.shape) != (channels,):
         raise ValueError(
             f"{name} has shape {tuple(t.shape)} but input has {channels} channels: "
             f"{name} must have shape ({channels},)"

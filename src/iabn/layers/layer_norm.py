@@ -71,6 +71,7 @@ from .checks import (
     SUPPORTED_DTYPES,
     check_flag,
     check_param_dtypes,
+    check_param_tensor,
     check_per_call,
     check_tensor_kind,
 )
@@ -134,16 +135,7 @@ def check_norm_inputs(input: Tensor, weight: Tensor | None, bias: Tensor | None,
                 f"build the layer with the input's trailing size(s) or reshape the input"
             )
     for name, t in (("weight", weight), ("bias", bias)):
-        if t is None:
-            continue
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if t.device != input.device:
-            raise ValueError(
-                f"{name} is on {t.device} but input is on {input.device}: move the layer with "
-                f".to({str(input.device)!r}) (or the input to {t.device})"
-            )
-        if tuple(t.shape) != normalized_shape:
+        if check_param_tensor(name, t, input) and tuple(t.shape) != normalized_shape:
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)} but normalized_shape is "
                 f"{normalized_shape}: {name} must have that shape"
