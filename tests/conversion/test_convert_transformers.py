@@ -229,3 +229,19 @@ def test_a_functional_activation_stays():
     converted, report = iabn.convert(model, x)
     assert _decisions(report) == {"norm": "InPlaceLayerNorm"}
     assert_same_model(model, copy.deepcopy(converted), x)
+
+
+def test_activations_false_replaces_only_the_norms():
+    model = _randomise(Decoder().double())
+    tokens = _tokens()
+    converted, report = iabn.convert(model, tokens, activations=False)
+    rows = {row.name: row for row in report.rows}
+    assert rows["blocks.0.act"].decision == "untouched"
+    assert "activations=False" in rows["blocks.0.act"].reason
+    assert rows["blocks.0.mlp_norm"].decision == "InPlaceRMSNorm(overwrite_input=False)"
+    assert type(converted.blocks[0].act) is nn.SiLU
+    assert_same_model(model, converted, tokens)
+    _, with_activations = iabn.convert(model, tokens)
+    assert with_activations.saved_after < report.saved_after < report.saved_before
+    with pytest.raises(TypeError, match="activations='no'"):
+        iabn.convert(model, tokens, activations="no")

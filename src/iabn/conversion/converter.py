@@ -20,6 +20,7 @@ from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decis
 from .graph import (
     OWN_LAYERS,
     Traced,
+    activation_kind,
     add_escape,
     find_sites,
     is_convertible_norm,
@@ -47,6 +48,7 @@ def convert(
     *,
     verify: bool = True,
     progress: Callable[[str], None] | None = None,
+    activations: bool = True,
 ) -> tuple[nn.Module, ConversionReport]:
     """Replace each batch norm (and the activation that follows it), group, layer and RMS norm,
     and GELU/SiLU/Mish by iabn's layers where that is provably safe; return ``(converted
@@ -116,6 +118,10 @@ def convert(
             fails where the original's runs), and put the largest output differences in the
             report.
         progress: called with a line of text at each stage (e.g. ``print``).
+        activations: also replace the GELU, SiLU and Mish modules that no norm absorbed
+            (``False``: they stay, with that reason). Their backward recovers the input from
+            the output and a bit by Newton steps, several times the time of PyTorch's
+            backward on a CPU (docs/limits.md); the norms' replacements cost little time.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}: use one of {', '.join(map(repr, POLICIES))} "
@@ -128,11 +134,15 @@ def convert(
         raise TypeError("example_input must be a tensor or a tuple of forward's arguments "
                         "with at least one tensor (in lists and dicts too: a detector's list "
                         "of images), e.g. torch.randn(8, 3, 224, 224)")
-    return _convert(model, args, policy, verify, progress or (lambda _text: None))
+    if not isinstance(activations, bool):
+        raise TypeError(f"activations={activations!r}: must be True (replace GELU/SiLU/Mish "
+                        f"modules too) or False (only norms)")
+    return _convert(model, args, policy, verify, progress or (lambda _text: None),
+                    activations=activations)
 
 
 def _convert(model: nn.Module, args: tuple, policy: str, verify: bool,
-             say: Callable[[str], None], enclosed: bool = False
+             say: Callable[[str], None], enclosed: bool = False, activations: bool = True
              ) -> tuple[nn.Module, ConversionReport]:
     """:func:`convert` after its argument checks. ``enclosed``: ``model`` is a submodule of
     a model being converted part by part, so the code around it may write into its outputs."""
@@ -154,7 +164,8 @@ def _convert(model: nn.Module, args: tuple, policy: str, verify: bool,
             reads = list(dict.fromkeys([*traced[True].value_reads, *traced[False].value_reads]))
             why = (f"{not_traced}, and its forward reads tensor values into Python "
                    f"({_listed(reads)}), so other inputs may take paths this run did not")
-            return _convert_by_parts(original, work, args, policy, verify, why, say, traced)
+            return _convert_by_parts(original, work, args, policy, verify, why, say, traced,
+                                     activations)
     if enclosed:
         for t in traced.values():
             output = next(n for n in t.graph.nodes if n.op == "output")
@@ -222,7 +233,9 @@ def _convert(model: nn.Module, args: tuple, policy: str, verify: bool,
         found = [s for calls in per_graph for s in calls]
         if not found:
             continue  # an activation module forward does not call (or a norm's own)
-        if any(len(calls) > 1 for calls in per_graph) or not all(per_graph):
+        if not activations and activation_kind(module) is not None:
+            decision = Decision(UNTOUCHED, "activations=False: activations without a norm stay")
+        elif any(len(calls) > 1 for calls in per_graph) or not all(per_graph):
             decision = Decision(UNTOUCHED, "forward calls it more than once (a shared layer)"
                                 if any(len(calls) > 1 for calls in per_graph) else
                                 "forward calls it in one mode only")
@@ -472,7 +485,8 @@ def _backward(converted: nn.Module, got: list[Tensor], original: nn.Module,
 
 def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy: str,
                       verify: bool, why: str, say: Callable[[str], None],
-                      traced: dict[bool, Traced]) -> tuple[nn.Module, ConversionReport]:
+                      traced: dict[bool, Traced], activations: bool = True
+                      ) -> tuple[nn.Module, ConversionReport]:
     """Convert the submodules whose forward reads no tensor values, each on its own.
 
     ``model``'s forward reads tensor values (``why``), so its recorded graph holds for this
@@ -505,7 +519,8 @@ def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConversionWarning)
             part, part_report = _convert(original.get_submodule(name), inputs[name], policy,
-                                         False, lambda _text: None, enclosed=True)
+                                         False, lambda _text: None, enclosed=True,
+                                         activations=activations)
         work.set_submodule(name, part)
         converted_parts.append(name)
         for row in part_report.rows:

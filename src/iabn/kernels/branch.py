@@ -56,6 +56,21 @@ TAYLOR = {name: act.ACTIVATIONS[name].minimum.taylor for name in act.BRANCH_ACTI
 TAYLOR_RADIUS = 0.3
 
 
+def _split(x: float, dtype: torch.dtype) -> tuple[float, float]:
+    """``x`` as its value rounded to ``dtype`` plus the rest."""
+    high = float(torch.tensor(x, dtype=dtype))
+    return high, x - high
+
+
+#: ``(z*_hi, z*_lo, y*_hi, y*_lo)`` per ``(activation, compute dtype)``: ``z*`` and ``y*`` in
+#: two parts (:func:`invert`), made here once: made per call, ``float(torch.tensor(...))``
+#: is a read of a tensor's value, which stops ``torch.compile``'s graph (a graph break in
+#: every backward of a compiled model).
+SPLIT = {(name, dtype): (*_split(z_star, dtype), *_split(y_star, dtype))
+         for name, (y_star, z_star, _) in MINIMA.items()
+         for dtype in (torch.float32, torch.float64)}
+
+
 def value(y: Tensor, activation: str) -> Tensor:
     """``phi(y)`` as a new tensor, accurate in the left tail (the registry's
     :attr:`~iabn.kernels.activations.Minimum.value`)."""
@@ -103,14 +118,11 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
     # z* in two parts: z - z_hi is exact near z* (Sterbenz), so z* rounded to z's dtype does
     # not shift every target near the minimum by the same amount (measured in float32: 8x
     # the weight-gradient error of the exact inverse, 1.0x with the split)
-    z_hi = float(torch.tensor(z_star, dtype=z.dtype))
-    z_lo = z_star - z_hi
+    z_hi, z_lo, y_hi, y_lo = SPLIT[activation, z.dtype]
 
     def above_minimum(f: Tensor) -> Tensor:
         return (f - z_hi).sub_(z_lo)
 
-    y_hi = float(torch.tensor(y_star, dtype=z.dtype))
-    y_lo = y_star - y_hi
     series = TAYLOR[activation] if z.dtype == torch.float32 else None
 
     def phi_above_minimum(y: Tensor, right: bool = False) -> tuple[Tensor, Tensor]:

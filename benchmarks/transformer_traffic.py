@@ -1,0 +1,123 @@
+"""Launches, memory traffic and backward memory of the layers ``iabn.convert`` puts into
+transformers, against PyTorch's, counted exactly on CPU by :mod:`iabn.measure.traffic` (its
+docstring has the rules) for one ``layer(leaf.clone()).backward(grad)``:
+
+``layer_norm``   ``nn.LayerNorm`` / ``iabn.InPlaceLayerNorm`` (output-only and in place), a
+                 ViT-S token stream (batch 8, 197 tokens, 384 features; random weights in
+                 [0.5, 1.5], biases of 0.1 x N(0, 1), so every feature is rebuilt)
+``rms_norm``     ``nn.RMSNorm`` / ``iabn.InPlaceRMSNorm``, the same shape
+``gelu``         ``nn.GELU()`` / ``iabn.InPlaceGELU()``, the MLP's hidden activation (1536)
+``gelu_tanh``    ``nn.GELU(approximate="tanh")`` / ``iabn.InPlaceGELU("tanh")``
+``silu``         ``nn.SiLU()`` / ``iabn.InPlaceSiLU()``
+
+in float32 (and bfloat16 without ``--quick``). A row gives the launches (ATen operators that
+compute: host dispatches, each a kernel or more on a GPU), the bytes of full-size tensors
+read + written in activations (one input tensor's bytes), and the backward's peak of
+full-size memory. The in-place activations recover their input by Newton steps written as
+ATen operations (``kernels/branch.py``): these counts are what an eager GPU step would
+launch and move, which ``torch.compile`` fuses; no GPU was used.
+
+Usage::
+
+    python benchmarks/transformer_traffic.py [--tokens 197] [--json PATH] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import iabn
+from iabn.measure import traffic
+from iabn.tools.bench import machine_info, results_folder, write_json
+
+RESULTS = results_folder(Path(__file__).resolve().parent / "results")
+BATCH, DIM, HIDDEN = 8, 384, 1536
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _norm_weights(layer: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        layer.weight.copy_(torch.rand(layer.weight.shape, generator=g) + 0.5)
+        if getattr(layer, "bias", None) is not None:
+            layer.bias.copy_(0.1 * torch.randn(layer.bias.shape, generator=g))
+    return layer
+
+
+def providers() -> dict[str, tuple[int, dict[str, nn.Module]]]:
+    """``{kind: (features, {provider: layer})}``."""
+    return {
+        "layer_norm": (DIM, {
+            "torch": nn.LayerNorm(DIM),
+            "iabn_output_only": iabn.InPlaceLayerNorm(DIM, overwrite_input=False),
+            "iabn_in_place": iabn.InPlaceLayerNorm(DIM)}),
+        "rms_norm": (DIM, {
+            "torch": nn.RMSNorm(DIM),
+            "iabn_output_only": iabn.InPlaceRMSNorm(DIM, overwrite_input=False),
+            "iabn_in_place": iabn.InPlaceRMSNorm(DIM)}),
+        "gelu": (HIDDEN, {"torch": nn.GELU(), "iabn_in_place": iabn.InPlaceGELU()}),
+        "gelu_tanh": (HIDDEN, {"torch": nn.GELU(approximate="tanh"),
+                               "iabn_in_place": iabn.InPlaceGELU(approximate="tanh")}),
+        "silu": (HIDDEN, {"torch": nn.SiLU(), "iabn_in_place": iabn.InPlaceSiLU()}),
+    }
+
+
+def count_row(layer: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
+    torch.manual_seed(0)
+    leaf = torch.randn(shape).to(dtype).requires_grad_()
+    grad = torch.randn(shape).to(dtype)
+    step = traffic.count_step(layer, leaf, grad)
+    activation = leaf.numel() * leaf.element_size()
+    moved = step.forward.moved + step.backward.moved
+    return {
+        "launches_forward": len(step.forward.launches),
+        "launches_backward": len(step.backward.launches),
+        "launches": len(step.forward.launches) + len(step.backward.launches),
+        "activations_moved": moved / activation,
+        "backward_peak_activations": step.backward.peak_bytes / activation,
+        "backward_ops": step.backward.names(),
+    }
+
+
+def measure(tokens: int, quick: bool) -> list[dict]:
+    rows = []
+    dtypes = {"float32": torch.float32} if quick else DTYPES
+    for kind, (features, layers) in providers().items():
+        shape = (2 if quick else BATCH, tokens, features)
+        for dtype_name, dtype in dtypes.items():
+            for name, layer in layers.items():
+                if "norm" in kind:
+                    _norm_weights(layer)
+                row = {"kind": kind, "provider": name, "dtype": dtype_name,
+                       "shape": list(shape)}
+                row.update(count_row(layer, shape, dtype))
+                rows.append(row)
+                print(f"{kind:10} {name:17} {dtype_name:9} launches {row['launches']:4} "
+                      f"({row['launches_forward']} + {row['launches_backward']})  moved "
+                      f"{row['activations_moved']:6.2f} act  backward peak "
+                      f"{row['backward_peak_activations']:5.2f} act", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=197)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--quick", action="store_true", help="batch 2, float32 only")
+    args = parser.parse_args(argv)
+    if args.tokens < 1:
+        parser.error(f"--tokens {args.tokens}: must be >= 1")
+    rows = measure(args.tokens, args.quick)
+    write_json(args.json or RESULTS / "transformer_traffic.json",
+               {"machine": machine_info("cpu"), "tokens": args.tokens, "quick": args.quick,
+                "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
