@@ -10,12 +10,17 @@ docstring has the rules) for one ``layer(leaf.clone()).backward(grad)``:
 ``gelu_tanh``    ``nn.GELU(approximate="tanh")`` / ``iabn.InPlaceGELU("tanh")``
 ``silu``         ``nn.SiLU()`` / ``iabn.InPlaceSiLU()``
 
+and for the activations ``iabn_triton``: the same layer with its backward in one Triton launch
+(``IABN_BACKEND=triton``; Triton's CPU interpreter runs it here, ``TRITON_INTERPRET=1`` is set
+before Triton is imported)
+
 in float32 (and bfloat16 without ``--quick``). A row gives the launches (ATen operators that
 compute: host dispatches, each a kernel or more on a GPU), the bytes of full-size tensors
 read + written in activations (one input tensor's bytes), and the backward's peak of
-full-size memory. The in-place activations recover their input by Newton steps written as
-ATen operations (``kernels/branch.py``): these counts are what an eager GPU step would
-launch and move, which ``torch.compile`` fuses; no GPU was used.
+full-size memory. The in-place activations' reference backward recovers their input by
+Newton steps written as ATen operations (``kernels/branch.py``): these counts are what an
+eager GPU step would launch and move on the reference backend, which ``torch.compile`` fuses
+and the Triton backward does in one launch; no GPU was used.
 
 Usage::
 
@@ -24,7 +29,13 @@ Usage::
 
 from __future__ import annotations
 
+import os
+
+# Triton reads this when its kernels are defined: before anything imports them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -32,6 +43,7 @@ import torch
 from torch import nn
 
 import iabn
+from iabn.kernels.dispatch import has_triton, use_backend
 from iabn.measure import traffic
 from iabn.tools.bench import machine_info, results_folder, write_json
 
@@ -50,8 +62,9 @@ def _norm_weights(layer: nn.Module) -> nn.Module:
 
 
 def providers() -> dict[str, tuple[int, dict[str, nn.Module]]]:
-    """``{kind: (features, {provider: layer})}``."""
-    return {
+    """``{kind: (features, {provider: layer})}``; ``iabn_triton``: the activation's backward
+    in one Triton launch (``IABN_BACKEND=triton``, run by the CPU interpreter here)."""
+    kinds = {
         "layer_norm": (DIM, {
             "torch": nn.LayerNorm(DIM),
             "iabn_output_only": iabn.InPlaceLayerNorm(DIM, overwrite_input=False),
@@ -65,6 +78,11 @@ def providers() -> dict[str, tuple[int, dict[str, nn.Module]]]:
                                "iabn_in_place": iabn.InPlaceGELU(approximate="tanh")}),
         "silu": (HIDDEN, {"torch": nn.SiLU(), "iabn_in_place": iabn.InPlaceSiLU()}),
     }
+    if has_triton():
+        for kind, (_, layers) in kinds.items():
+            if "norm" not in kind:
+                layers["iabn_triton"] = copy.deepcopy(layers["iabn_in_place"])
+    return kinds
 
 
 def count_row(layer: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> dict:
@@ -95,7 +113,8 @@ def measure(tokens: int, quick: bool) -> list[dict]:
                     _norm_weights(layer)
                 row = {"kind": kind, "provider": name, "dtype": dtype_name,
                        "shape": list(shape)}
-                row.update(count_row(layer, shape, dtype))
+                with use_backend("triton" if name == "iabn_triton" else "reference"):
+                    row.update(count_row(layer, shape, dtype))
                 rows.append(row)
                 print(f"{kind:10} {name:17} {dtype_name:9} launches {row['launches']:4} "
                       f"({row['launches_forward']} + {row['launches_backward']})  moved "

@@ -14,7 +14,7 @@ from iabn.kernels.common import LayerConfig
 
 from helpers import TRITON_DEVICE
 
-CONTRACT = ("forward_", "backward", "local_sums", "input_grad")
+CONTRACT = ("forward_", "backward", "local_sums", "input_grad", "activation_grad")
 
 
 def _backends():
@@ -25,7 +25,7 @@ def _backends():
         yield triton_backend
 
 
-def test_the_contract_names_the_four_functions():
+def test_the_contract_names_the_five_functions():
     declared = {name for name, value in vars(KernelBackend).items()
                 if inspect.isfunction(value) and not name.startswith("_")}
     assert declared == set(CONTRACT)

@@ -101,6 +101,14 @@ CASES = [  # (kernel, pointer types other than *fp32, constexprs)
      {"CHANNEL_ON_ROWS": True, "ACT": k.GELU, "BRANCH": True, "NEWTON": 5, "CHEB": 25,
       "TAYLOR": False,
       "BLOCK_R": 2, "BLOCK_K": 1024, "ACC": tl.float64}),
+    # the activations without a norm: bfloat16 through float32, and float64
+    (k.activation_grad_kernel, {"z_ptr": "*bf16", "dz_ptr": "*bf16", "dx_ptr": "*bf16",
+                                "bits_ptr": "*u8"},
+     {"ACT": k.GELU, "NEWTON": 4, "CHEB": 16, "TAYLOR": True, "ACC": F32, "BLOCK": 2048}),
+    (k.activation_grad_kernel, {"z_ptr": "*fp64", "dz_ptr": "*fp64", "dx_ptr": "*fp64",
+                                "bits_ptr": "*u8", "consts_ptr": "*fp64"},
+     {"ACT": k.SILU, "NEWTON": 5, "CHEB": 25, "TAYLOR": False, "ACC": tl.float64,
+      "BLOCK": 2048}),
 ]
 
 

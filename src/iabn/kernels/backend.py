@@ -1,4 +1,4 @@
-"""The contract every kernel backend keeps: four functions, no autograd, no communication.
+"""The contract every kernel backend keeps: five functions, no autograd, no communication.
 
 A backend is a module (:mod:`.reference`, :mod:`.triton_backend`) that :func:`.dispatch.backend_for`
 returns and the layers call without knowing which one it is: the single-process layer calls
@@ -11,8 +11,9 @@ The branch bits of the activations with one minimum (``silu``, ``gelu``, ``mish`
 of the contract: ``forward_`` writes them into ``bits`` (:func:`.branch.new_bits` makes the
 buffer; ``None`` where no backward will read them, e.g. without autograd), ``backward`` and
 ``local_sums`` read them; each backend packs them in its own order, which only its own
-backward reads. The layers pass ``bits`` through without asking which activation or backend
-they have. The suite checks each backend's signatures against this class
+backward reads. ``activation_grad`` is the backward of the activation layers without a norm,
+whose bits torch packs in logical order. The layers pass ``bits`` through without asking
+which activation or backend they have. The suite checks each backend's signatures against this class
 (``test_backend_contract.py``).
 """
 
@@ -63,4 +64,12 @@ class KernelBackend(Protocol):
     ) -> Tensor:
         """``dx`` in ``out_dtype`` from :meth:`local_sums`' ``saved`` and the sums over all
         ``total`` values per channel of every rank."""
+        ...
+
+    def activation_grad(self, z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
+        """``dx = phi'(y) dz`` of an activation with one minimum and no norm
+        (:class:`iabn.InPlaceGELU`...), ``y`` recovered from its output ``z`` (any shape and
+        strides) and ``bits``, the bit ``y < y*`` of every element in ``z``'s logical order
+        (:func:`.branch.pack_bits`: the layers pack them with torch); ``dx`` in ``z``'s dtype
+        and shape."""
         ...

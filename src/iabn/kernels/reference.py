@@ -548,6 +548,36 @@ def _branch_local_sums(
     return (y, dy), sums_from_y(y, dy, g, beta)
 
 
+# ------------------------------------------------------ activations without a norm
+
+
+def _activation_grad_whole(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
+    compute = compute_dtype(z.dtype)
+    y = branch.invert(z.to(compute), left, activation, z.dtype)
+    dy = act.ACTIVATIONS[activation].minimum.derivative(y).mul_(dz.to(compute))
+    return dy.to(z.dtype)
+
+
+def activation_grad(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
+    """``dx = phi'(y) dz`` with ``y`` recovered from ``z`` and the packed ``bits``
+    (:meth:`.backend.KernelBackend.activation_grad`).
+
+    Newton's temporaries (about 16 tensors of what it inverts, in the compute dtype) are those
+    of one slice along ``z``'s largest dimension: 1/64 of a large activation, as the
+    batch-norm layers' backward (:func:`pieces`); while compiling the whole, which Inductor
+    fuses."""
+    left = branch.unpack_bits(bits, z.shape)
+    count = part_count(z.numel(), 4 * PIECES) if z.dim() else 1
+    if count == 1 or torch.compiler.is_compiling():
+        return _activation_grad_whole(z, dz, left, activation)
+    dim = max(range(z.dim()), key=lambda d: z.shape[d])
+    dx = torch.empty_like(z)
+    for a, b in at_most(z.shape[dim], count):
+        at = (slice(None),) * dim + (slice(a, b),)
+        dx[at] = _activation_grad_whole(z[at], dz[at], left[at], activation)
+    return dx
+
+
 # ------------------------------------------------------------------ which backend runs a call
 # (iabn.kernels.dispatch documents the choice; its helpers for tools and tests live there).
 # Here, beside the default backend, so that a layer call asks and runs in one module.

@@ -434,6 +434,29 @@ def backward(
     return dx, dgamma, dbeta
 
 
+# --- activations without a norm ------------------------------------------------------------
+
+
+def activation_grad(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
+    """``dx`` of an activation layer without a norm in one launch
+    (:meth:`.backend.KernelBackend.activation_grad`): the Newton steps of :func:`.branch.invert`
+    in registers, where the reference runs each as ATen operations over the tensor."""
+    branch_ = _branch(z, activation, bits)
+    z_dense, dz_dense = z.contiguous(), dz.contiguous()  # the bits' (logical) order
+    dx = torch.empty_like(z_dense)
+    numel = z.numel()
+    if numel:
+        adtype = accumulation_dtype(z.dtype)
+        k.activation_grad_kernel[(triton.cdiv(numel, _TILE),)](
+            z_dense, dz_dense, dx, branch_.bits, branch_.consts, numel,
+            ACT=_ACTIVATION_CODES[activation], NEWTON=branch_.newton,
+            CHEB=_ERFCX_TERMS[adtype], TAYLOR=branch_.taylor, ACC=_TL_DTYPES[adtype],
+            BLOCK=_TILE,
+            **_LAUNCH,
+        )
+    return dx.view_as(z) if z.is_contiguous() else torch.empty_like(z).copy_(dx)
+
+
 # --- the synchronised layer's backward (the two halves of .backend.KernelBackend) ---------
 
 

@@ -635,6 +635,29 @@ _declare(normalize_branch_kernel, reads=("x_ptr", "coeffs_ptr", "consts_ptr"),
          writes=("x_ptr", "bits_ptr"))
 
 
+@triton.jit
+def activation_grad_kernel(
+    z_ptr, dz_ptr, dx_ptr, bits_ptr, consts_ptr, numel,
+    ACT: tl.constexpr, NEWTON: tl.constexpr, CHEB: tl.constexpr, TAYLOR: tl.constexpr,
+    ACC: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The backward of an activation with one minimum and no norm (:class:`iabn.InPlaceGELU`
+    ...): ``dx = phi'(y) dz``, ``y`` recovered from ``z`` and its bit (``bits``: eight
+    consecutive elements to a byte, lowest bit first, as torch packs them). ``z``, ``dz`` and
+    ``dx`` are contiguous; a 1-D grid over blocks of ``BLOCK`` elements."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < numel
+    z = tl.load(z_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    dz = tl.load(dz_ptr + offsets, mask=mask, other=0.0).to(ACC)
+    dx = _recover_branch(z, dz, bits_ptr, offsets, mask, ACT, consts_ptr, NEWTON, CHEB,
+                         TAYLOR)[1]
+    tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+_declare(activation_grad_kernel, reads=("z_ptr", "dz_ptr", "bits_ptr", "consts_ptr"),
+         writes=("dx_ptr",))
+
+
 # ---------------------------------------------------------------------------------------------
 # Backward: partial sums (sum(dy), sum(dy * (y - beta))) -> parts[2, P, C], then
 # dx = k1[c] * dy + k2[c] * y + k3[c].

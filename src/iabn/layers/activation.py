@@ -27,10 +27,10 @@ from torch import Tensor, nn
 
 from .. import debug
 from ..autograd.function import overwritable, transformed
-from ..kernels import branch
+from ..kernels import branch, reference
 from ..kernels.activations import ACTIVATIONS, GELU, GELU_TANH, MISH, SILU
 from ..kernels.common import LOW_PRECISION
-from ..kernels.reference import PIECES, at_most, part_count
+from ..kernels.reference import backend_for
 from .batch_norm import OverwriteInputOption
 from .checks import SUPPORTED_DTYPES, has_internal_overlap
 
@@ -119,32 +119,6 @@ def input_from_output(z: Tensor, bits: Tensor, activation: str) -> Tensor:
     return branch.invert(z.to(compute), branch.unpack_bits(bits, z.shape), activation, z.dtype)
 
 
-def _grad_whole(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
-    compute = torch.float32 if z.dtype in LOW_PRECISION else z.dtype
-    y = branch.invert(z.to(compute), left, activation, z.dtype)
-    dy = ACTIVATIONS[activation].minimum.derivative(y).mul_(dz.to(compute))
-    return dy.to(z.dtype)
-
-
-def input_grad(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
-    """``dx = phi'(y) dz`` with ``y`` recovered from ``z`` and the packed ``bits``.
-
-    Newton's temporaries (about 16 tensors of what it inverts, in the compute dtype) are those
-    of one slice along ``z``'s largest dimension: 1/64 of a large activation, as the
-    batch-norm layers' backward (:func:`iabn.kernels.reference.pieces`); while compiling the
-    whole, which Inductor fuses."""
-    left = branch.unpack_bits(bits, z.shape)
-    count = part_count(z.numel(), 4 * PIECES) if z.dim() else 1
-    if count == 1 or torch.compiler.is_compiling():
-        return _grad_whole(z, dz, left, activation)
-    dim = max(range(z.dim()), key=lambda d: z.shape[d])
-    dx = torch.empty_like(z)
-    for a, b in at_most(z.shape[dim], count):
-        at = (slice(None),) * dim + (slice(a, b),)
-        dx[at] = _grad_whole(z[at], dz[at], left[at], activation)
-    return dx
-
-
 class InPlaceActivationFunction(torch.autograd.Function):
     """Autograd of the layers: keeps the output ``z`` and the packed branch bits
     (``ceil(numel / 8)`` bytes); ``overwrite``: ``z`` is written into ``x`` (marked dirty)."""
@@ -174,7 +148,9 @@ class InPlaceActivationFunction(torch.autograd.Function):
                 "nn.Mish where second derivatives are needed"
             )
         z, bits = ctx.saved_tensors
-        return input_grad(z, dz, bits, ctx.activation), None, None
+        # while compiling, the reference's ATen operations, which the compiler fuses
+        backend = reference if torch.compiler.is_compiling() else backend_for(z)
+        return backend.activation_grad(z, dz, bits, ctx.activation), None, None
 
 
 def compute_activation(input: Tensor, activation: str, overwrite: bool, layer: str) -> Tensor:
