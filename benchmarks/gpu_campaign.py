@@ -24,7 +24,10 @@ offloading VGG-19 (BN) b32 at 128 x 128 (``offload_pcie``: pinned copy bandwidth
 ``OffloadModel`` transfers; ``offload_pareto``: eager, ``OffloadModel``, ``save_on_cpu`` and
 ``torch.compile`` with ``activation_memory_budget=0.5``), ``plan`` (``iabn.plan`` at 1/3 of
 ResNet-50's activation bytes against the model as given and ``checkpoint_sequential``),
-``slope_errors``, the other network cells, ``host_overhead`` and the full ``gpu_speed`` tables.
+``transformers`` (timm's ViT-S/16 and ConvNeXt-T at batch 64, as given against
+``iabn.convert``'s output-only layer norms and in-place GELUs and against the norms alone,
+eager and compiled, bf16 and fp32: ``transformer_step_cuda.json``), ``slope_errors``, the
+other network cells, ``host_overhead`` and the full ``gpu_speed`` tables.
 The summary ``gpu_campaign_summary.md`` (the targets met / missed / unmeasured, read from the
 parts' files only: a figure no part measured on a GPU is "unmeasured", never estimated; the
 layer's and the networks' rows with their profiles) is rewritten after every part.
@@ -40,9 +43,10 @@ a device machine that returns only 8 files.
 
 Resuming and time: ``--resume`` continues the campaign in ``--out`` (or starts it): parts
 already done or failed are skipped. ``--parts`` selects parts by name, group (tests, suite,
-slopes, host, gpu_speed, network, batch, offload, plan) or shell pattern (``'net_eager_*'``);
-``--rerun`` runs selected parts again even when done or failed (a network part keeps a cell the
-JSON already holds without an error: network_step's own ``--resume``). With ``--budget-s`` the
+slopes, host, gpu_speed, network, batch, offload, plan, transformers) or shell pattern
+(``'net_eager_*'``); ``--rerun`` runs selected parts again even when done or failed (a
+network part keeps a cell the JSON already holds without an error: network_step's own
+``--resume``). With ``--budget-s`` the
 campaign starts a part only when its expected time fits what is left (less ``--reserve-s`` for
 the summary and the bundle), except the first part of a call, which always starts. A part still
 running when the budget ends is stopped (its process group killed): started after other parts,

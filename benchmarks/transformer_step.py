@@ -8,6 +8,8 @@ downloaded) and the Llama-style decoder of tests/support/transformer_models.py (
 ``given``       the model as built
 ``converted``   ``iabn.convert(model, example, verify=False)`` of a copy (same weights)
 ``norms_only``  the same with ``activations=False``: only the layer and RMS norms replaced
+``converted_triton``  (CUDA, eager) ``converted`` with ``IABN_BACKEND=triton``: the
+                      activations' backward in one Triton launch each
 
 Modes: ``eager`` and ``compile`` (``torch.compile`` of each provider's model, Inductor; the
 ratio is compiled against compiled). A step is ``zero_grad(set_to_none=True)``, forward, a
@@ -46,6 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the decoder's definition
 
 import iabn  # noqa: E402
+from iabn.kernels.dispatch import has_triton, use_backend  # noqa: E402
 from iabn.memory import saved_tensor_bytes  # noqa: E402
 from iabn.tools.bench import (  # noqa: E402
     machine_info,
@@ -93,6 +96,13 @@ def step_of(model, example, dtype):
     return step
 
 
+def with_backend(name: str, step):
+    def run():
+        with use_backend(name):
+            step()
+    return run
+
+
 def peak_step_bytes(step, device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
@@ -119,6 +129,8 @@ def cell(name: str, mode: str, dtype_name: str, args, device) -> dict:
         torch._dynamo.reset()
         models = {p: torch.compile(copy.deepcopy(m)) for p, m in models.items()}
     steps = {p: step_of(m, example, DTYPES[dtype_name]) for p, m in models.items()}
+    if device.type == "cuda" and mode == "eager" and has_triton():
+        steps["converted_triton"] = with_backend("triton", steps["converted"])
     label = f"{name} {mode} {dtype_name}"
     print(f"{label}: warming up ({args.warmup} steps each{', compiling' * (mode == 'compile')})",
           file=sys.stderr, flush=True)
@@ -126,7 +138,8 @@ def cell(name: str, mode: str, dtype_name: str, args, device) -> dict:
                              on_repeat=progress_printer(f"{label} ", args.repeats),
                              device=device if device.type == "cuda" else None)
     ratio, spread = {}, {}
-    for provider in ("converted", "norms_only"):
+    others = [p for p in steps if p != "given"]
+    for provider in others:
         ratios = [c / g for c, g in zip(times[provider], times["given"], strict=True)]
         quartiles = quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         ratio[provider], spread[provider] = median(ratios), [quartiles[0], quartiles[2]]
@@ -145,7 +158,9 @@ def cell(name: str, mode: str, dtype_name: str, args, device) -> dict:
     print(f"{label}: given {times_ms['given']:.1f} ms; " + "; ".join(
         f"{p} {times_ms[p]:.1f} ms, {ratio[p]:.3f}x (quartiles {spread[p][0]:.3f}-"
         f"{spread[p][1]:.3f}), saved bytes {result['saved_ratio'][p]:.3f}x"
-        for p in ("converted", "norms_only")), flush=True)
+        for p in others if p in saved) + "".join(
+        f"; {p} {times_ms[p]:.1f} ms, {ratio[p]:.3f}x" for p in others if p not in saved),
+        flush=True)
     return result
 
 

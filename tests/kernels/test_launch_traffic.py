@@ -355,12 +355,17 @@ def test_triton_kernels_write_only_what_they_declare():
             grad = torch.randn(SHAPE).contiguous(memory_format=fmt)
             with use_backend("triton"):
                 layer(x.clone()).backward(grad)
+        # the activation layers without a norm: their backward's one kernel
+        x = torch.randn(SHAPE).requires_grad_()
+        with use_backend("triton"):
+            iabn.InPlaceSiLU()(x.clone()).backward(torch.randn(SHAPE))
     finally:
         for kernel in kernels:
             kernel.__dict__.pop("run", None)
     assert changed["normalize_act_kernel"] == {"x_ptr"}
     assert changed["normalize_branch_kernel"] == {"x_ptr", "bits_ptr"}
     assert changed["input_grad_kernel"] == {"dx_ptr"}
+    assert changed["activation_grad_kernel"] == {"dx_ptr"}
     assert set(changed) == set(triton_kernels.TRAFFIC)
 
 

@@ -268,7 +268,7 @@ class Planner:
 
     def _convert_units(self) -> None:
         from ..conversion import ConversionWarning, convert
-        from ..conversion.graph import is_convertible_norm
+        from ..conversion.graph import is_site_module
 
         if self.device.type == "meta":
             self.notes.append("in place is not a candidate: iabn.convert reads the norms' "
@@ -279,7 +279,7 @@ class Planner:
         inputs: dict[int, tuple[Tensor, ...]] | None = None
         for unit in self.units:
             modules = unit_modules(self.real, unit)
-            if not any(is_convertible_norm(m) for module in modules for m in module.modules()):
+            if not any(is_site_module(m) for module in modules for m in module.modules()):
                 continue
             if shares_tensors(self.real, unit):
                 self.notes.append(f"{unit.name}: not converted: it shares parameters or "
