@@ -32,14 +32,12 @@ from ..kernels.activations import ACTIVATIONS, GELU, GELU_TANH, MISH, SILU
 from ..kernels.common import LOW_PRECISION
 from ..kernels.reference import backend_for
 from .batch_norm import OverwriteInputOption
-from .checks import SUPPORTED_DTYPES, has_internal_overlap
+from .checks import SUPPORTED_DTYPES, check_writable
 
 #: ``nn.GELU``'s ``approximate`` -> the registry's record.
 GELU_FORMS = {"none": GELU, "tanh": GELU_TANH}
 #: The activations these layers take: the registry's with one minimum.
 ACTIVATION_NAMES = (SILU, GELU, GELU_TANH, MISH)
-
-_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
 
 
 # ------------------------------------------------------------------ checks
@@ -83,30 +81,8 @@ def check_activation_input(input: Tensor, layer: str, *, overwrite: bool) -> Non
         )
     if not overwrite:
         return
-    eager = not torch.compiler.is_compiling()
-    if eager and input.is_inference() and not torch.is_inference_mode_enabled():
-        raise ValueError(
-            f"{layer}: input is an inference tensor (made under torch.inference_mode()), which "
-            f"cannot be overwritten outside inference mode: run the layer under "
-            f"torch.inference_mode() too, or pass overwrite_input=False"
-        )
-    if torch.is_grad_enabled():
-        leaf = input if input._base is None else input._base
-        if leaf.is_leaf and leaf.requires_grad:
-            what = "a leaf tensor" if leaf is input else "a view of a leaf tensor"
-            raise RuntimeError(
-                f"{layer}: input is {what} that requires grad; with overwrite_input=True the "
-                f"layer overwrites its input, and autograd cannot differentiate with respect "
-                f"to an overwritten leaf. Pass overwrite_input=False (a new output, the input "
-                f"left as it is), or a computed tensor (e.g. input.clone())"
-            )
-    if (eager and _peek_interpreter_stack() is None and not input.is_contiguous()
-            and has_internal_overlap(input)):
-        raise ValueError(
-            f"{layer}: input has elements that share memory (e.g. a tensor made by expand() "
-            f"or as_strided()), so it cannot be overwritten in place: pass "
-            f"overwrite_input=False, or input.contiguous()"
-        )
+    check_writable(input, layer, instead="overwrite_input=False (a new output, the input "
+                   "left as it is)")
 
 
 # ------------------------------------------------------------------ the math

@@ -180,7 +180,7 @@ def check_inputs(
                 f"or eval mode"
             )
     if in_place:
-        _check_writable(input)
+        check_writable(input)
 
 
 def input_signature(
@@ -216,7 +216,7 @@ def check_per_call(input: Tensor, *, in_place: bool) -> None:
     if not isinstance(input, Tensor) or input.is_nested or input.layout is not _STRIDED:
         check_tensor_kind(input)
     if in_place:
-        _check_writable(input)
+        check_writable(input)
 
 
 def check_tensor_kind(input: Tensor) -> None:
@@ -278,27 +278,31 @@ def check_param_dtypes(input: Tensor, *params: Tensor | None) -> None:
         raise TypeError(f"parameters have dtype {dtype} but input has {input.dtype}: {hint}")
 
 
-def _check_writable(input: Tensor) -> None:
-    """The in-place layer overwrites ``input``: reject tensors autograd or memory forbid."""
+def check_writable(input: Tensor, layer: str = "",
+                   instead: str = "the non-in-place iabn.ABN") -> None:
+    """The in-place layer overwrites ``input``: reject tensors autograd or memory forbid.
+    ``layer``: a prefix naming the layer in the messages; ``instead``: what to use instead."""
     # Neither query below can be traced by torch.compile: they run in eager mode only (inside
     # a compiled graph, layer inputs are the graph's own intermediates).
     eager = not torch.compiler.is_compiling()
+    prefix = f"{layer}: " if layer else ""
     if eager and input.is_inference() and not torch.is_inference_mode_enabled():
         raise ValueError(
-            "input is an inference tensor (made under torch.inference_mode()), which cannot "
-            "be overwritten outside inference mode: run the layer under "
-            "torch.inference_mode() too, pass input.clone(), or use the non-in-place iabn.ABN"
+            f"{prefix}input is an inference tensor (made under torch.inference_mode()), which "
+            f"cannot be overwritten outside inference mode: run the layer under "
+            f"torch.inference_mode() too, pass input.clone(), or use {instead}"
         )
     if torch.is_grad_enabled():
         base = input._base
         leaf = input if base is None else base
         if leaf.is_leaf and leaf.requires_grad:
             what = "a leaf tensor" if leaf is input else "a view of a leaf tensor"
+            functional = " (iabn.functional.abn)" if instead.endswith("iabn.ABN") else ""
             raise RuntimeError(
-                f"input is {what} that requires grad; an in-place layer overwrites its input, "
-                f"and autograd cannot differentiate with respect to an overwritten leaf. Use "
-                f"the non-in-place iabn.ABN (iabn.functional.abn), or pass a computed tensor "
-                f"(e.g. the output of a convolution, or input.clone())"
+                f"{prefix}input is {what} that requires grad; an in-place layer overwrites its "
+                f"input, and autograd cannot differentiate with respect to an overwritten "
+                f"leaf. Use {instead}{functional}, or pass a computed tensor (e.g. the output "
+                f"of a convolution, or input.clone())"
             )
     # torch.func's wrapped tensors (vmap's batched ones) have no overlap query: there the
     # layer is computed by composition and ATen's copy_ into the input does its own check.
@@ -308,9 +312,9 @@ def _check_writable(input: Tensor) -> None:
     if (eager and _peek_interpreter_stack() is None and not input.is_contiguous()
             and has_internal_overlap(input)):
         raise ValueError(
-            "input has elements that share memory (e.g. a tensor made by expand() or "
-            "as_strided()), so it cannot be overwritten in place: pass input.contiguous(), or "
-            "use the non-in-place iabn.ABN"
+            f"{prefix}input has elements that share memory (e.g. a tensor made by expand() or "
+            f"as_strided()), so it cannot be overwritten in place: pass input.contiguous(), "
+            f"or use {instead}"
         )
 
 
