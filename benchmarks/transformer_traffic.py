@@ -97,6 +97,7 @@ def count_row(layer: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> d
         "launches_backward": len(step.backward.launches),
         "launches": len(step.forward.launches) + len(step.backward.launches),
         "activations_moved": moved / activation,
+        "activations_moved_backward": step.backward.moved / activation,
         "backward_peak_activations": step.backward.peak_bytes / activation,
         "backward_ops": step.backward.names(),
     }

@@ -372,14 +372,14 @@ def _bytes_by_norm(graph: fx.Graph, modules: dict[str, nn.Module], saves: Any,
                    norm_inputs: dict[str, Any]
                    ) -> tuple[dict[str, int], int, dict[str, set[fx.Node]]]:
     """:func:`_bytes_per_node`'s figures from the saves attributed to ``graph``'s nodes."""
-    sizes, savers = saves.first_bytes, saves.savers
+    sizes, savers, alone = saves.first_bytes, saves.savers, saves.alone_bytes()
     by_name = {node.name: node for node in graph.nodes}
     result, input_savers = {}, {}
     for node in graph.nodes:
         m = modules[node.target] if node.op == "call_module" else None
         if is_layer_site(m) or isinstance(m, OWN_LAYERS):
             # what it alone keeps: its output is saved by the next layer whichever keeps it
-            result[node.target] = saves.alone_bytes(node.name)
+            result[node.target] = alone.get(node.name, 0)
         elif m is not None and (is_convertible_norm(m) or isinstance(m, (ABN, GroupNormAct))):
             result[node.target] = sizes.get(node.name, 0) + sum(
                 sizes.get(user.name, 0) for user in node.users

@@ -397,13 +397,10 @@ def node_activation(node: fx.Node, modules: dict[str, nn.Module]) -> Activation 
     if node.op == "call_module":
         return module_activation(modules[node.target])
     if node.op == "call_function":
-        try:
-            hit = registry.FUNCTION_FORMS.get(node.target)
-        except TypeError:  # an unhashable target
-            hit = None
-        if hit is None:
+        forms = registry.function_forms(node.target)
+        if not forms:
             return None
-        record, form = hit
+        record, form = forms[0]  # the records of one function share its signature
         arguments = _call_arguments(node.target, form, record.parameter, node)
         # the records sharing a function (F.gelu: gelu, gelu_tanh) differ by keyword values
         hit = None if arguments is None else registry.function_activation(node.target,

@@ -526,15 +526,18 @@ MODULE_FORMS: dict[type, tuple[tuple[Activation, ModuleForm], ...]] = _index(
 #: function -> every ``(record, FunctionForm)`` of it, in the registry's order: ``F.gelu`` is
 #: ``gelu`` with ``approximate="none"`` and ``gelu_tanh`` with ``"tanh"`` (the form's
 #: ``required`` keywords pick one; :func:`function_activation`).
-FUNCTION_FORM_CHOICES: dict[Callable, tuple[tuple[Activation, FunctionForm], ...]] = _index(
+FUNCTION_FORMS: dict[Callable, tuple[tuple[Activation, FunctionForm], ...]] = _index(
     (form.function, (a, form)) for a in ACTIVATIONS.values() for form in a.forms.functions
 )
-#: function -> the first ``(record, FunctionForm)`` of :data:`FUNCTION_FORM_CHOICES` (``F.gelu``:
-#: the exact ``gelu``, whose ``required`` refuses ``approximate="tanh"``). Kept for callers that
-#: take one form per function; :func:`function_activation` chooses among all of them.
-FUNCTION_FORMS: dict[Callable, tuple[Activation, FunctionForm]] = {
-    function: choices[0] for function, choices in FUNCTION_FORM_CHOICES.items()
-}
+
+
+def function_forms(function: Callable) -> tuple[tuple[Activation, FunctionForm], ...]:
+    """:data:`FUNCTION_FORMS` of ``function`` (empty for one no record names, or an
+    unhashable callable)."""
+    try:
+        return FUNCTION_FORMS.get(function, ())
+    except TypeError:
+        return ()
 
 
 def function_activation(function: Callable, arguments: dict[str, object]
@@ -542,11 +545,7 @@ def function_activation(function: Callable, arguments: dict[str, object]
     """The ``(record, form)`` a call of ``function`` with these keyword ``arguments`` (bound
     by name) computes: the first form whose ``required`` keywords hold (absent ones take their
     required value, torch's default), else ``None``."""
-    try:
-        choices = FUNCTION_FORM_CHOICES.get(function, ())
-    except TypeError:  # an unhashable callable
-        return None
-    for record, form in choices:
+    for record, form in function_forms(function):
         if all(arguments.get(key, value) == value for key, value in form.required):
             return record, form
     return None

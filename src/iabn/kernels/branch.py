@@ -154,7 +154,8 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
     # know the count (a synchronisation), and the compiler wants static shapes: both
     # branches run on every element there and one is chosen per element.
     split = z.device.type == "cpu" and not torch.compiler.is_compiling()
-    z_right, z_left = (z[~left], z[left]) if split else (z, z)
+    right = ~left if split else None
+    z_right, z_left = (z[right], z[left]) if split else (z, z)
     # right branch: G(y) = sqrt(phi(y) - z*) = target_r
     target_r = above_minimum(z_right).clamp_(min=0).sqrt_()
     y_r = torch.maximum(target_r / slope_right + y_star, z_right)
@@ -179,7 +180,7 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
         return torch.where(left, y_l, y_r)
     y = torch.empty_like(z)
     y[left] = y_l
-    y[~left] = y_r
+    y[right] = y_r
     return y
 
 

@@ -32,7 +32,7 @@ from ..kernels.activations import ACTIVATIONS, GELU, GELU_TANH, MISH, SILU
 from ..kernels.common import LOW_PRECISION
 from ..kernels.reference import backend_for
 from .batch_norm import OverwriteInputOption
-from .checks import SUPPORTED_DTYPES, check_writable
+from .checks import SUPPORTED_DTYPES, check_overwrite_input, check_writable
 
 #: ``nn.GELU``'s ``approximate`` -> the registry's record.
 GELU_FORMS = {"none": GELU, "tanh": GELU_TANH}
@@ -53,14 +53,6 @@ def gelu_activation(approximate: str) -> str:
             f"approximate={approximate!r}: must be 'none' (the exact erf form, nn.GELU's "
             f"default) or 'tanh' (the tanh approximation), as for nn.GELU"
         ) from None
-
-
-def check_overwrite_input(value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"overwrite_input={value!r}: must be True (overwrite the input, the default) or "
-            f"False (write a new tensor and keep only it for backward)"
-        )
 
 
 def check_activation_input(input: Tensor, layer: str, *, overwrite: bool) -> None:

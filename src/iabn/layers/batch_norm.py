@@ -27,6 +27,7 @@ from .checks import (
     check_inputs,
     check_num_features,
     check_options,
+    check_overwrite_input,
     check_per_call,
     input_signature,
 )
@@ -340,11 +341,7 @@ class OverwriteInputOption:
 
     @overwrite_input.setter
     def overwrite_input(self, value: bool) -> None:
-        if not isinstance(value, bool):
-            raise TypeError(
-                f"overwrite_input={value!r}: must be True (overwrite the input, the default) "
-                f"or False (write a new tensor and keep only it for backward)"
-            )
+        check_overwrite_input(value)
         self.__dict__["_in_place"] = value
         self.__dict__.pop("_valid_signature", None)  # the checks differ between the modes
 

@@ -94,6 +94,15 @@ def check_flag(name: str, value: object) -> None:
         raise TypeError(f"{name}={value!r}: must be True or False")
 
 
+def check_overwrite_input(value: object) -> None:
+    """The in-place layers' ``overwrite_input``: a bool, whose two meanings the message says."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"overwrite_input={value!r}: must be True (overwrite the input, the default) or "
+            f"False (write a new tensor and keep only it for backward)"
+        )
+
+
 def check_num_features(num_features: int) -> None:
     """The channel count a layer is built for: a positive integer."""
     if not isinstance(num_features, numbers.Integral) or isinstance(num_features, bool):

@@ -95,11 +95,15 @@ class AttributedSaves:
     #: storage key -> its bytes
     sizes: dict[StorageKey, int] = field(default_factory=dict)
 
-    def alone_bytes(self, owner: Hashable) -> int:
-        """Bytes of the storages ``owner`` alone saved: what it keeps that nothing else
+    def alone_bytes(self) -> dict[Hashable, int]:
+        """Owner -> bytes of the storages it alone saved: what it keeps that nothing else
         keeps (the figure of a layer whose output the next layer saves anyway)."""
-        return sum(self.sizes[key] for key, owners in self.savers.items()
-                   if owners == {owner})
+        alone: dict[Hashable, int] = {}
+        for key, owners in self.savers.items():
+            if len(owners) == 1:
+                (owner,) = owners
+                alone[owner] = alone.get(owner, 0) + self.sizes[key]
+        return alone
 
 
 @contextlib.contextmanager
