@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .. import debug
 from ..autograd.function import overwritable, transformed
 from ..kernels import branch, reference
-from ..kernels.activations import ACTIVATIONS, GELU, GELU_TANH, MISH, SILU
+from ..kernels.activations import ACTIVATIONS, GELU, GELU_TANH, MISH, SILU, module_activation
 from ..kernels.common import LOW_PRECISION
 from ..kernels.reference import backend_for
 from .batch_norm import OverwriteInputOption
@@ -190,6 +190,12 @@ class _InPlaceActivation(OverwriteInputOption):
     def _activation(self) -> str:
         raise NotImplementedError
 
+    @classmethod
+    def like(cls, module: nn.Module, *, overwrite_input: bool) -> nn.Module:
+        """The layer computing what ``module`` (an instance of this layer's ``torch.nn`` base
+        class) computes, holding no state of it (these layers have no parameters)."""
+        return cls(overwrite_input=overwrite_input)
+
     def forward(self, input: Tensor) -> Tensor:
         activation = self._activation()
         overwrite = self.__dict__.get("_in_place", True)
@@ -230,6 +236,10 @@ class InPlaceGELU(_InPlaceActivation, nn.GELU):
 
     def _activation(self) -> str:
         return gelu_activation(self.approximate)  # checked on every call: it may be assigned
+
+    @classmethod
+    def like(cls, module: nn.Module, *, overwrite_input: bool) -> nn.Module:
+        return cls(module.approximate, overwrite_input=overwrite_input)
 
     def extra_repr(self) -> str:
         return ", ".join(filter(None, (super().extra_repr(), self._overwrite_repr())))
@@ -275,5 +285,52 @@ class InPlaceMish(_InPlaceActivation, nn.Mish):
         return self._overwrite_repr()
 
 
-__all__ = ["InPlaceActivationFunction", "InPlaceGELU", "InPlaceMish", "InPlaceSiLU",
-           "inplace_activation"]
+# ------------------------------------------------------------------ from the registry
+
+
+def _torch_base(cls: type) -> type:
+    """The ``torch.nn`` activation class a layer of this module subclasses."""
+    return next(base for base in cls.__mro__[1:] if base.__module__.startswith("torch.nn"))
+
+
+def _layer_classes() -> dict[type, type]:
+    """``torch.nn`` class -> the in-place layer subclassing it, read off the classes above
+    (no table to keep in step with the registry)."""
+    return {_torch_base(cls): cls for cls in _InPlaceActivation.__subclasses__()}
+
+
+def activation_layer(module: nn.Module, *, overwrite_input: bool) -> nn.Module | None:
+    """iabn's in-place layer computing what ``module`` computes, or ``None``: the registry
+    names the activation (:func:`iabn.kernels.activations.module_activation`), its record
+    gives the ``torch.nn`` module of it (``torch_module``), and the layer is the one of this
+    module that subclasses that class. ``None`` where the registry does not recognise
+    ``module`` or no in-place layer of that class exists (``nn.ReLU``, ``nn.LeakyReLU``:
+    their backward keeps the output already)."""
+    found = module_activation(module)
+    if found is None:
+        return None
+    name, param = found
+    reference = ACTIVATIONS[name].torch_module(param)
+    cls = _layer_classes().get(type(reference))
+    if cls is None:
+        return None
+    source = module if type(module) is type(reference) else reference
+    return cls.like(source, overwrite_input=overwrite_input)
+
+
+def has_activation_layer(module: nn.Module) -> bool:
+    """Whether :func:`activation_layer` gives a layer for ``module``."""
+    found = module_activation(module)
+    return found is not None and type(ACTIVATIONS[found[0]].torch_module(found[1])) in \
+        _layer_classes()
+
+
+__all__ = [
+    "InPlaceActivationFunction",
+    "InPlaceGELU",
+    "InPlaceMish",
+    "InPlaceSiLU",
+    "activation_layer",
+    "has_activation_layer",
+    "inplace_activation",
+]
