@@ -60,8 +60,8 @@ from torch import nn
 
 import iabn
 from iabn.kernels import reference
+from iabn.kernels.backends import use_backend
 from iabn.kernels.common import LayerConfig
-from iabn.kernels.dispatch import use_backend
 from iabn.tools.bench import (
     machine_info,
     results_folder,

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.kernels.dispatch import has_triton, use_backend
+from iabn.kernels.backends import has_triton, use_backend
 from iabn.measure import traffic
 from iabn.tools.bench import machine_info, results_folder, write_json
 

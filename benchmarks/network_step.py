@@ -87,7 +87,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iabn.kernels.dispatch import use_backend
+from iabn.kernels.backends import use_backend
 from iabn.memory import saved_tensor_bytes
 from iabn.models import create
 from iabn.tools.bench import (

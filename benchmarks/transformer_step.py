@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "support"))  # the decoder's definition
 
 import iabn  # noqa: E402
-from iabn.kernels.dispatch import has_triton, use_backend  # noqa: E402
+from iabn.kernels.backends import has_triton, use_backend  # noqa: E402
 from iabn.memory import saved_tensor_bytes  # noqa: E402
 from iabn.tools.bench import (  # noqa: E402
     machine_info,

@@ -3,7 +3,8 @@
 ``inplace_abn`` overwrites ``input`` with its result and returns it; ``abn`` is the standard,
 non-in-place composition (batch norm, then activation) with the same parametrisation.
 ``inplace_layer_norm`` and ``inplace_rms_norm`` take ``F.layer_norm``'s and ``F.rms_norm``'s
-arguments (:mod:`iabn.layers.layer_norm`).
+arguments (the modules: :mod:`iabn.layers.layer_norm`); ``inplace_activation`` and its named
+forms (``inplace_gelu``...) the activations' (:mod:`iabn.layers.activation`).
 
 Argument order follows ``F.batch_norm`` — ``(input, running_mean, running_var, weight, bias,
 training, momentum, eps)`` — not the original ``inplace_abn`` package, whose functional put
@@ -15,13 +16,19 @@ order) is rejected with a ``ValueError``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from torch import Tensor
 
-from .autograd.function import compute_abn, compute_inplace
+from .autograd.activation import activation_call
+from .autograd.batch_norm import compute_abn, compute_inplace
+from .autograd.row_norm import row_norm_call
 from .distributed.function import inplace_abn_sync
-from .layers.activation import gelu_activation, inplace_activation
-from .layers.checks import checked_call
-from .layers.layer_norm import inplace_layer_norm, inplace_rms_norm
+from .kernels.common import LAYER_NORM, RMS_NORM, RowConfig
+from .layers.activation import check_activation_input, gelu_activation, standalone_activations
+from .layers.layer_norm import as_shape, check_norm_inputs
+from .layers.options import check_flag, check_overwrite_input, checked_call
 
 
 def inplace_abn(
@@ -93,6 +100,50 @@ def abn(
                              momentum, eps, activation, activation_param, gamma_mode,
                              in_place=False)
     return compute_abn(input, running_mean, running_var, weight, bias, config)
+
+
+def inplace_layer_norm(input: Tensor, normalized_shape: int | Sequence[int],
+                       weight: Tensor | None = None, bias: Tensor | None = None,
+                       eps: float = 1e-5, *, overwrite_input: bool = True) -> Tensor:
+    """:class:`iabn.InPlaceLayerNorm` as a function, with ``F.layer_norm``'s arguments."""
+    check_flag("overwrite_input", overwrite_input)
+    shape = as_shape(normalized_shape)
+    check_norm_inputs(input, weight, bias, shape, kind=LAYER_NORM, channels=False,
+                      in_place=overwrite_input)
+    return row_norm_call(input, weight, bias, RowConfig(shape, eps, LAYER_NORM, False),
+                         overwrite_input, "iabn.functional.inplace_layer_norm")
+
+
+def inplace_rms_norm(input: Tensor, normalized_shape: int | Sequence[int],
+                     weight: Tensor | None = None, eps: float | None = None, *,
+                     overwrite_input: bool = True) -> Tensor:
+    """:class:`iabn.InPlaceRMSNorm` as a function, with ``F.rms_norm``'s arguments."""
+    check_flag("overwrite_input", overwrite_input)
+    shape = as_shape(normalized_shape)
+    check_norm_inputs(input, weight, None, shape, kind=RMS_NORM, channels=False,
+                      in_place=overwrite_input)
+    return row_norm_call(input, weight, None, RowConfig(shape, eps, RMS_NORM, False),
+                         overwrite_input, "iabn.functional.inplace_rms_norm")
+
+
+def inplace_activation(input: Tensor, activation: str, *, overwrite_input: bool = True,
+                       activation_param: Any = 0.0, layer: str | None = None) -> Tensor:
+    """``phi(input)`` of an activation that has an in-place layer of its own (one with one
+    minimum, ``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"mish"``: one bit per element kept; an
+    invertible one: nothing more), keeping only its output for backward; overwrites ``input``
+    and returns it, or with ``overwrite_input=False`` returns a new tensor and leaves
+    ``input`` as it is. ``activation_param``: the registry functions' parameter.
+    ``layer`` names the caller in messages."""
+    layer = layer or f"iabn.functional.inplace_activation({activation!r})"
+    names = standalone_activations()
+    if activation not in names:
+        raise ValueError(
+            f"{layer}: activation={activation!r}: use one of {', '.join(map(repr, names))} "
+            f"(the activations with an in-place layer of their own)"
+        )
+    check_overwrite_input(overwrite_input)
+    check_activation_input(input, layer, overwrite=overwrite_input)
+    return activation_call(input, activation, activation_param, overwrite_input, layer)
 
 
 def inplace_gelu(input: Tensor, approximate: str = "none", *,

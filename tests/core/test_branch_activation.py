@@ -339,14 +339,14 @@ def test_saved_bytes_are_z_and_the_bits(activation, shape, dtype, backend, devic
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_backward_memory_is_bounded(activation, dtype, extra, training, monkeypatch):
     """Newton's float32 temporaries (16.25 tensors of their size at their peak) are those of
-    slices of the activation (reference.pieces): the backward holds at most ``extra``
+    slices of the activation (parts.pieces): the backward holds at most ``extra``
     activations (in the input's dtype; float32: y, dy and dx as the leaky_relu layer) more
     than BatchNorm + the activation's, counting every allocation (iabn.measure.traffic); half inputs
     make no float32 tensor of the activation's size."""
-    from iabn.kernels import reference
+    from iabn.kernels import parts
     from iabn.measure import traffic
 
-    monkeypatch.setattr(reference, "MIN_PIECE", 1)  # slices at this small shape
+    monkeypatch.setattr(parts, "MIN_PIECE", 1)  # slices at this small shape
     shape = (4, 8, 6, 5)
     bn = nn.BatchNorm2d(shape[1])
     layer = iabn.InPlaceABN(shape[1], activation=activation)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.kernels.dispatch import use_backend
+from iabn.kernels.backends import use_backend
 
 SLOPE = 0.01
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.kernels import reference as kernels_reference
+from iabn.kernels import parts as kernels_parts
 from iabn.measure import traffic
 from iabn.memory import saved_tensor_bytes
 
@@ -198,7 +198,7 @@ def test_half_backward_makes_no_float32_activation(case, dtype, monkeypatch):
     activation (in the input's dtype) more than nn.GroupNorm + activation's backward,
     counting every allocation (iabn.measure.traffic)."""
     shape, groups, activation, param, affine = case
-    monkeypatch.setattr(kernels_reference, "MIN_PIECE", 1)  # parts at these tiny shapes
+    monkeypatch.setattr(kernels_parts, "MIN_PIECE", 1)  # parts at these tiny shapes
     torch.manual_seed(4)
     ref = reference(groups, shape[1], activation, param, affine, torch.float32)
     layer = layer_like(ref, groups, activation, param, True)
@@ -282,12 +282,12 @@ def test_state_dict_round_trip_with_group_norm():
 
 
 def test_abs_state_into_signed_layer_warns(monkeypatch):
-    import iabn.layers.batch_norm
+    import iabn.layers.options
 
-    monkeypatch.setattr(iabn.layers.batch_norm, "_warned_abs_into_signed", False)
+    monkeypatch.setattr(iabn.layers.options, "_warned_abs_into_signed", False)
     trained = nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceGroupNormAct(2, 4, gamma_mode="abs"))
     state = trained.state_dict()
-    with pytest.warns(iabn.layers.batch_norm.GammaModeWarning, match=r"^1: .*gamma_mode='abs'"):
+    with pytest.warns(iabn.layers.options.GammaModeWarning, match=r"^1: .*gamma_mode='abs'"):
         nn.Sequential(nn.Conv2d(3, 4, 1), iabn.GroupNormAct(2, 4)).load_state_dict(state)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import iabn
-import iabn.layers.layer_norm as layer_norm
-from iabn.kernels import reference as kernels_reference
+import iabn.kernels.row_norm as layer_norm
+from iabn.kernels import parts as kernels_parts
 from iabn.memory import saved_tensor_bytes
 
 #: float64: every output and gradient's largest error relative to the largest reference value
@@ -332,8 +332,8 @@ def test_half_backward_in_parts_equals_whole(kind, monkeypatch):
     x = torch.randn(40, D_ZERO)
     g = torch.randn(40, D_ZERO)
     whole = step(like(ref, True).bfloat16(), x, g, torch.bfloat16)
-    monkeypatch.setattr(kernels_reference, "MIN_PIECE", 1)
-    assert kernels_reference.part_count(40 * D_ZERO) == kernels_reference.PIECES
+    monkeypatch.setattr(kernels_parts, "MIN_PIECE", 1)
+    assert kernels_parts.part_count(40 * D_ZERO) == kernels_parts.PIECES
     parts = step(like(ref, True).bfloat16(), x, g, torch.bfloat16)
     assert torch.equal(parts[0], whole[0]) and torch.equal(parts[1], whole[1])
     for a, b in zip(parts[2:], whole[2:], strict=True):
@@ -638,7 +638,7 @@ def _compiled_equals_eager(kind, overwrite_input, backend):
     for c, e in zip(compiled, eager, strict=True):
         torch.testing.assert_close(c, e, rtol=tol, atol=tol)
     # the compiled layer's input comes from outside its graph: the layer works on a copy
-    # there (iabn.autograd.function.overwritable), leaving it unchanged in both modes
+    # there (iabn.autograd.call.overwritable), leaving it unchanged in both modes
     torch.testing.assert_close(given, x * 1, rtol=0, atol=0)
 
 

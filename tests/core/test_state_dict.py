@@ -149,9 +149,9 @@ def test_abn_signed_does_not_clamp_tiny_weights(training):
 
 @pytest.fixture
 def fresh_gamma_warning(monkeypatch):
-    import iabn.layers.batch_norm
+    import iabn.layers.options
 
-    monkeypatch.setattr(iabn.layers.batch_norm, "_warned_abs_into_signed", False)
+    monkeypatch.setattr(iabn.layers.options, "_warned_abs_into_signed", False)
 
 
 def _abs_trained_net():
@@ -172,7 +172,7 @@ def test_abs_state_into_signed_layer_warns_once(fresh_gamma_warning, tmp_path):
     state = torch.load(path, weights_only=True)
     signed = nn.Sequential(nn.Conv2d(3, 4, 1), iabn.InPlaceABN(4), nn.Conv2d(4, 4, 1),
                            iabn.ABN(4)).eval()
-    with pytest.warns(iabn.layers.batch_norm.GammaModeWarning,
+    with pytest.warns(iabn.layers.options.GammaModeWarning,
                       match=r"^1: .*gamma_mode='abs'.*iabn\.compat\.to_signed"):
         signed.load_state_dict(state)
     with warnings.catch_warnings():

@@ -8,24 +8,25 @@ import inspect
 import pytest
 import torch
 
-from iabn.kernels import dispatch, reference
+from iabn.kernels import backends, reference
 from iabn.kernels.backend import KernelBackend
 from iabn.kernels.common import LayerConfig
 
 from helpers import TRITON_DEVICE
 
-CONTRACT = ("forward_", "backward", "local_sums", "input_grad", "activation_grad")
+CONTRACT = ("forward_", "backward", "local_sums", "input_grad", "activation_grad",
+            "group_norm_forward_", "group_norm_backward", "row_norm_forward", "row_norm_backward")
 
 
 def _backends():
     yield reference
-    if dispatch.has_triton():
+    if backends.has_triton():
         from iabn.kernels import triton_backend
 
         yield triton_backend
 
 
-def test_the_contract_names_the_five_functions():
+def test_the_contract_names_the_nine_functions():
     declared = {name for name, value in vars(KernelBackend).items()
                 if inspect.isfunction(value) and not name.startswith("_")}
     assert declared == set(CONTRACT)
@@ -42,15 +43,15 @@ def test_backend_signatures_keep_the_contract(module, function):
     assert all(p.default is not inspect.Parameter.empty for p in extra), extra
 
 
-@pytest.mark.parametrize("choice", dispatch.CHOICES)
+@pytest.mark.parametrize("choice", backends.CHOICES)
 def test_every_backend_dispatch_returns_keeps_it(monkeypatch, choice):
     """backend_for returns one of the modules checked above whatever IABN_BACKEND says, so the
     layers need no second dispatcher for the synchronised halves."""
-    if choice == "triton" and not dispatch.has_triton():
+    if choice == "triton" and not backends.has_triton():
         pytest.skip("Triton is not installed")
     x = torch.zeros(2, 3, device=TRITON_DEVICE if choice == "triton" else "cpu")
-    monkeypatch.setenv(dispatch.ENV, choice)
-    assert dispatch.backend_for(x) in list(_backends())
+    monkeypatch.setenv(backends.ENV, choice)
+    assert backends.backend_for(x) in list(_backends())
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
@@ -77,9 +78,9 @@ def test_synchronised_halves_in_one_process_give_the_backward(backend, device, d
         bn.weight.copy_(w64), bn.bias.copy_(b64)
     torch.nn.functional.leaky_relu(bn(x), 0.01).backward(dz64)
     expected = x.grad
-    with dispatch.use_backend(backend):
+    with backends.use_backend(backend):
         x = x64.to(dtype, copy=True)
-        kernels = dispatch.backend_for(x)
+        kernels = backends.backend_for(x)
         config = LayerConfig(True, 0.0, 1e-5, "leaky_relu", 0.01, "signed")
         params = torch.float64 if dtype == torch.float64 else torch.float32
         weight, bias = w64.to(params), b64.to(params)
@@ -98,3 +99,21 @@ def test_synchronised_halves_in_one_process_give_the_backward(backend, device, d
             bn.weight.copy_(w64), bn.bias.copy_(b64)
         torch.nn.functional.leaky_relu(bn(x), 0.01).backward(dz64.to(dtype))
         assert error <= 4 * (x.grad.double() - expected).abs().max()
+
+
+def test_a_backend_may_leave_a_function_to_the_reference():
+    """from_reference gives a backend the reference's functions by name (the Triton backend
+    takes the norms' that way) and refuses a name the contract does not declare."""
+    from iabn.kernels.backend import CONTRACT as declared
+    from iabn.kernels.backend import from_reference
+
+    assert set(declared) == set(CONTRACT)
+    assert from_reference("row_norm_forward") == (reference.row_norm_forward,)
+    with pytest.raises(ValueError, match="not functions of the backend contract"):
+        from_reference("group_norm")
+    if backends.has_triton():
+        from iabn.kernels import triton_backend
+
+        for name in ("group_norm_forward_", "group_norm_backward", "row_norm_forward",
+                     "row_norm_backward"):
+            assert getattr(triton_backend, name) is getattr(reference, name)

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import iabn
-from iabn.kernels.dispatch import use_backend
+from iabn.kernels.backends import use_backend
 
 from helpers import BRANCH
 

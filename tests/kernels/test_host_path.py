@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import iabn
-from iabn.kernels import dispatch, reference
+from iabn.kernels import backends, reference
 
 from helpers import randomise_, torch_activation
 
@@ -131,9 +131,9 @@ def test_backend_variable_read_from_a_replaced_environment(monkeypatch):
     """``os.environ`` replaced by a plain mapping is still read (through ``get``)."""
     monkeypatch.setattr(os, "environ", {"IABN_BACKEND": "bogus"})
     with pytest.raises(ValueError, match="IABN_BACKEND='bogus'"):
-        dispatch.requested_backend()
+        backends.requested_backend()
     monkeypatch.setattr(os, "environ", {"IABN_BACKEND": "reference"})
-    assert dispatch.backend_for(torch.zeros(1)) is reference
+    assert backends.backend_for(torch.zeros(1)) is reference
 
 
 class _Double(nn.Module):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import iabn
-from iabn.kernels.dispatch import use_backend
+from iabn.kernels.backends import use_backend
 
 from helpers import BRANCH, TRITON_DEVICE, runs_triton
 

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.kernels import reference
-from iabn.kernels.dispatch import use_backend
+from iabn.kernels import parts as cutting
+from iabn.kernels.backends import use_backend
 from iabn.measure import traffic
 
 from helpers import INTERPRET, INVERTIBLE, randomise_
@@ -214,7 +214,7 @@ def test_float32_backward_of_half_inputs_works_in_pieces(
     float32 slices it works on included)."""
     if channels_last and len(shape) != 4:
         pytest.skip("channels_last needs 4 dims")
-    monkeypatch.setattr(reference, "MIN_PIECE", 1)  # pieces at this tiny shape
+    monkeypatch.setattr(cutting, "MIN_PIECE", 1)  # pieces at this tiny shape
     bn = randomise_(nn.BatchNorm2d(shape[1]) if len(shape) == 4 else nn.BatchNorm1d(shape[1]))
     act = nn.ELU(1.0, inplace=True) if activation == "elu" else nn.LeakyReLU(SLOPE, True)
     layer = iabn.InPlaceABN(shape[1], activation=activation,
@@ -244,9 +244,9 @@ def test_float32_backward_of_half_inputs_works_in_pieces(
 ])
 def test_pieces_cut_whole_channels_into_at_most_one_part_in(shape, parts, expected,
                                                              monkeypatch):
-    monkeypatch.setattr(reference, "MIN_PIECE", 1)
+    monkeypatch.setattr(cutting, "MIN_PIECE", 1)
     x = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
-    (view,), index = reference.pieces(x, parts=parts)
+    (view,), index = cutting.pieces(x, parts=parts)
     assert index == expected
     assert all(view[at].numel() <= max(x.numel() // parts, shape[1]) for at in index)
     covered = torch.zeros_like(view)
@@ -258,9 +258,9 @@ def test_pieces_cut_whole_channels_into_at_most_one_part_in(shape, parts, expect
 def test_pieces_leave_small_activations_whole():
     """Each part repeats its operations' launches: below PIECES * MIN_PIECE elements fewer
     parts, one below twice MIN_PIECE (the layer's launches stay those of one pass)."""
-    small = torch.empty(2 * reference.MIN_PIECE - 1, 1)
-    assert len(reference.pieces(small)[1]) == 1
-    assert len(reference.pieces(torch.empty(5 * reference.MIN_PIECE, 1))[1]) == 5
+    small = torch.empty(2 * cutting.MIN_PIECE - 1, 1)
+    assert len(cutting.pieces(small)[1]) == 1
+    assert len(cutting.pieces(torch.empty(5 * cutting.MIN_PIECE, 1))[1]) == 5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

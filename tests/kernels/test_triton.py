@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import iabn
-from iabn.kernels import dispatch, reference
+from iabn.kernels import backends, reference
 from iabn.kernels.common import LayerConfig
 
 from helpers import TRITON_DEVICE, randomise_, runs_triton
@@ -154,7 +154,7 @@ def test_bfloat16_stores_round_like_torch():
 
 def test_auto_uses_the_reference_on_cpu(monkeypatch):
     monkeypatch.delenv("IABN_BACKEND", raising=False)
-    assert dispatch.backend_for(torch.zeros(1)) is reference
+    assert backends.backend_for(torch.zeros(1)) is reference
 
 
 def test_unknown_backend_name_is_rejected(monkeypatch):
@@ -175,9 +175,9 @@ def test_triton_on_cpu_without_the_interpreter_fails_clearly(monkeypatch):
 
 def test_triton_requested_but_not_installed_fails_clearly(monkeypatch):
     monkeypatch.setenv("IABN_BACKEND", "triton")
-    monkeypatch.setattr(reference, "has_triton", lambda: False)  # (backend_for reads it there)
+    monkeypatch.setattr(backends, "has_triton", lambda: False)  # (backend_for reads it there)
     with pytest.raises(RuntimeError, match="pip install triton"):
-        dispatch.backend_for(torch.zeros(1))
+        backends.backend_for(torch.zeros(1))
 
 
 # --- compilation for a real GPU -------------------------------------------------------------
@@ -249,15 +249,15 @@ def test_auto_uses_the_reference_for_cuda_tensors_too(monkeypatch):
     from types import SimpleNamespace
 
     monkeypatch.delenv("IABN_BACKEND", raising=False)
-    assert dispatch.backend_for(SimpleNamespace(is_cuda=True)) is reference
+    assert backends.backend_for(SimpleNamespace(is_cuda=True)) is reference
     monkeypatch.setenv("IABN_BACKEND", "triton")
-    assert dispatch.backend_for(SimpleNamespace(is_cuda=True)) is triton_backend
+    assert backends.backend_for(SimpleNamespace(is_cuda=True)) is triton_backend
 
 
 @pytest.mark.gpu
 def test_auto_uses_the_reference_for_real_cuda_tensors(monkeypatch):
     monkeypatch.delenv("IABN_BACKEND", raising=False)
-    assert dispatch.backend_for(torch.zeros(1, device="cuda")) is reference
+    assert backends.backend_for(torch.zeros(1, device="cuda")) is reference
 
 
 @runs_triton
@@ -309,10 +309,10 @@ def test_more_than_2_31_elements_are_addressed():
 
 def test_use_backend_scopes_the_choice_and_restores_it(monkeypatch):
     monkeypatch.delenv("IABN_BACKEND", raising=False)
-    with dispatch.use_backend("triton"):
-        assert dispatch.requested_backend() == "triton"
+    with backends.use_backend("triton"):
+        assert backends.requested_backend() == "triton"
     assert "IABN_BACKEND" not in os.environ
     monkeypatch.setenv("IABN_BACKEND", "reference")
-    with pytest.raises(KeyError), dispatch.use_backend("triton"):
+    with pytest.raises(KeyError), backends.use_backend("triton"):
         raise KeyError  # restored on the way out of an error too
     assert os.environ["IABN_BACKEND"] == "reference"

@@ -155,7 +155,7 @@ def test_the_activation_layers_take_the_triton_backward_when_asked():
     kernel: one Triton launch in that backward, and the reference's gradient within 1e-6
     relative (float32, SiLU; the same Newton steps, measured 1.4e-7)."""
     import iabn
-    from iabn.kernels.dispatch import use_backend
+    from iabn.kernels.backends import use_backend
     from iabn.measure import traffic
 
     x = torch.randn(6, 40, device=TRITON_DEVICE) * 3

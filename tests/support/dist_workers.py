@@ -251,11 +251,11 @@ def half_inputs_in_pieces(rank: int, world: int) -> None:
     """bfloat16 and float16 inputs (float32 parameters, as under autocast): the input
     gradient within twice PyTorch's own error of a float64 reference on the whole batch, and
     a backward that makes no float32 tensor of a whole rank's activation (it works on float32
-    slices: kernels/reference.pieces)."""
-    from iabn.kernels import reference
+    slices: kernels/parts.pieces)."""
+    from iabn.kernels import parts
     from iabn.measure import traffic
 
-    reference.MIN_PIECE = 1  # slices at this tiny size (a process of its own)
+    parts.MIN_PIECE = 1  # slices at this tiny size (a process of its own)
     sizes = [20, 13][:world] + [7] * max(0, world - 2)
     for dtype in (torch.bfloat16, torch.float16):
         for activation in WITH_PARAMETER:
@@ -413,13 +413,13 @@ def branch_half_inputs(rank: int, world: int) -> None:
     largest value (measured: at most 1.0x that larger error). The backward makes no float32
     tensor of a whole rank's activation (Newton on float32 slices) and holds at most one
     activation in bfloat16 more than nn.BatchNorm2d + the activation on the rank's batch."""
-    from iabn.kernels import reference
+    from iabn.kernels import parts
     from iabn.measure import traffic
     from test_branch_activation import exact_from_output
 
     # slices at this tiny size (a process of its own); Newton's in 32 parts, not 64: each
     # part's operations are seen in Python by the counter below
-    reference.MIN_PIECE, reference.PIECES = 1, 8
+    parts.MIN_PIECE, parts.PIECES = 1, 8
     sizes = [8, 5]
     dtype = torch.bfloat16
     ratios = []

@@ -1,7 +1,7 @@
 """The in-place layer under ``torch.compile``: forward and backward as ATen operations that the
 compiler traces into its graphs (docs/design.md, "Under torch.compile").
 
-Eager mode calls the kernels directly (:mod:`iabn.autograd.function`); while Dynamo traces, the
+Eager mode calls the kernels directly (:mod:`iabn.autograd.batch_norm`); while Dynamo traces, the
 layer runs
 :func:`traced_inplace_abn` instead, in which every operation is visible: Inductor fuses the
 batch-norm
@@ -40,7 +40,7 @@ which holds the same values. Functionalisation turns that copy into a renaming w
 is an intermediate of the graph (no pass is added); where it is a graph input (a graph break
 just before the layer, a layer compiled alone) AOTAutograd writes it back after the graph, one
 pass. Not calling ``ctx.mark_dirty`` also avoids the compiler's loss of it on graph inputs
-(torch 2.13-2.14; :func:`iabn.autograd.function.overwritable`), so no defensive copy is needed here.
+(torch 2.13-2.14; :func:`iabn.autograd.call.overwritable`), so no defensive copy is needed here.
 
 **No in-place operation makes the output.** The function's forward computes ``z`` with an
 out-of-place activation (:func:`iabn.kernels.activations.apply`). Torch 2.11's Dynamo returns every

@@ -1,10 +1,10 @@
 """The ``torch.library`` operators of the in-place layer, for code that calls
-:class:`~iabn.autograd.function.InPlaceABNFunction` itself while compiling (the layers compile
+:class:`~iabn.autograd.batch_norm.InPlaceABNFunction` itself while compiling (the layers compile
 through :mod:`iabn.autograd.compiled` instead, and eager mode calls the kernels directly:
 the Python custom-op dispatcher costs about 60 µs per layer and step, measured on CPU, float32,
 tiny tensors). Each has a fake implementation and is checked by ``torch.library.opcheck``
 (``tests/core/test_compile.py``). A thin layer over the kernel backend
-(:func:`iabn.kernels.dispatch.backend_for`):
+(:func:`iabn.kernels.backends.backend_for`):
 
 ``iabn::inplace_abn_forward_``
     overwrites ``x`` (and, in training, the running statistics) and returns the per-channel
@@ -27,8 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels.backends import backend_for
 from ..kernels.common import LayerConfig, stat_dtype
-from ..kernels.dispatch import backend_for
 
 _EMPTY_SHAPE = (0,)
 

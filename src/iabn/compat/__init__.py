@@ -20,7 +20,7 @@ for this process.
 To leave compatibility mode, :func:`to_signed` (a model) or :func:`to_signed_state_dict` (a
 state_dict) converts the in-place layers' weights from ``|weight| + eps`` to signed weights
 exactly; loading abs-trained weights into a signed layer without converting them warns once
-(:class:`iabn.layers.batch_norm.GammaModeWarning`).
+(:class:`iabn.layers.options.GammaModeWarning`).
 """
 
 from __future__ import annotations

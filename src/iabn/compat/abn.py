@@ -14,7 +14,7 @@ import warnings
 from typing import Any
 
 from .. import distributed
-from ..autograd.function import compute_abn
+from ..autograd.batch_norm import compute_abn
 from ..kernels.common import ABS, SIGNED
 from ..layers import batch_norm as modules
 

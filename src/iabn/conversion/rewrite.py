@@ -10,8 +10,9 @@ from collections.abc import Callable
 from torch import fx, nn
 
 from ..distributed import ABNSync, InPlaceABNSync
-from ..layers.batch_norm import ABN, InPlaceABN, rebuilt_as
+from ..layers.batch_norm import ABN, InPlaceABN
 from ..layers.group_norm import GroupNormAct, InPlaceGroupNormAct
+from ..layers.rebuild import rebuilt_as
 from .decide import IN_PLACE, OUTPUT_ONLY, Decision
 from .graph import Site
 

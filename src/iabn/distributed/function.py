@@ -10,7 +10,7 @@ Per layer and training step there are exactly two collectives:
 
 The modules (``InPlaceABNSync``, ``ABNSync``) and the converters are in :mod:`.layers`, the
 statistics' math in :mod:`.moments`, the groups in :mod:`.groups`; the kernels are those of
-the backend :func:`iabn.kernels.dispatch.backend_for` picks, as for the single-process layer.
+the backend :func:`iabn.kernels.backends.backend_for` picks, as for the single-process layer.
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import debug
-from ..autograd.function import compute_inplace, overwritable, refuse_double_backward
+from ..autograd.batch_norm import compute_inplace
+from ..autograd.call import grad_mask, overwritable, refuse_double_backward
+from ..kernels.backends import backend_for
 from ..kernels.common import SIGNED, LayerConfig, finish_grads, new_bits, stat_dtype
-from ..kernels.dispatch import backend_for
-from ..layers.checks import checked_call
+from ..layers.options import checked_call
 from .groups import group_to_sync
 from .moments import local_moments, merge_moments, update_running_stats_
 
@@ -99,17 +100,18 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
-        refuse_double_backward("InPlaceABNSync")
+        if torch.is_grad_enabled():
+            refuse_double_backward("InPlaceABNSync", "iabn.ABNSync")
         z, bits, weight, bias, invstd, scale = ctx.saved_tensors
         c = ctx.config
         kernels = ctx.kernels
+        mask = grad_mask(ctx, weight, bias)
         saved, sums = kernels.local_sums(z, dz, bias, scale, c, bits)
         global_sums = sums.clone()
         dist.all_reduce(global_sums, group=ctx.group)
         dx = None
-        if ctx.needs_input_grad[0]:
+        if mask[0]:
             dx = kernels.input_grad(saved, bias, scale, invstd, global_sums, ctx.total, z.dtype)
-        mask = [dx is not None, ctx.needs_input_grad[1], ctx.needs_input_grad[2]]
         # Parameter gradients are this rank's own sums: DDP averages them across ranks.
         dx, dgamma, dbeta = finish_grads(
             dx, sums[0], sums[1], z, weight, bias, c.gamma_mode, mask

@@ -15,8 +15,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from ..kernels.common import SIGNED, LayerConfig
-from ..layers.batch_norm import ABN, InPlaceABN, rebuilt_as
-from ..layers.checks import check_inputs, check_options
+from ..layers.batch_norm import ABN, InPlaceABN
+from ..layers.checks import check_inputs
+from ..layers.options import check_options
+from ..layers.rebuild import rebuilt_as
 from .function import check_across_ranks, synchronised_call
 from .groups import group_to_sync
 
@@ -24,7 +26,7 @@ from .groups import group_to_sync
 class _Synchronised:
     """What :class:`InPlaceABNSync` and :class:`ABNSync` share: in training with a multi-rank
     group, :meth:`_synchronised_step` on the tensor ``_to_overwrite`` gives (the input, or a
-    copy: :class:`iabn.layers.batch_norm.OverwriteInputOption`'s for :class:`InPlaceABNSync`,
+    copy: :class:`iabn.layers.options.OverwriteInputOption`'s for :class:`InPlaceABNSync`,
     :class:`ABNSync`'s own); otherwise the local layer's own ``forward``."""
 
     group: Any

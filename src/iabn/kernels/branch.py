@@ -32,12 +32,16 @@ in [-80, 30] and 1e-9 .. 1 from ``y*``: at most 3.7e-7 relative in float32, 2.9e
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import activations as act
+from . import parts as cutting
+from .common import compute_dtype
+from .parts import at_most, part_count
 
 #: Newton steps per compute dtype (float32 also for half inputs); measured, see above.
 ITERATIONS = {torch.float32: 4, torch.float64: 5}
@@ -206,4 +210,40 @@ def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
     return bits.reshape(-1)[: math.prod(shape)].view(shape)
 
 
-__all__ = ["invert", "minimum", "pack_bits", "unpack_bits"]
+# ------------------------------------------------------------------ activations without a norm
+
+
+def _activation_grad_whole(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
+    compute = compute_dtype(z.dtype)
+    y = invert(z.to(compute), left, activation, z.dtype)
+    dy = act.ACTIVATIONS[activation].minimum.derivative(y).mul_(dz.to(compute))
+    return dy.to(z.dtype)
+
+
+def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
+                    activation_param: Any = 0.0) -> Tensor:
+    """``dx = phi'(y) dz`` with ``y`` recovered from ``z`` and the packed ``bits``
+    (:meth:`.backend.KernelBackend.activation_grad`); for an invertible activation (``bits``
+    ``None``) the registry's ``grad_from_output``, in the compute dtype.
+
+    Newton's temporaries (about 16 tensors of what it inverts, in the compute dtype) are those
+    of one slice along ``z``'s largest dimension: 1/64 of a large activation, as the
+    batch-norm layers' backward (:func:`pieces`); while compiling the whole, which Inductor
+    fuses."""
+    if bits is None:
+        compute = compute_dtype(z.dtype)
+        return act.ACTIVATIONS[activation].grad_from_output(
+            dz.to(compute), z.to(compute), activation_param).to(z.dtype)
+    left = unpack_bits(bits, z.shape)
+    count = part_count(z.numel(), 4 * cutting.PIECES) if z.dim() else 1
+    if count == 1 or torch.compiler.is_compiling():
+        return _activation_grad_whole(z, dz, left, activation)
+    dim = max(range(z.dim()), key=lambda d: z.shape[d])
+    dx = torch.empty_like(z)
+    for a, b in at_most(z.shape[dim], count):
+        at = (slice(None),) * dim + (slice(a, b),)
+        dx[at] = _activation_grad_whole(z[at], dz[at], left[at], activation)
+    return dx
+
+
+__all__ = ["activation_grad", "invert", "minimum", "pack_bits", "unpack_bits"]

@@ -45,6 +45,32 @@ class LayerConfig(NamedTuple):
         return self._replace(training=False, momentum=0.0)
 
 
+class GroupConfig(NamedTuple):
+    """What a group norm + activation call computes, apart from its tensors (as
+    :class:`LayerConfig`)."""
+
+    num_groups: int
+    eps: float
+    activation: str
+    activation_param: float
+    gamma_mode: str
+
+
+#: A layer norm (mean and variance) and an RMS norm (mean square only): ``RowConfig.kind``.
+LAYER_NORM, RMS_NORM = "layer", "rms"
+
+
+class RowConfig(NamedTuple):
+    """What a layer or RMS norm call computes, apart from its tensors: each row of the
+    trailing ``shape`` is normalised (with ``channels``, dim 1 of ``(N, C, *)`` instead, as
+    ``InPlaceLayerNorm2d``); ``eps`` ``None`` is RMS norm's machine epsilon."""
+
+    shape: tuple[int, ...]
+    eps: float | None
+    kind: str               # LAYER_NORM or RMS_NORM
+    channels: bool
+
+
 # ------------------------------------------------------------------ the effective scale
 # g = scale(gamma) of the in-place layers (docs/design.md, "The math"). The in-place layer
 # divides by g in backward, so g must stay away from zero. Two ways:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -30,6 +30,7 @@ from torch import Tensor
 
 from . import activations as act
 from . import triton_kernels as k
+from .backend import from_reference
 from .branch import ITERATIONS
 from .common import (
     ABS,
@@ -437,10 +438,14 @@ def backward(
 # --- activations without a norm ------------------------------------------------------------
 
 
-def activation_grad(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
+def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
+                    activation_param: Any = 0.0) -> Tensor:
     """``dx`` of an activation layer without a norm in one launch
     (:meth:`.backend.KernelBackend.activation_grad`): the Newton steps of :func:`.branch.invert`
-    in registers, where the reference runs each as ATen operations over the tensor."""
+    in registers, where the reference runs each as ATen operations over the tensor. An
+    invertible activation (``bits`` ``None``) is left to the reference."""
+    if bits is None:
+        return _reference_activation_grad(z, dz, bits, activation, activation_param)
     branch_ = _branch(z, activation, bits)
     z_dense, dz_dense = z.contiguous(), dz.contiguous()  # the bits' (logical) order
     dx = torch.empty_like(z_dense)
@@ -490,3 +495,10 @@ def input_grad(
     coeffs = dx_coefficients(scale, invstd, bias, global_sums, total, global_sums.dtype)
     return _input_grad(z, dz, coeffs, layout, activation, activation_param,
                        branch).to(out_dtype)
+
+
+# The norms' functions of the contract, which have no Triton kernels: the reference's.
+group_norm_forward_, group_norm_backward, row_norm_forward, row_norm_backward = from_reference(
+    "group_norm_forward_", "group_norm_backward", "row_norm_forward", "row_norm_backward")
+# The invertible activations without a norm (no branch bit): the reference's.
+(_reference_activation_grad,) = from_reference("activation_grad")

@@ -1,21 +1,19 @@
-"""Activations with one minimum as in-place layers without a norm: :class:`InPlaceGELU`,
-:class:`InPlaceSiLU`, :class:`InPlaceMish` (docs/design.md, "In-place activations without a
-norm").
+"""In-place activation layers without a norm: :class:`InPlaceGELU`, :class:`InPlaceSiLU`,
+:class:`InPlaceMish` (docs/design.md, "In-place activations without a norm"), their checks,
+and :func:`activation_layer`, the layer of a recognised ``torch.nn`` activation module.
 
 ``z = phi(x)`` is computed by PyTorch's own function (``F.gelu``, ``F.silu``, ``F.mish``: the
 outputs are torch's, bit for bit) and written into ``x``'s storage (``overwrite_input=True``)
 or into a new tensor (``False``). Backward needs ``y = x``, which is not kept: each output
 ``z* < z < 0`` comes from two inputs, so forward also keeps one bit per element, ``x < y*``,
-packed eight to a byte (:func:`iabn.kernels.branch.pack_bits`), and backward recovers ``x``
-from ``z`` and the bit by the Newton steps of :func:`iabn.kernels.branch.invert` (in float32
-for half inputs), then ``dx = phi'(x) * dz``. Saved for backward: ``z`` (the returned tensor)
-and ``ceil(numel / 8)`` bytes; ``nn.GELU`` and the others keep their input instead.
+packed eight to a byte, and backward recovers ``x`` from ``z`` and the bit
+(:mod:`iabn.autograd.activation`, :func:`iabn.kernels.branch.activation_grad`). Saved for
+backward: ``z`` (the returned tensor) and ``ceil(numel / 8)`` bytes; ``nn.GELU`` and the
+others keep their input instead.
 
 The layers run on any strided input (a half of ``fc1(x).chunk(2, -1)``, a permuted view),
-under ``torch.compile`` (Dynamo traces the ``Function``: its forward and backward are tensor
-operations; on a copy of an overwritten input, as :func:`iabn.autograd.function.overwritable`
-explains), and by composition under forward-mode AD and ``torch.func``. Double backward is
-refused.
+under ``torch.compile``, and by composition under forward-mode AD and ``torch.func``. Double
+backward is refused. The functional forms are in :mod:`iabn.functional`.
 """
 
 from __future__ import annotations
@@ -25,19 +23,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .. import debug
-from ..autograd.function import overwritable, transformed
-from ..kernels import branch, reference
+from ..autograd.activation import activation_call
 from ..kernels.activations import ACTIVATIONS, GELU, GELU_TANH, MISH, SILU, module_activation
-from ..kernels.common import LOW_PRECISION
-from ..kernels.reference import backend_for
-from .batch_norm import OverwriteInputOption
-from .checks import SUPPORTED_DTYPES, check_overwrite_input, check_writable
+from .checks import SUPPORTED_DTYPES, check_writable
+from .options import OverwriteInputOption, check_overwrite_input
 
 #: ``nn.GELU``'s ``approximate`` -> the registry's record.
 GELU_FORMS = {"none": GELU, "tanh": GELU_TANH}
-#: The activations these layers take: the registry's with one minimum.
-ACTIVATION_NAMES = (SILU, GELU, GELU_TANH, MISH)
 
 
 # ------------------------------------------------------------------ checks
@@ -77,106 +69,6 @@ def check_activation_input(input: Tensor, layer: str, *, overwrite: bool) -> Non
                    "left as it is)")
 
 
-# ------------------------------------------------------------------ the math
-
-
-def input_from_output(z: Tensor, bits: Tensor, activation: str) -> Tensor:
-    """``y`` with ``phi(y) = z`` on the branch its bit names, in the compute dtype (float32
-    for half ``z``), shaped like ``z``."""
-    compute = torch.float32 if z.dtype in LOW_PRECISION else z.dtype
-    return branch.invert(z.to(compute), branch.unpack_bits(bits, z.shape), activation, z.dtype)
-
-
-class InPlaceActivationFunction(torch.autograd.Function):
-    """Autograd of the layers: keeps the output ``z`` and the packed branch bits
-    (``ceil(numel / 8)`` bytes); ``overwrite``: ``z`` is written into ``x`` (marked dirty)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, activation: str, overwrite: bool) -> Tensor:  # type: ignore[override]
-        record = ACTIVATIONS[activation]
-        # y < y* in x's dtype, before x is overwritten (as the batch-norm layers' forward)
-        bits = branch.pack_bits(x < record.minimum.y_star)
-        if overwrite:
-            record.apply_(x, 0.0)  # torch's own function, in place (no grad mode here)
-            z = x
-            ctx.mark_dirty(x)
-        else:
-            z = record.apply(x, 0.0)
-        ctx.save_for_backward(z, bits)
-        ctx.activation = activation
-        return z
-
-    @staticmethod
-    def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, None, None]:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            # only under create_graph=True
-            raise RuntimeError(
-                "the in-place activation layers (iabn.InPlaceGELU, InPlaceSiLU, InPlaceMish) "
-                "do not support double backward (create_graph=True); use nn.GELU, nn.SiLU or "
-                "nn.Mish where second derivatives are needed"
-            )
-        z, bits = ctx.saved_tensors
-        # while compiling, the reference's ATen operations, which the compiler fuses
-        backend = reference if torch.compiler.is_compiling() else backend_for(z)
-        return backend.activation_grad(z, dz, bits, ctx.activation), None, None
-
-
-def compute_activation(input: Tensor, activation: str, overwrite: bool, layer: str) -> Tensor:
-    """``phi(input)``, written into ``input`` where ``overwrite`` (and ``input`` returned), after
-    the checks: the debug mode's poisoned call, the composed form under forward-mode AD and
-    ``torch.func``, the function alone without autograd, or :class:`InPlaceActivationFunction`."""
-    record = ACTIVATIONS[activation]
-    if overwrite and debug._ACTIVE and debug.intercepts():
-        return debug.poisoned_call(
-            lambda copy: compute_activation(copy, activation, True, layer), input, layer)
-    if transformed():
-        # torch's differentiable function on a copy (its backward reads its input)
-        out = record.apply(input.clone() if overwrite else input, 0.0)
-        return input.copy_(out) if overwrite else out
-    if not (torch.is_grad_enabled() and input.requires_grad):
-        if not overwrite:
-            return record.apply(input, 0.0)
-        with torch.no_grad():
-            record.apply_(input, 0.0)
-        return input
-    if overwrite and _written_view_refused(input):
-        overwrite = False  # a new tensor, as overwrite_input=False (see below)
-    return InPlaceActivationFunction.apply(
-        overwritable(input) if overwrite else input, activation, overwrite)
-
-
-_DEFAULT_VIEW = torch._C._autograd.CreationMeta.DEFAULT
-
-
-def _written_view_refused(x: Tensor) -> bool:
-    """Whether autograd refuses to let ``x`` be overwritten while it records: one of several
-    views a function returned (``chunk``, ``split``, ``unbind``: timm's GluMlp gates,
-    ``fc1(x).chunk(2, -1)[1]``), or a view made under ``no_grad``. Writing the elements
-    through a fresh view of the base is allowed, but then reading the *other* views of that
-    base (GluMlp's first half, multiplied next) raises; such an input is computed as with
-    ``overwrite_input=False`` instead (a new tensor; ``z`` and the bits kept, not the input)."""
-    return (not torch.compiler.is_compiling() and x._is_view()
-            and torch._C._autograd._get_creation_meta(x) != _DEFAULT_VIEW)
-
-
-def inplace_activation(input: Tensor, activation: str, *, overwrite_input: bool = True,
-                       layer: str | None = None) -> Tensor:
-    """``phi(input)`` of an activation with one minimum (``"silu"``, ``"gelu"``,
-    ``"gelu_tanh"``, ``"mish"``) that keeps only its output and one bit per element for
-    backward; overwrites ``input`` and returns it, or with ``overwrite_input=False`` returns a
-    new tensor and leaves ``input`` as it is. ``layer`` names the caller in messages."""
-    layer = layer or f"iabn.functional.inplace_activation({activation!r})"
-    if activation not in ACTIVATION_NAMES:
-        raise ValueError(
-            f"{layer}: activation={activation!r}: use one of "
-            f"{', '.join(map(repr, ACTIVATION_NAMES))} (the activations with one minimum; "
-            f"the invertible ones need no bit)"
-        )
-    check_overwrite_input(overwrite_input)
-    check_activation_input(input, layer, overwrite=overwrite_input)
-    return compute_activation(input, activation, overwrite_input, layer)
-
-
 # ------------------------------------------------------------------ the modules
 
 
@@ -196,12 +88,16 @@ class _InPlaceActivation(OverwriteInputOption):
         class) computes, holding no state of it (these layers have no parameters)."""
         return cls(overwrite_input=overwrite_input)
 
+    def _activation_param(self) -> Any:
+        """The registry functions' parameter (0.0: none)."""
+        return 0.0
+
     def forward(self, input: Tensor) -> Tensor:
         activation = self._activation()
         overwrite = self.__dict__.get("_in_place", True)
         layer = type(self).__name__
         check_activation_input(input, layer, overwrite=overwrite)
-        return compute_activation(input, activation, overwrite, layer)
+        return activation_call(input, activation, self._activation_param(), overwrite, layer)
 
     def __prepare_scriptable__(self) -> nn.Module:
         raise RuntimeError(
@@ -325,12 +221,23 @@ def has_activation_layer(module: nn.Module) -> bool:
         _layer_classes()
 
 
+def standalone_activations() -> tuple[str, ...]:
+    """The registry's activations that have a layer here (their ``torch.nn`` module's class
+    has one), for :func:`iabn.functional.inplace_activation`."""
+    classes = _layer_classes()
+    return tuple(name for name, record in ACTIVATIONS.items()
+                 if type(record.torch_module(_default_param(record))) in classes)
+
+
+def _default_param(record: Any) -> float:
+    return record.parameter.default if record.parameter is not None else 0.0
+
+
 __all__ = [
-    "InPlaceActivationFunction",
     "InPlaceGELU",
     "InPlaceMish",
     "InPlaceSiLU",
     "activation_layer",
     "has_activation_layer",
-    "inplace_activation",
+    "standalone_activations",
 ]

@@ -1,110 +1,33 @@
 """Modules mirroring ``torch.nn.BatchNorm*`` and the original ``inplace_abn`` package.
 
-They subclass PyTorch's ``_NormBase``, so parameters, buffers, ``state_dict`` keys
-(``weight``, ``bias``, ``running_mean``, ``running_var``, ``num_batches_tracked``),
+They subclass PyTorch's ``_NormBase``, so parameters, buffers, ``state_dict`` keys,
 ``reset_parameters()``, ``reset_running_stats()`` and the loading of old checkpoints without
-``num_batches_tracked`` are exactly those of ``nn.BatchNorm2d``. They are deliberately *not*
-``_BatchNorm`` subclasses: ``nn.SyncBatchNorm.convert_sync_batchnorm`` would otherwise replace
-them with a plain ``SyncBatchNorm`` and silently drop the activation.
-
-Any input rank from ``(N, C)`` to ``(N, C, D, H, W)`` is accepted, like the original package.
+``num_batches_tracked`` are ``nn.BatchNorm2d``'s. They are deliberately *not* ``_BatchNorm``
+subclasses: ``nn.SyncBatchNorm.convert_sync_batchnorm`` would replace them with a plain
+``SyncBatchNorm`` and drop the activation. Inputs ``(N, C)`` to ``(N, C, D, H, W)``.
 """
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
-from ..autograd.function import compute_abn, compute_inplace
+from ..autograd.batch_norm import compute_abn, compute_inplace
 from ..kernels.activations import WITH_PARAMETER
-from ..kernels.common import ABS, SIGNED, LayerConfig
-from .checks import (
+from ..kernels.common import SIGNED, LayerConfig
+from .checks import check_inputs, check_per_call, input_signature
+from .options import (
+    OverwriteInputOption,
+    ValidatedOptions,
     check_flag,
-    check_inputs,
+    check_loaded_gamma_mode,
     check_num_features,
     check_options,
-    check_overwrite_input,
-    check_per_call,
-    input_signature,
+    note_gamma_mode,
 )
-
-
-#: The options a layer reads on every call; assigning one to a built layer validates it.
-class ValidatedOptions:
-    """Options assigned to a built layer are validated as the constructor validates them
-    (same messages) before they are stored: forward and backward read these attributes and
-    trust them. ``_OPTIONS`` names them; ``_check_assigned(options)`` checks them together.
-
-    A layer may keep facts of its options in ``__dict__`` between calls (``_CACHES``: the
-    batch-norm layers' call settings and the signature of their last validated call). Every
-    assignment of a public attribute drops them all, whether or not it is an option in
-    ``_OPTIONS``, so no option can leave a stale cache; assignments are rare (construction,
-    ``train()``/``eval()``), calls are not.
-    """
-
-    _OPTIONS: tuple[str, ...] = ()
-    _CACHES = ("_call_config", "_valid_signature")
-
-    def _check_assigned(self, options: dict[str, Any], name: str) -> None:
-        raise NotImplementedError
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # During __init__ (before gamma_mode, the last option, is set) the constructor has
-        # already checked the options together.
-        if name in self._OPTIONS and "gamma_mode" in self.__dict__:
-            options = {option: self.__dict__.get(option) for option in self._OPTIONS}
-            options[name] = value
-            self._check_assigned(options, name)
-            if name == "activation_param":
-                value = float(value)
-        super().__setattr__(name, value)
-        if name[0] != "_":
-            state = self.__dict__
-            for cache in self._CACHES:
-                state.pop(cache, None)
-
-
-class GammaModeWarning(UserWarning):
-    """A state_dict trained with ``gamma_mode="abs"`` was loaded into a signed layer."""
-
-
-_warned_abs_into_signed = False
-
-
-def _warn_abs_into_signed(prefix: str) -> None:
-    global _warned_abs_into_signed
-    if _warned_abs_into_signed:
-        return
-    _warned_abs_into_signed = True
-    layer = prefix[:-1] or "the layer"
-    warnings.warn(
-        f"{layer}: this state_dict was saved by a layer with gamma_mode='abs' (scale |weight| + "
-        f"eps, the original inplace_abn's) and is loaded into a gamma_mode='signed' layer, which "
-        f"uses the weight as it is, so the outputs change. Build the layers with "
-        f"gamma_mode='abs' (or use iabn.compat's), or convert the weights exactly first: "
-        f"iabn.compat.to_signed(model) on the abs model, or "
-        f"iabn.compat.to_signed_state_dict(state_dict) (any layer; to_signed covers the "
-        f"batch-norm layers). Warned once per process.",
-        GammaModeWarning, stacklevel=4,
-    )
-
-
-def note_gamma_mode(gamma_mode: str, destination: Any, prefix: str) -> None:
-    """Record an abs layer's parametrisation in its state_dict metadata (next to the version),
-    so that loading its weights into a signed layer (same keys and shapes) can be noticed."""
-    metadata = getattr(destination, "_metadata", None)
-    if gamma_mode == ABS and metadata is not None and prefix[:-1] in metadata:
-        metadata[prefix[:-1]]["gamma_mode"] = ABS
-
-
-def check_loaded_gamma_mode(gamma_mode: str, local_metadata: dict, prefix: str) -> None:
-    """Warn (once per process) when abs-trained weights are loaded into a signed layer."""
-    if local_metadata.get("gamma_mode") == ABS and gamma_mode != ABS:
-        _warn_abs_into_signed(prefix)
 
 
 class ABN(ValidatedOptions, _NormBase):
@@ -129,8 +52,7 @@ class ABN(ValidatedOptions, _NormBase):
     _in_place = False
     #: Whether backward inverts the activation (so it must be invertible).
     _needs_inverse = False
-    #: Whether the in-place computation keeps a branch bit, so it takes the activations with
-    #: one minimum (iabn.kernels.branch); the synchronised layers do not.
+    #: Whether it keeps a branch bit (so takes the activations with one minimum).
     _branch_bit = False
 
     def __init__(
@@ -321,35 +243,6 @@ class ABN(ValidatedOptions, _NormBase):
         return text
 
 
-class OverwriteInputOption:
-    """The ``overwrite_input`` option of the in-place layers (:class:`InPlaceABN`,
-    :class:`iabn.InPlaceABNSync`, :class:`iabn.InPlaceGroupNormAct`).
-
-    ``True`` (default): the layer overwrites its input and returns it. ``False`` (the
-    output-only mode): the layer leaves its input untouched and runs on a copy of it, which
-    it returns; it still keeps only that output for backward, so its input is freed as soon
-    as nothing else holds it (a residual stream read again by an addition, a tensor feeding
-    two branches), where :class:`ABN` keeps both. The copy costs one more pass over the
-    activation in forward (read and write); the input checks are those of a layer that
-    does not overwrite (a leaf that requires grad is accepted)."""
-
-    @property
-    def overwrite_input(self) -> bool:
-        # stored as the instance's _in_place, which the input checks read (the class
-        # attribute stays True: iabn.debug names the in-place layer classes by it)
-        return self.__dict__.get("_in_place", True)
-
-    @overwrite_input.setter
-    def overwrite_input(self, value: bool) -> None:
-        check_overwrite_input(value)
-        self.__dict__["_in_place"] = value
-        self.__dict__.pop("_valid_signature", None)  # the checks differ between the modes
-
-    def _to_overwrite(self, input: Tensor) -> Tensor:
-        """The tensor the layer overwrites: ``input``, or a copy of it in output-only mode."""
-        return input if self._in_place else input.clone()
-
-
 class InPlaceABN(OverwriteInputOption, ABN):
     """In-Place Activated BatchNorm: overwrites its input and stores only its output.
 
@@ -405,34 +298,3 @@ class InPlaceABN(OverwriteInputOption, ABN):
         return text + ("" if self.overwrite_input else ", overwrite_input=False")
 
 
-def holding_tensors_of(layer: nn.Module, source: nn.Module) -> nn.Module:
-    """``layer`` (built on the meta device) made to hold ``source``'s very tensors: each
-    parameter and buffer ``layer`` registers is replaced by ``source``'s of the same name, and
-    ``layer`` takes ``source``'s training mode. Optimizers and DDP hold references to those
-    tensors, and their ``requires_grad`` flags carry over; nothing is copied."""
-    for name in (*layer._parameters, *layer._buffers):
-        setattr(layer, name, getattr(source, name))
-    return layer.train(source.training)
-
-
-Layer = TypeVar("Layer", bound=nn.Module)
-
-
-def rebuilt_as(source: nn.Module, cls: type[Layer], activation: str, activation_param: float,
-               **options: Any) -> Layer:
-    """A ``cls`` layer to take ``source``'s place, holding its very tensors
-    (:func:`holding_tensors_of`): built on the meta device with ``source``'s normalisation
-    settings (``num_features, eps, momentum, affine, track_running_stats`` of a batch norm,
-    ``nn.SyncBatchNorm`` or :class:`ABN`; ``num_groups, num_channels, eps, affine`` of an
-    ``nn.GroupNorm`` or :class:`iabn.GroupNormAct`), then ``activation, activation_param`` and
-    the keyword ``options``. ``iabn.convert``, ``convert_sync`` and ``convert_local`` change a
-    layer's class this way, so optimizers built on the old layer keep working."""
-    if isinstance(source, _NormBase):
-        settings = (source.num_features, source.eps, source.momentum, source.affine,
-                    source.track_running_stats)
-    else:
-        settings = (source.num_groups, source.num_channels, source.eps, source.affine)
-    if source.affine and source.bias is None:  # nn.BatchNorm2d(C, bias=False) and the like
-        options.setdefault("bias", False)
-    layer = cls(*settings, activation, activation_param, device="meta", **options)
-    return holding_tensors_of(layer, source)

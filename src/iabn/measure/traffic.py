@@ -315,9 +315,9 @@ _BATCH_NORM_PASSES = {
 def _triton_kernels():
     """The kernel module, if Triton is installed (imported here so that every kernel is hooked
     however late the backend is first used)."""
-    from ..kernels import dispatch
+    from ..kernels import backends
 
-    if not dispatch.has_triton():
+    if not backends.has_triton():
         return None
     from ..kernels import triton_kernels
 

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 from ..kernels import activations as act
 from ..kernels.common import SIGNED, channel_view, gamma_grad, scale_and_shift, stat_dtype
 from ..layers.batch_norm import ABN, InPlaceABN
-from ..layers.checks import check_inputs, check_options
+from ..layers.checks import check_inputs
+from ..layers.options import check_options
 
 STRATEGIES = ("standard", "checkpoint", "checkpoint_opt", "inplace_I", "inplace_II")
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...kernels.dispatch import use_backend
+from ...kernels.backends import use_backend
 from ...layers.batch_norm import InPlaceABN
 
 PROVIDERS = ("triton", "reference", "torch")

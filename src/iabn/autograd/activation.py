@@ -1,0 +1,111 @@
+"""The activation family's autograd (in-place activations without a norm):
+:class:`InPlaceActivationFunction` and the call after the checks (:func:`activation_call`).
+
+Forward computes ``z = phi(x)`` with the registry's function (torch's own: the outputs are
+torch's, bit for bit), into ``x`` (``overwrite``) or a new tensor. An activation with one
+minimum also keeps one bit per element, ``x < y*`` (:func:`iabn.kernels.branch.pack_bits`);
+an invertible one keeps nothing more. Backward is the backend's ``activation_grad``, which
+recovers ``x`` from ``z`` (and the bit). Double backward is refused; forward-mode AD and
+``torch.func`` compute the layer by composition; under ``torch.compile`` Dynamo traces the
+``Function`` (on the reference's ATen operations)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..kernels import branch
+from ..kernels.activations import ACTIVATIONS
+from ..kernels.backends import backend_or_reference
+from .call import layer_call, overwritable, refuse_double_backward
+
+
+class InPlaceActivationFunction(torch.autograd.Function):
+    """Keeps the output ``z`` and, for an activation with one minimum, the packed branch bits
+    (``ceil(numel / 8)`` bytes); ``overwrite``: ``z`` is written into ``x`` (marked dirty)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, activation: str, activation_param: Any,  # type: ignore[override]
+                overwrite: bool) -> Tensor:
+        record = ACTIVATIONS[activation]
+        # y < y* in x's dtype, before x is overwritten (as the batch-norm layers' forward)
+        bits = branch.pack_bits(x < record.minimum.y_star) if record.needs_branch else None
+        if overwrite:
+            record.apply_(x, activation_param)  # torch's own function, in place (no grad mode)
+            z = x
+            ctx.mark_dirty(x)
+        else:
+            z = record.apply(x, activation_param)
+        ctx.save_for_backward(z, bits)
+        ctx.activation, ctx.activation_param = activation, activation_param
+        return z
+
+    @staticmethod
+    def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, None, None, None]:
+        if torch.is_grad_enabled():
+            refuse_double_backward(
+                "the in-place activation layers (iabn.InPlaceGELU, InPlaceSiLU, InPlaceMish...)",
+                "nn.GELU, nn.SiLU, nn.Mish...", plural=True)
+        z, bits = ctx.saved_tensors
+        dx = backend_or_reference(z).activation_grad(z, dz, bits, ctx.activation,
+                                                     ctx.activation_param)
+        return dx, None, None, None
+
+
+class ActivationFamily:
+    """The activation family's computations for :func:`~.call.layer_call`; ``options`` is
+    ``(activation, activation_param)``, no weight or bias."""
+
+    @staticmethod
+    def composed(input: Tensor, weight: None, bias: None, options: tuple,
+                 overwrite: bool) -> Tensor:
+        # torch's differentiable function on a copy (its backward reads its input)
+        activation, param = options
+        out = ACTIVATIONS[activation].apply(input.clone() if overwrite else input, param)
+        return input.copy_(out) if overwrite else out
+
+    @staticmethod
+    def without_grad(input: Tensor, weight: None, bias: None, options: tuple,
+                     overwrite: bool) -> Tensor:
+        activation, param = options
+        record = ACTIVATIONS[activation]
+        if not overwrite:
+            return record.apply(input, param)
+        with torch.no_grad():
+            record.apply_(input, param)
+        return input
+
+    @staticmethod
+    def with_grad(input: Tensor, weight: None, bias: None, options: tuple,
+                  overwrite: bool) -> Tensor:
+        if overwrite and _written_view_refused(input):
+            overwrite = False  # a new tensor, as overwrite_input=False (see below)
+        return InPlaceActivationFunction.apply(
+            overwritable(input) if overwrite else input, *options, overwrite)
+
+
+def activation_call(input: Tensor, activation: str, activation_param: Any, overwrite: bool,
+                    layer: str) -> Tensor:
+    """``phi(input)``, written into ``input`` where ``overwrite`` (and ``input`` returned),
+    after the layer's checks."""
+    return layer_call(ActivationFamily, input, None, None, (activation, activation_param),
+                      overwrite, layer)
+
+
+_DEFAULT_VIEW = torch._C._autograd.CreationMeta.DEFAULT
+
+
+def _written_view_refused(x: Tensor) -> bool:
+    """Whether autograd refuses to let ``x`` be overwritten while it records: one of several
+    views a function returned (``chunk``, ``split``, ``unbind``: timm's GluMlp gates,
+    ``fc1(x).chunk(2, -1)[1]``), or a view made under ``no_grad``. Writing the elements
+    through a fresh view of the base is allowed, but then reading the *other* views of that
+    base (GluMlp's first half, multiplied next) raises; such an input is computed as with
+    ``overwrite_input=False`` instead (a new tensor; ``z`` and the bits kept, not the input)."""
+    return (not torch.compiler.is_compiling() and x._is_view()
+            and torch._C._autograd._get_creation_meta(x) != _DEFAULT_VIEW)
+
+
+__all__ = ["InPlaceActivationFunction", "activation_call"]

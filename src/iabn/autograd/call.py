@@ -1,0 +1,118 @@
+"""The one call sequence of every layer after its checks, and what the layers' ``Function``\\ s
+share (docs/design.md, "The in-place contract").
+
+:func:`layer_call` runs, in order: the debug mode's poisoned call (:mod:`iabn.debug`) where the
+input is overwritten, the layer composed of PyTorch's differentiable operators under
+forward-mode AD and ``torch.func`` (which cannot run a ``Function`` that sets up its context in
+``forward``), the computation without an autograd node where no gradient is wanted, or the
+family's ``Function``. An op family (:class:`OpFamily`: batch norm, group norm, row norm,
+activation) supplies those three computations; the sequence is written once, here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from torch.autograd import forward_ad
+
+from .. import debug
+
+_peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
+
+
+class OpFamily(Protocol):
+    """What a family gives :func:`layer_call`. ``options`` is the family's own tuple (e.g.
+    ``(running_mean, running_var, config)`` of batch norm), passed through untouched."""
+
+    @staticmethod
+    def composed(input: Tensor, weight: Tensor | None, bias: Tensor | None, options: Any,
+                 overwrite: bool) -> Tensor:
+        """The layer from differentiable operators (forward-mode AD, ``torch.func``)."""
+        ...
+
+    @staticmethod
+    def without_grad(input: Tensor, weight: Tensor | None, bias: Tensor | None, options: Any,
+                     overwrite: bool) -> Tensor:
+        """The layer's output without an autograd node."""
+        ...
+
+    @staticmethod
+    def with_grad(input: Tensor, weight: Tensor | None, bias: Tensor | None, options: Any,
+                  overwrite: bool) -> Tensor:
+        """The layer's output through its ``Function``."""
+        ...
+
+
+def layer_call(family: OpFamily, input: Tensor, weight: Tensor | None, bias: Tensor | None,
+               options: Any, overwrite: bool, layer: str) -> Tensor:
+    """The output of a layer of ``family`` on ``input`` (written into ``input`` and ``input``
+    returned where ``overwrite``), after the layer's checks. ``layer`` names the call in the
+    debug mode's reports."""
+    if overwrite and debug._ACTIVE and debug.intercepts():
+        # the debug mode reruns this call on a copy of the input, which it poisons
+        return debug.poisoned_call(
+            lambda copy: layer_call(family, copy, weight, bias, options, True, layer),
+            input, layer)
+    if transformed():
+        return family.composed(input, weight, bias, options, overwrite)
+    # Spelled out: a generator over the three tensors costs a microsecond per layer call.
+    if torch.is_grad_enabled() and (
+        input.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    ):
+        return family.with_grad(input, weight, bias, options, overwrite)
+    return family.without_grad(input, weight, bias, options, overwrite)
+
+
+def transformed() -> bool:
+    """Whether forward-mode AD (a ``forward_ad.dual_level``) or a ``torch.func`` transform
+    (``jvp``, ``vmap``, ``grad``, ``jacfwd``...) is active. The in-place autograd Functions
+    have a backward only, and ``torch.func`` cannot run a Function that sets up its context in
+    ``forward``; under these the layer is computed by composition (about 0.2 µs a call to
+    ask, measured on CPU)."""
+    return (
+        forward_ad._current_level >= 0 or _peek_interpreter_stack() is not None
+    ) and not torch.compiler.is_compiling()
+
+
+def overwritable(x: Tensor) -> Tensor:
+    """The tensor to hand to an autograd function that overwrites its input and calls
+    ``ctx.mark_dirty``: ``x`` itself in eager mode, a copy under ``torch.compile``.
+
+    The compiler (torch 2.13, and still 2.14.1: input-gradient error 7.3 on the test's data)
+    loses ``ctx.mark_dirty`` when the overwritten tensor is an input of the compiled graph (a
+    graph break before the layer, a compiled block that starts with its norm): backward then
+    passed ``dz`` through as ``dx`` (pytorch/pytorch#184113). On a copy the overwritten tensor
+    is an intermediate of the graph, which compiles correctly, and Inductor drops the copy
+    where ``x`` already is one. The single-process batch-norm layers compile through
+    :mod:`iabn.autograd.compiled` instead, which does not mark anything dirty.
+    """
+    return x.clone() if torch.compiler.is_compiling() else x
+
+
+def grad_mask(ctx: Any, weight: Tensor | None, bias: Tensor | None) -> list[bool]:
+    """``[dx, dweight, dbias]`` wanted, from a ``Function``'s first three inputs
+    ``(x, weight, bias)``: a gradient of an absent parameter is never wanted."""
+    want_dx, want_dweight, want_dbias = ctx.needs_input_grad[:3]
+    return [want_dx, want_dweight and weight is not None, want_dbias and bias is not None]
+
+
+def refuse_double_backward(layer: str, instead: str, *, plural: bool = False) -> None:
+    """Raise under ``create_graph=True``, the only case in which backward runs with grad mode
+    on: call it from a ``Function``'s backward as ``if torch.is_grad_enabled():
+    refuse_double_backward(...)``. ``instead``: what computes the layer with second
+    derivatives. (A check instead of ``@once_differentiable``: its wrapper adds ~2.5 µs per
+    layer and step, measured on the 2-core CPU machine, and its error names no fix.)"""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(
+            f"{layer} {'do' if plural else 'does'} not support double backward "
+            f"(create_graph=True); use {instead} "
+            f"where second derivatives are needed"
+        )
+
+
+__all__ = ["OpFamily", "grad_mask", "layer_call", "overwritable", "refuse_double_backward",
+           "transformed"]
