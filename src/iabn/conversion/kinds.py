@@ -224,9 +224,11 @@ class ActivationAlone(SiteKind):
         calls = {s.key: s for s in sites if s.node.op != "call_module"}  # first call of each
         stay = context.calls_stay(plan.fused) if calls else None
         if stay is not None:
-            written = ", ".join(f"{s.activation.written_as} ({key})" for key, s in calls.items())
-            plan.notes.append(f"activations written as functions in forward stay ({written}): "
-                              f"{stay}, and a function call has no module to swap")
+            written = [f"{s.activation.written_as} ({key})" for key, s in calls.items()]
+            more = f" and {len(written) - 5} more" if len(written) > 5 else ""
+            plan.notes.append(f"activations written as functions in forward stay "
+                              f"({', '.join(written[:5])}{more}): {stay}, and a function call "
+                              f"has no module to swap")
             return
         taken = set(context.modules)
         for order, key in enumerate(calls, start=len(context.modules)):
