@@ -6,7 +6,7 @@ import copy
 import dataclasses
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, fx, nn
@@ -16,24 +16,23 @@ from ..layers.batch_norm import ABN
 from ..layers.group_norm import GroupNormAct
 from ..measure.trial_runs import preserved, same_randomness
 from ..memory import attributing_saves, saved_tensor_bytes, state_keys, storage_key
-from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED, Decision, decide, pattern
+from .decide import IN_PLACE, LOSSLESS, NOT_IN_PLACE, POLICIES, UNTOUCHED
 from .graph import (
     OWN_LAYERS,
     Traced,
-    activation_kind,
     add_escape,
-    find_sites,
     is_convertible_norm,
     is_layer_site,
     is_site_module,
+    is_site_node,
     node_activation,
+    site_key,
     trace,
 )
-from .layers import decide_layer, find_layer_sites
-from .layers import new_layer as new_own_layer
+from .kinds import Context, Plan, plan
 from .recording import record
 from .report import ConversionReport, LayerRow
-from .rewrite import as_graph_module, new_layer, removal_obstacle, swap, swap_obstacle
+from .rewrite import as_graph_module, removal_obstacle, swap, swap_obstacle
 
 
 class ConversionWarning(UserWarning):
@@ -83,7 +82,12 @@ def convert(
     :class:`iabn.InPlaceRMSNorm`, :class:`iabn.InPlaceGELU`, :class:`iabn.InPlaceSiLU`,
     :class:`iabn.InPlaceMish`): in place under the rules above, output-only where their input
     is computed in the graph and saved by no other operation (a residual stream), untouched
-    otherwise (:mod:`iabn.conversion.layers`).
+    otherwise (:mod:`iabn.conversion.layers`). The activation layers are those of
+    :func:`iabn.layers.activation.activation_layer` for the registry's records; an
+    activation with one minimum that has no such layer stays, with that reason. Activations
+    written as functions (``F.gelu(x)``, ``F.silu``, ``F.mish``) become calls of these layers
+    by the same rules where the result is a generated module anyway; where it is the model's
+    own class they stay, and a note of the report names them.
 
     The rules are checked on ``torch.fx`` graphs of the forward in training and in eval mode.
     Where every decision can be expressed by swapping modules, the result is ``model``'s own
@@ -118,10 +122,11 @@ def convert(
             fails where the original's runs), and put the largest output differences in the
             report.
         progress: called with a line of text at each stage (e.g. ``print``).
-        activations: also replace the GELU, SiLU and Mish modules that no norm absorbed
-            (``False``: they stay, with that reason). Their backward recovers the input from
-            the output and a bit by Newton steps, several times the time of PyTorch's
-            backward on a CPU (docs/limits.md); the norms' replacements cost little time.
+        activations: also replace the GELU, SiLU and Mish modules and function calls that
+            no norm absorbed (``False``: they stay, with that reason). Their backward
+            recovers the input from the output and a bit by Newton steps, several times the
+            time of PyTorch's backward on a CPU (docs/limits.md); the norms' replacements
+            cost little time.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}: use one of {', '.join(map(repr, POLICIES))} "
@@ -150,139 +155,149 @@ def _convert(model: nn.Module, args: tuple, policy: str, verify: bool,
     # the comparisons; ``work`` becomes the result. ``model`` itself is never run.
     original = _deepcopy(model)
     work = _deepcopy(model)
-
     say("tracing the model in train and eval mode")
-    recorded_saves = None
-    try:
-        traced = {mode: trace(original, mode) for mode in (True, False)}
-    except Exception as error:  # fx raises many kinds for untraceable code
-        say(f"torch.fx cannot trace it ({type(error).__name__}); recording a run in train "
-            f"and eval mode instead")
-        traced, recorded_saves = _record_both(original, args)
-        not_traced = _fx_failure(original, error)
-        if traced[True].value_reads or traced[False].value_reads:
-            reads = list(dict.fromkeys([*traced[True].value_reads, *traced[False].value_reads]))
-            why = (f"{not_traced}, and its forward reads tensor values into Python "
-                   f"({_listed(reads)}), so other inputs may take paths this run did not")
-            return _convert_by_parts(original, work, args, policy, verify, why, say, traced,
-                                     activations)
+    analysis = _analyse(original, args, say)
+    reads = list(dict.fromkeys(r for t in analysis.traced.values() for r in t.value_reads))
+    if reads:
+        why = (f"{analysis.not_traced}, and its forward reads tensor values into Python "
+               f"({_listed(reads)}), so other inputs may take paths this run did not")
+        return _convert_by_parts(original, work, args, policy, verify, why, say,
+                                 analysis.traced, activations)
     if enclosed:
-        for t in traced.values():
-            output = next(n for n in t.graph.nodes if n.op == "output")
-            add_escape(t.escapes, output.all_input_nodes, "returned to the code around this "
-                       "part of the model, which may write into it", may_write=True,
-                       needs_class=False)
-    graphs = {mode: t.graph for mode, t in traced.items()}
-
-    modules = dict(original.named_modules())
-    # Values that forward keeps outside its graph (a module attribute, a list on self, a hook of
-    # a traced module) exist only when the model's own forward runs: then the model must keep
-    # its class, so activations that a module swap cannot remove stay separate.
-    kept = next((e.how for t in traced.values() for e in t.escapes.values() if e.needs_class),
-                None)
-    unfusable = None
-    if recorded_saves is not None:  # only module swaps: a recorded graph is not code to run
-        obstacle = removal_obstacle(original, list(graphs.values()))
-
-        def unfusable(node):
-            why = obstacle(node)
-            return why and f"{why}, and {not_traced}, so only modules can be swapped"
-    elif kept is not None:
-        obstacle = removal_obstacle(original, list(graphs.values()))
-
-        def unfusable(node):
-            why = obstacle(node)
-            return why and (f"{why}, and the model must keep its class: forward keeps a "
-                            f"value outside the graph, {kept}")
-    sites = {mode: find_sites(t.graph, modules, t.escapes, unfusable)
-             for mode, t in traced.items()}
+        _outputs_escape(analysis.traced)
     say("counting the bytes the original model saves for backward")
-    if recorded_saves is None:
-        before_nodes, saved_before, input_savers = _bytes_per_node(original, graphs[True], args)
-    else:  # counted while recording
-        before_nodes, saved_before, input_savers = _bytes_by_norm(
-            graphs[True], modules, *recorded_saves)
-    rows_info: list[tuple[str, str, Decision]] = []
-    layers, fused = {}, []
-    for name, norm in modules.items():
-        if not is_convertible_norm(norm):
-            continue
-        per_graph = [[s for s in sites[mode] if s.norm == name] for mode in (True, False)]
-        found = [s for calls in per_graph for s in calls]
-        if not found:
-            decision = Decision(UNTOUCHED, "forward never calls it")
-        elif any(len(calls) > 1 for calls in per_graph):
-            decision = Decision(UNTOUCHED, "forward calls it more than once (a shared layer)")
-        else:
-            kept_by = input_savers.get(name)
-            decision = decide(norm, found, policy,
-                              _input_kept(kept_by, modules) if kept_by else None)
-        rows_info.append((name, pattern(norm, found[0] if found else None), decision))
-        if decision.layer != UNTOUCHED:
-            layers[name] = new_layer(work.get_submodule(name), decision)
-            fused.extend(s for s in found if s.activation is not None)
-    # then the layers replaced on their own (layer norms, activations no norm absorbed)
-    absorbed = {s.activation_node.target for s in fused
-                if s.activation_node is not None and s.activation_node.op == "call_module"}
-    layer_sites = {mode: find_layer_sites(t.graph, modules, t.escapes, absorbed)
-                   for mode, t in traced.items()}
-    for name, module in modules.items():
-        if name in absorbed or not is_layer_site(module):
-            continue
-        per_graph = [[s for s in layer_sites[mode] if s.name == name] for mode in (True, False)]
-        found = [s for calls in per_graph for s in calls]
-        if not found:
-            continue  # an activation module forward does not call (or a norm's own)
-        if not activations and activation_kind(module) is not None:
-            decision = Decision(UNTOUCHED, "activations=False: activations without a norm stay")
-        elif any(len(calls) > 1 for calls in per_graph) or not all(per_graph):
-            decision = Decision(UNTOUCHED, "forward calls it more than once (a shared layer)"
-                                if any(len(calls) > 1 for calls in per_graph) else
-                                "forward calls it in one mode only")
-        else:
-            kept_by = input_savers.get(name)
-            decision = decide_layer(module, found,
-                                    _input_kept(kept_by, modules) if kept_by else None)
-        rows_info.append((name, type(module).__name__, decision))
-        if decision.layer != UNTOUCHED:
-            layers[name] = new_own_layer(work.get_submodule(name), decision)
-
-    obstacle = swap_obstacle(original, list(graphs.values()), fused)
-    say(f"replacing {len(layers)} of {len(rows_info)} layers; counting the "
-        f"bytes the converted model saves")
-    if recorded_saves is not None:
-        assert obstacle is None, obstacle  # unfusable() kept every fusion a module swap
-        converted = swap(work, layers, fused)
-        result = "modules swapped"
-        why = (f"{not_traced}: decided on one recorded run in train and eval mode at input "
-               f"shape {_shape_text(args)}; a forward that branches on sizes may take other "
-               f"paths at other shapes")
-        after_nodes, saved_after, _ = _bytes_recorded(converted, args)
-    elif obstacle is None:
-        converted = swap(work, layers, fused)
-        result, why = "modules swapped", "every decision is a module swap; the class is kept"
-        probe = _deepcopy(converted)  # traced, so it gets the tracer's constants
-        after_nodes, saved_after, _ = _bytes_per_node(probe, trace(probe, True).graph, args)
-        del probe
-    else:
-        converted = as_graph_module(work, layers, graphs, fused, traced=original)
-        result, why = "torch.fx GraphModule", obstacle
-        after_nodes, saved_after, _ = _bytes_per_node(
-            converted, converted.__dict__["_graphs"][True], args)
-    # the decision by the layer's class name: InPlaceABNSync/ABNSync for SyncBatchNorm
-    rows = [LayerRow(name, text, _layer_name(layers[name]) if name in layers else UNTOUCHED,
-                     decision.reason, before_nodes.get(name), after_nodes.get(name))
-            for name, text, decision in rows_info]
-    report = ConversionReport(
-        policy, _shapes(args), rows, saved_before, saved_after, result, why)
-    if any(d.changes_model for _, _, d in rows_info):
-        report.notes.append("policy 'leaky_relu' changed the model (ReLU -> LeakyReLU(0.01) or "
-                            "clamped |weight| < eps): fine-tune before use")
+    before = _bytes_before(original, analysis, args)
+    decided = plan(_context(original, analysis, policy, activations, before[2]), work)
+    say(f"replacing {len(decided.layers) + len(decided.calls)} of {len(decided.rows)} layers; "
+        f"counting the bytes the converted model saves")
+    converted, result, why, after = _put_in(work, original, analysis, decided, args)
+    report = _report(decided, policy, args, before, after, result, why)
     if verify:
         say("comparing outputs with the original in eval and train mode")
         report.max_difference_eval, report.max_difference_train = _differences(
             original, converted, args)
     return converted, report
+
+
+class _Analysis(NamedTuple):
+    """The model's graphs in both modes, and how they were made."""
+
+    traced: dict[bool, Traced]
+    #: of a recorded run: the saves and norm inputs it counted (``None``: fx's trace)
+    recorded_saves: tuple | None = None
+    #: why fx could not trace the model, for the report (``None``: it could)
+    not_traced: str | None = None
+
+
+def _analyse(original: nn.Module, args: tuple, say: Callable[[str], None]) -> _Analysis:
+    """fx's graphs of ``original`` in train and eval mode, else recorded runs' graphs."""
+    try:
+        return _Analysis({mode: trace(original, mode) for mode in (True, False)})
+    except Exception as error:  # fx raises many kinds for untraceable code
+        say(f"torch.fx cannot trace it ({type(error).__name__}); recording a run in train "
+            f"and eval mode instead")
+        traced, recorded_saves = _record_both(original, args)
+        return _Analysis(traced, recorded_saves, _fx_failure(original, error))
+
+
+def _bytes_before(original: nn.Module, analysis: _Analysis, args: tuple
+                  ) -> tuple[dict[str, int], int, dict[str, set[fx.Node]]]:
+    """:func:`_bytes_per_node` of the original model (a recorded run counted them)."""
+    if analysis.recorded_saves is None:
+        return _bytes_per_node(original, analysis.traced[True].graph, args)
+    return _bytes_by_norm(analysis.traced[True].graph, dict(original.named_modules()),
+                          *analysis.recorded_saves)
+
+
+def _outputs_escape(traced: dict[bool, Traced]) -> None:
+    """Count a part's outputs as written by the code around the part."""
+    for t in traced.values():
+        output = next(n for n in t.graph.nodes if n.op == "output")
+        add_escape(t.escapes, output.all_input_nodes, "returned to the code around this "
+                   "part of the model, which may write into it", may_write=True,
+                   needs_class=False)
+
+
+def _context(original: nn.Module, analysis: _Analysis, policy: str, activations: bool,
+             input_savers: dict[str, set[fx.Node]]) -> Context:
+    """What the kinds read: the graphs, and which activations the result can remove."""
+    graphs = [t.graph for t in analysis.traced.values()]
+    # Values that forward keeps outside its graph (a module attribute, a list on self, a hook
+    # of a traced module) exist only when the model's own forward runs: then the model must
+    # keep its class, so activations that a module swap cannot remove stay separate; and a
+    # recorded graph is not code to run.
+    kept = next((e.how for t in analysis.traced.values() for e in t.escapes.values()
+                 if e.needs_class), None)
+    only_modules = (f"{analysis.not_traced}, so only modules can be swapped"
+                    if analysis.recorded_saves is not None else
+                    f"the model must keep its class: forward keeps a value outside the graph, "
+                    f"{kept}" if kept is not None else None)
+    unfusable = None
+    if only_modules is not None:
+        obstacle = removal_obstacle(original, graphs)
+
+        def unfusable(node):
+            why = obstacle(node)
+            return why and f"{why}, and {only_modules}"
+
+    def calls_stay(fused):
+        if only_modules is not None:
+            return only_modules
+        if swap_obstacle(original, graphs, fused) is None:
+            return "every other decision is a module swap, which keeps the model's class"
+        return None
+
+    return Context(original, dict(original.named_modules()), analysis.traced, policy,
+                   activations, input_savers, unfusable, calls_stay)
+
+
+def _put_in(work: nn.Module, original: nn.Module, analysis: _Analysis, decided: Plan,
+            args: tuple) -> tuple[nn.Module, str, str, tuple[dict[str, int], int]]:
+    """The converted model, the report's result and its reason, and the bytes the converted
+    model saves (per site and in all)."""
+    graphs = {mode: t.graph for mode, t in analysis.traced.items()}
+    obstacle = swap_obstacle(original, list(graphs.values()), decided.fused)
+    if analysis.recorded_saves is not None:
+        # Context.unfusable kept every fusion a module swap; calls stayed
+        assert obstacle is None and not decided.calls, obstacle
+        converted = swap(work, decided.layers, decided.fused)
+        why = (f"{analysis.not_traced}: decided on one recorded run in train and eval mode at "
+               f"input shape {_shape_text(args)}; a forward that branches on sizes may take "
+               f"other paths at other shapes")
+        after, saved_after, _ = _bytes_recorded(converted, args)
+        return converted, "modules swapped", why, (after, saved_after)
+    if obstacle is None:
+        assert not decided.calls  # Context.calls_stay kept them
+        converted = swap(work, decided.layers, decided.fused)
+        probe = _deepcopy(converted)  # traced, so it gets the tracer's constants
+        after, saved_after, _ = _bytes_per_node(probe, trace(probe, True).graph, args)
+        return converted, "modules swapped", ("every decision is a module swap; the class is "
+                                              "kept"), (after, saved_after)
+    converted = as_graph_module(work, decided.layers, graphs, decided.fused, traced=original,
+                                calls=decided.calls)
+    after, saved_after, _ = _bytes_per_node(converted, converted.__dict__["_graphs"][True], args)
+    return converted, "torch.fx GraphModule", obstacle, (after, saved_after)
+
+
+def _report(decided: Plan, policy: str, args: tuple,
+            before: tuple[dict[str, int], int, Any], after: tuple[dict[str, int], int],
+            result: str, why: str) -> ConversionReport:
+    """The report of the plan: a row per subject with the bytes its calls saved before and
+    after (a replaced function call's are its new module's), totals, notes."""
+    (before_rows, saved_before, _), (after_rows, saved_after) = before, after
+    rows = [LayerRow(row.subject.name, row.pattern,
+                     _layer_name(decided.layer(row.subject.name)), row.decision.reason,
+                     before_rows.get(row.subject.key),
+                     after_rows.get(row.subject.key if row.decision.layer == UNTOUCHED
+                                    else row.subject.name))
+            for row in decided.rows]
+    report = ConversionReport(policy, _shapes(args), rows, saved_before, saved_after, result,
+                              why)
+    if any(row.decision.changes_model for row in decided.rows):
+        report.notes.append("policy 'leaky_relu' changed the model (ReLU -> LeakyReLU(0.01) or "
+                            "clamped |weight| < eps): fine-tune before use")
+    report.notes.extend(decided.notes)
+    return report
 
 
 # ---------------------------------------------------------------- running without side effects
@@ -317,7 +332,7 @@ class _Attributing(fx.Interpreter):
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n.name
-        if n.op == "call_module" and is_site_module(self._modules[n.target]):
+        if is_site_node(n, self._modules):
             first = self.env.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
             if isinstance(first, Tensor):
                 self.norm_inputs[n.name] = storage_key(first)
@@ -377,16 +392,17 @@ def _bytes_by_norm(graph: fx.Graph, modules: dict[str, nn.Module], saves: Any,
     result, input_savers = {}, {}
     for node in graph.nodes:
         m = modules[node.target] if node.op == "call_module" else None
-        if is_layer_site(m) or isinstance(m, OWN_LAYERS):
+        if isinstance(m, OWN_LAYERS) or (is_site_node(node, modules) and (
+                m is None or is_layer_site(m))):
             # what it alone keeps: its output is saved by the next layer whichever keeps it
-            result[node.target] = alone.get(node.name, 0)
+            result[site_key(node)] = alone.get(node.name, 0)
         elif m is not None and (is_convertible_norm(m) or isinstance(m, (ABN, GroupNormAct))):
             result[node.target] = sizes.get(node.name, 0) + sum(
                 sizes.get(user.name, 0) for user in node.users
                 if node_activation(user, modules) is not None)
         if node.name in norm_inputs:
             names = savers.get(norm_inputs[node.name], set()) - {node.name}
-            input_savers[node.target] = {by_name[n] for n in names if n in by_name}
+            input_savers[site_key(node)] = {by_name[n] for n in names if n in by_name}
     return result, sum(sizes.values()), input_savers
 
 
@@ -409,19 +425,10 @@ def _shape_text(args: tuple) -> str:
     return ", ".join("x".join(map(str, shape)) for shape in _shapes(args))
 
 
-def _input_kept(savers: set[fx.Node], modules: dict[str, nn.Module]) -> str | None:
-    """Why a norm's input stays saved for backward whatever the norm keeps: the nodes other
-    than normalisations (each of which may stop keeping it) that save it."""
-    others = sorted(str(n.target) if n.op == "call_module" else n.name for n in savers
-                    if not (n.op == "call_module" and is_site_module(modules[n.target])))
-    if not others:
-        return None
-    return (f"{', '.join(map(repr, others[:3]))} also save{'s' * (len(others) == 1)} it for "
-            f"backward, so a layer that keeps only its output would save nothing")
-
-
-def _layer_name(layer: nn.Module) -> str:
+def _layer_name(layer: nn.Module | None) -> str:
     """The report's name of a new layer: its class, and the output-only mode."""
+    if layer is None:
+        return UNTOUCHED
     name = type(layer).__name__
     return name if getattr(layer, "overwrite_input", True) else f"{name}(overwrite_input=False)"
 
@@ -527,8 +534,14 @@ def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy:
             layers[f"{name}.{row.name}"] = dataclasses.replace(row, name=f"{name}.{row.name}")
     outside = ("not in a part of the model whose forward reads no tensor values "
                "(the model's forward does, so its path may differ for other inputs)")
-    rows = [layers.get(name) or LayerRow(name, type(m).__name__, UNTOUCHED, outside)
-            for name, m in original.named_modules() if is_site_module(m)]
+    # model order; a site module inside a converted part has the row that part's report
+    # gives it, or none (an activation a norm absorbed); then the parts' function calls
+    rows = [layers.pop(name) if name in layers else
+            LayerRow(name, type(m).__name__, UNTOUCHED, outside)
+            for name, m in original.named_modules() if is_site_module(m)
+            and (name in layers or not any(name.startswith(f"{part}.")
+                                           for part in converted_parts))]
+    rows += layers.values()
     done = sum(row.decision != UNTOUCHED for row in rows)
     warnings.warn(
         f"iabn.convert: {why}; so it is converted part by part: the "

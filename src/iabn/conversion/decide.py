@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..kernels.activations import BRANCH_ACTIVATIONS, check_activation
+from ..kernels import activations as registry
+from ..kernels.activations import check_activation
 from .graph import Site, is_norm_act
 
 LOSSLESS = "lossless"
@@ -80,7 +81,7 @@ def decide(norm: nn.Module, sites: list[Site], policy: str,
     found = site.activation
     if found is not None and not found.supported:
         return Decision(UNTOUCHED, f"its activation {found.written_as} is not one iabn's layers "
-                        f"compute (leaky_relu, elu, identity, relu, silu, gelu)")
+                        f"compute ({', '.join(registry.ACTIVATIONS)})")
     name = found.name if found is not None else "identity"
     param = found.param if found is not None else 0.0
     changes_model = False
@@ -111,7 +112,7 @@ def decide(norm: nn.Module, sites: list[Site], policy: str,
     if name == "relu":
         return fallback("relu is not invertible (policy='leaky_relu' swaps it for "
                         f"LeakyReLU({RELU_SLOPE}) and goes in place)")
-    if name in BRANCH_ACTIVATIONS and type(norm) is nn.GroupNorm:
+    if registry.ACTIVATIONS[name].needs_branch and type(norm) is nn.GroupNorm:
         return fallback(f"{found.written_as} is not invertible: it needs the branch bit that "
                         f"only the batch-norm layers keep (not the group-norm layers)")
     if not _usable(name, param, in_place=True, branch=True):

@@ -44,13 +44,24 @@ from torch.nn.modules.conv import _ConvNd
 from torch.utils._pytree import tree_leaves
 
 from ..kernels import activations as registry
-from ..layers.activation import InPlaceGELU, InPlaceMish, InPlaceSiLU
+from ..layers import activation as activation_layers
+from ..layers import layer_norm as layer_norms
+from ..layers.activation import activation_layer, has_activation_layer
 from ..layers.batch_norm import ABN
 from ..layers.group_norm import GroupNormAct
-from ..layers.layer_norm import InPlaceLayerNorm, InPlaceRMSNorm
 
-#: iabn's layers that replace a module on their own (:mod:`iabn.conversion.layers`).
-OWN_LAYERS = (InPlaceLayerNorm, InPlaceRMSNorm, InPlaceGELU, InPlaceSiLU, InPlaceMish)
+
+def _layer_classes(*modules: Any) -> tuple[type, ...]:
+    """The module classes defined in ``modules`` that have ``overwrite_input``."""
+    return tuple(value for module in modules for value in vars(module).values()
+                 if isinstance(value, type) and issubclass(value, nn.Module)
+                 and value.__module__ == module.__name__ and hasattr(value, "overwrite_input"))
+
+
+#: iabn's layers that replace a module on their own (:mod:`iabn.conversion.layers`): every
+#: layer of :mod:`iabn.layers.layer_norm` and :mod:`iabn.layers.activation` (read off the
+#: modules, so a layer added there is one without a change here).
+OWN_LAYERS = _layer_classes(layer_norms, activation_layers)
 
 #: Python's in-place operators, which fx would otherwise record as their out-of-place forms.
 INPLACE_OPERATORS = {
@@ -295,10 +306,22 @@ _TIMM_KINDS = {
     # torchvision's ConvNeXt: F.layer_norm between the same two permutes (torchvision 0.29)
     ("torchvision.models.convnext", "LayerNorm2d"): "layer_norm_2d",
 }
-_TIMM_ACTIVATIONS = {
-    ("timm.layers.activations", "GELU"): "gelu",
-    ("timm.layers.activations", "GELUTanh"): "gelu_tanh",
+#: timm's activation modules that compute what a ``torch.nn`` module computes (``forward``
+#: read in timm 1.0.31: ``F.gelu(input)``, ``F.gelu(input, approximate="tanh")``), by
+#: ``(module, class name)``: the ``torch.nn`` module standing for them
+#: (:func:`torch_equivalent`), the only place the conversion knows them.
+_TIMM_ACTIVATIONS: dict[tuple[str, str], Callable[[nn.Module], nn.Module]] = {
+    ("timm.layers.activations", "GELU"): lambda m: nn.GELU(),
+    ("timm.layers.activations", "GELUTanh"): lambda m: nn.GELU(approximate="tanh"),
 }
+
+
+def torch_equivalent(m: nn.Module) -> nn.Module:
+    """``m`` itself, or for one of timm's activation modules the ``torch.nn`` module that
+    computes what it computes: what the registry recognises and the layers derive from."""
+    cls = type(m)
+    make = _TIMM_ACTIVATIONS.get((cls.__module__, cls.__name__))
+    return m if make is None else make(m)
 
 
 def layer_kind(m: nn.Module) -> str | None:
@@ -319,22 +342,37 @@ def layer_kind(m: nn.Module) -> str | None:
 
 
 def activation_kind(m: nn.Module) -> str | None:
-    """The activation with one minimum (the registry's branch activations: ``silu``,
-    ``gelu``...) a module computes, which iabn's own in-place activation layers replace."""
+    """The registry's name of the activation a module computes where the conversion decides
+    about it on its own (:func:`stands_alone`), else ``None``."""
     found = module_activation(m)
-    return found.name if found is not None and found.name in registry.BRANCH_ACTIVATIONS \
-        else None
+    return found.name if stands_alone(found) else None
 
 
 def is_layer_site(m: nn.Module) -> bool:
     """A module :mod:`iabn.conversion.layers` may replace on its own: a layer or RMS norm,
-    or an activation with one minimum."""
+    or an activation :func:`stands_alone` names."""
     return layer_kind(m) is not None or activation_kind(m) is not None
 
 
 def is_site_module(m: nn.Module) -> bool:
     """A module the conversion decides about: a convertible norm or a layer site."""
     return is_convertible_norm(m) or is_layer_site(m)
+
+
+def is_site_node(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
+    """A graph node the conversion decides about: a call of a site module, or an activation
+    written as a function or method (``F.gelu(x)``, ``x.relu()``) that :func:`stands_alone`
+    names."""
+    if node.op == "call_module":
+        return is_site_module(modules[node.target])
+    return node.op in ("call_function", "call_method") and stands_alone(
+        node_activation(node, modules))
+
+
+def site_key(node: fx.Node) -> str:
+    """How the conversion names a site's call in both graphs: a module's qualified name, a
+    function call's node name."""
+    return node.target if node.op == "call_module" else node.name
 
 
 # ------------------------------------------------------------------ activations
@@ -364,16 +402,39 @@ def _number(value: Any) -> float | None:
 
 def module_activation(m: nn.Module) -> Activation | None:
     """The activation a module computes, if it is one iabn's layers can fuse (the registry's
-    module forms: exact type and condition, e.g. ``nn.GELU`` with ``approximate="none"``)."""
-    found = registry.module_activation(m)
-    if found is None:
-        cls = type(m)
-        name = _TIMM_ACTIVATIONS.get((cls.__module__, cls.__name__))
-        found = (name, 0.0) if name in registry.ACTIVATIONS else None
+    module forms: exact type and condition, e.g. ``nn.GELU`` with ``approximate="none"``;
+    timm's through :func:`torch_equivalent`)."""
+    found = registry.module_activation(torch_equivalent(m))
     if found is None:
         return None
     name, param = found
     return Activation(name, float(param), type(m).__name__)
+
+
+def torch_module(found: Activation) -> nn.Module:
+    """The ``torch.nn`` module of ``found``'s registry record (its ``torch_module``)."""
+    return registry.ACTIVATIONS[found.name].torch_module(found.param)
+
+
+def stands_alone(found: Activation | None) -> bool:
+    """Whether the conversion decides about this activation on its own where no norm absorbs
+    it: its record has an in-place layer (:func:`iabn.layers.activation.has_activation_layer`
+    of the record's ``torch.nn`` module), or one minimum (its PyTorch backward keeps the
+    input, which only a bit per element recovers: without a layer of its own it stays, with
+    that reason). Invertible activations without a layer are no site: fused with a norm or
+    left as they are."""
+    if found is None or not found.supported:
+        return False
+    record = registry.ACTIVATIONS.get(found.name)
+    return record is not None and (record.needs_branch
+                                   or has_activation_layer(torch_module(found)))
+
+
+def standalone_layer(found: Activation, *, overwrite_input: bool) -> nn.Module | None:
+    """iabn's in-place layer computing ``found`` (module, function or method form):
+    :func:`iabn.layers.activation.activation_layer` of the record's ``torch.nn`` module;
+    ``None`` where there is none."""
+    return activation_layer(torch_module(found), overwrite_input=overwrite_input)
 
 
 def _call_arguments(function, form: registry.FunctionForm, parameter, node: fx.Node
@@ -512,7 +573,7 @@ def _is_torch(module: str) -> bool:
     return module in ("torch", "_operator") or module.startswith("torch.")
 
 
-def _writes_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool | None:
+def writes_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool | None:
     """True if ``node`` may write into its first argument, False if it provably does not,
     None when unknown (a function or module from outside PyTorch, which iabn does not vet)."""
     if node.op == "output":
@@ -564,7 +625,7 @@ def later_write(output: fx.Node, modules: dict[str, nn.Module],
         for user in node.users:
             if user in seen:
                 continue
-            writes = _writes_first_argument(user, modules)
+            writes = writes_first_argument(user, modules)
             if writes is None:
                 return (f"{via or 'its output'} goes to {describe(user, modules)}, which iabn "
                         f"cannot vet for in-place writes")
@@ -592,6 +653,11 @@ class Site:
     #: the input is computed in the graph, kept by nothing outside it (nor returned), and read
     #: by other operations too: a layer that does not overwrite it may drop it from memory
     input_reused: bool = False
+
+    @property
+    def key(self) -> str:
+        """:func:`site_key` of its call: the norm's name."""
+        return self.norm
 
 
 def find_sites(graph: fx.Graph, modules: dict[str, nn.Module],

@@ -1,7 +1,10 @@
-"""The modules :func:`iabn.convert` replaces on their own, not fused with a neighbour: layer
-and RMS norms (``nn.LayerNorm``, ``nn.RMSNorm``, timm's ``LayerNorm``, ``LayerNorm2d``,
-``RmsNorm``) and the activations with one minimum (GELU in both forms, SiLU, Mish) that no
-batch or group norm absorbed (docs/design.md, "Converting existing models").
+"""What :func:`iabn.convert` replaces on its own, not fused with a neighbour: layer and RMS
+norms (``nn.LayerNorm``, ``nn.RMSNorm``, timm's ``LayerNorm``, ``LayerNorm2d``, ``RmsNorm``)
+and the activations no batch or group norm absorbed (modules, and the registry's function
+forms where the graph is rewritten: :func:`~iabn.conversion.graph.stands_alone`), the
+sites of :class:`~iabn.conversion.kinds.NormAlone` and
+:class:`~iabn.conversion.kinds.ActivationAlone` (docs/design.md, "Converting existing
+models").
 
 Each keeps its input for backward as PyTorch computes it; iabn's layer keeps its output
 instead (plus per-row statistics, or one bit per element), so the rules are the batch-norm
@@ -13,7 +16,10 @@ layers' without the fusion:
 - *output only* (``overwrite_input=False``) where the input is computed in the graph and read
   by other operations (a transformer's residual stream, read again by the addition) or comes
   through a view, and no other operation saves it for backward: the input is then freed once
-  those operations are done, where PyTorch's layer kept it to the end of backward.
+  those operations are done, where PyTorch's layer kept it to the end of backward — unless
+  the call writes into its input (``nn.SiLU(inplace=True)``, ``F.silu(x, inplace=True)``):
+  the operations reading that input afterwards read the activation's output, which a layer
+  leaving its input as it is would change.
 """
 
 from __future__ import annotations
@@ -22,38 +28,40 @@ from dataclasses import dataclass
 
 from torch import fx, nn
 
-from ..layers.activation import InPlaceGELU, InPlaceMish, InPlaceSiLU
 from ..layers.layer_norm import InPlaceLayerNorm, InPlaceLayerNorm2d, InPlaceRMSNorm
 from .decide import IN_PLACE, OUTPUT_ONLY, UNTOUCHED, Decision
 from .graph import (
+    Activation,
     Escape,
-    activation_kind,
     input_not_fresh,
-    is_layer_site,
     later_write,
     layer_kind,
+    node_activation,
+    site_key,
+    writes_first_argument,
 )
 
 
 @dataclass(frozen=True)
 class LayerSite:
-    """One call of a module replaced on its own, in one graph."""
+    """One call replaced on its own (a module, or an activation written as a function), in
+    one graph."""
 
-    name: str                   # the module's qualified name
+    key: str                    # graph.site_key: the module's name, a function call's node's
     node: fx.Node
     input_fresh: str | None     # None when fresh (in place is safe), else why not
     output_written: str | None  # None when nothing writes the output later, else why
     input_outside: str | None   # why the input is not a tensor computed in the graph
+    writes_input: bool = False  # the call writes its result into its input (inplace=True)
+    activation: Activation | None = None  # what an activation site computes
 
 
 def find_layer_sites(graph: fx.Graph, modules: dict[str, nn.Module],
-                     escapes: dict[fx.Node, Escape], skip: set[str]) -> list[LayerSite]:
-    """Every call of a module :func:`~iabn.conversion.graph.is_layer_site` names in
-    ``graph``, but those in ``skip`` (activations fused into a norm)."""
+                     escapes: dict[fx.Node, Escape], wanted) -> list[LayerSite]:
+    """Every call in ``graph`` for which ``wanted(node)`` holds, with its facts."""
     sites = []
     for node in graph.nodes:
-        if (node.op != "call_module" or node.target in skip
-                or not is_layer_site(modules[node.target])):
+        if not wanted(node):
             continue
         source = node.args[0] if node.args else None
         outside = None
@@ -65,17 +73,20 @@ def find_layer_sites(graph: fx.Graph, modules: dict[str, nn.Module],
             outside = f"its input escapes: {escapes[source].how}"
         elif any(user.op == "output" for user in source.users):
             outside = "its input is also returned by the model"
-        sites.append(LayerSite(node.target, node, input_not_fresh(node, modules, escapes),
-                               later_write(node, modules, escapes), outside))
+        sites.append(LayerSite(site_key(node), node, input_not_fresh(node, modules, escapes),
+                               later_write(node, modules, escapes), outside,
+                               writes_first_argument(node, modules) is True,
+                               node_activation(node, modules)))
     return sites
 
 
-def decide_layer(module: nn.Module, sites: list[LayerSite], input_kept: str | None
+def decide_layer(module: nn.Module | None, sites: list[LayerSite], input_kept: str | None
                  ) -> Decision:
-    """In place, output only or untouched, from the module's calls in the graphs (one per
-    graph). ``input_kept``: why the input stays saved for backward whatever this layer keeps
-    (another operation saves it), if it does."""
-    if module._forward_hooks or module._forward_pre_hooks or module._backward_hooks:
+    """In place, output only or untouched, from the calls in the graphs (one per graph) of
+    ``module`` (``None``: a function). ``input_kept``: why the input stays saved for backward
+    whatever this layer keeps (another operation saves it), if it does."""
+    if module is not None and (module._forward_hooks or module._forward_pre_hooks
+                               or module._backward_hooks):
         return Decision(UNTOUCHED, "it has hooks, which a new layer would not carry")
     kept = "the new layer keeps its output for backward"
     written = next((s.output_written for s in sites if s.output_written), None)
@@ -89,16 +100,19 @@ def decide_layer(module: nn.Module, sites: list[LayerSite], input_kept: str | No
         return Decision(UNTOUCHED, f"{outside}: keeping only the output would free nothing")
     if input_kept is not None:
         return Decision(UNTOUCHED, f"{not_fresh}, and {input_kept}")
+    if any(s.writes_input for s in sites):
+        # the operations reading the input after it read the output there: a layer that
+        # leaves its input as it is would change what they compute
+        return Decision(UNTOUCHED, f"{not_fresh}, and it writes into its input in place, "
+                        f"so a layer that leaves the input as it is would change what they "
+                        f"read")
     return Decision(OUTPUT_ONLY, f"{not_fresh}: not overwritten; only its output is kept "
                     f"for backward")
 
 
-_ACTIVATION_LAYERS = {"gelu": InPlaceGELU, "silu": InPlaceSiLU, "mish": InPlaceMish}
-
-
-def new_layer(module: nn.Module, decision: Decision) -> nn.Module:
-    """iabn's layer for ``module``, holding its very parameters (an optimizer built on them
-    keeps working)."""
+def new_norm(module: nn.Module, decision: Decision) -> nn.Module:
+    """iabn's layer for the layer or RMS norm ``module``, holding its very parameters (an
+    optimizer built on them keeps working)."""
     overwrite = decision.layer == IN_PLACE
     kind = layer_kind(module)
     if kind == "layer_norm":
@@ -111,16 +125,9 @@ def new_layer(module: nn.Module, decision: Decision) -> nn.Module:
                                    overwrite_input=overwrite)
         if module.weight is not None and module.bias is None:
             layer.bias = None
-    elif kind == "rms_norm":
+    else:
         layer = InPlaceRMSNorm(module.normalized_shape, module.eps, module.weight is not None,
                                overwrite_input=overwrite, device="meta")
-    else:
-        name = activation_kind(module)
-        if name == "gelu_tanh":
-            return InPlaceGELU(approximate="tanh", overwrite_input=overwrite)
-        if name == "gelu":
-            return InPlaceGELU(overwrite_input=overwrite)
-        return _ACTIVATION_LAYERS[name](overwrite_input=overwrite)
     for field in ("weight", "bias"):
         if getattr(layer, field, None) is not None:
             setattr(layer, field, getattr(module, field))
@@ -128,4 +135,4 @@ def new_layer(module: nn.Module, decision: Decision) -> nn.Module:
     return layer
 
 
-__all__ = ["LayerSite", "decide_layer", "find_layer_sites", "new_layer"]
+__all__ = ["LayerSite", "decide_layer", "find_layer_sites", "new_norm"]

@@ -173,13 +173,33 @@ def fuse_in_graph(graph: fx.Graph, fused: list[Site]) -> None:
     graph.lint()
 
 
-def as_graph_module(model: nn.Module, layers: dict[str, ABN], graphs: dict[bool, fx.Graph],
-                    fused: list[Site], traced: nn.Module) -> TrainEvalGraphModule:
-    """The graphs (traced on ``traced``, a copy of ``model``) with fused activations removed,
-    as a module over ``model``'s submodules with the norms replaced."""
+def replace_calls(graph: fx.Graph, calls: dict[str, tuple[nn.Module, list[fx.Node]]]) -> None:
+    """Make each replaced call of ``graph`` (an activation written as a function) a call of
+    its new module, on the call's first argument (the function's other arguments are the
+    module's settings). The new modules are put on the generated module's root, which the
+    graph's owning module (the original's, from counting bytes) does not have."""
+    for name, (_layer, nodes) in calls.items():
+        for node in nodes:
+            if node.graph is graph:
+                with graph.inserting_before(node):
+                    call = graph.create_node("call_module", name, (node.args[0],))
+                node.replace_all_uses_with(call)
+                graph.erase_node(node)
+
+
+def as_graph_module(model: nn.Module, layers: dict[str, nn.Module], graphs: dict[bool, fx.Graph],
+                    fused: list[Site], traced: nn.Module,
+                    calls: dict[str, tuple[nn.Module, list[fx.Node]]] | None = None
+                    ) -> TrainEvalGraphModule:
+    """The graphs (traced on ``traced``, a copy of ``model``) with fused activations removed
+    and the ``calls`` replaced by their new modules (put on ``model`` under their names), as
+    a module over ``model``'s submodules with the norms replaced."""
     for name, layer in layers.items():
         model.set_submodule(name, layer)
+    for name, (layer, _nodes) in (calls or {}).items():
+        model.add_module(name, layer)
     for graph in graphs.values():
         fuse_in_graph(graph, fused)
+        replace_calls(graph, calls or {})
     return TrainEvalGraphModule(model, graphs[True], graphs[False], type(model).__name__,
                                 constants=traced)
