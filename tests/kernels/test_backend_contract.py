@@ -117,3 +117,18 @@ def test_a_backend_may_leave_a_function_to_the_reference():
         for name in ("group_norm_forward_", "group_norm_backward", "row_norm_forward",
                      "row_norm_backward"):
             assert getattr(triton_backend, name) is getattr(reference, name)
+
+
+def test_an_activation_a_backend_does_not_run_goes_to_the_reference(monkeypatch):
+    """A backend that runs only some activations names them (KNOWN_ACTIVATIONS); backend_for
+    gives the reference for another, so a registry record without Triton code runs."""
+    if not backends.has_triton():
+        pytest.skip("Triton is not installed")
+    from iabn.kernels import triton_backend
+
+    x = torch.zeros(2, 3, device=TRITON_DEVICE)
+    monkeypatch.setenv(backends.ENV, "triton")
+    assert backends.backend_for(x, "leaky_relu") is triton_backend
+    monkeypatch.setattr(triton_backend, "KNOWN_ACTIVATIONS", frozenset({"elu"}))
+    assert backends.backend_for(x, "leaky_relu") is reference
+    assert backends.backend_for(x) is triton_backend

@@ -49,7 +49,7 @@ class InPlaceActivationFunction(torch.autograd.Function):
                 "the in-place activation layers (iabn.InPlaceGELU, InPlaceSiLU, InPlaceMish...)",
                 "nn.GELU, nn.SiLU, nn.Mish...", plural=True)
         z, bits = ctx.saved_tensors
-        dx = backend_or_reference(z).activation_grad(z, dz, bits, ctx.activation,
+        dx = backend_or_reference(z, ctx.activation).activation_grad(z, dz, bits, ctx.activation,
                                                      ctx.activation_param)
         return dx, None, None, None
 

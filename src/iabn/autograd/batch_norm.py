@@ -125,7 +125,7 @@ def kernels_for(x: Tensor, config: LayerConfig) -> Any:
     backward reuses the forward's choice."""
     if torch.compiler.is_compiling() and traces(config):
         return RegisteredOperators
-    return backend_for(x)
+    return backend_for(x, config.activation)
 
 
 class InPlaceABNFunction(torch.autograd.Function):

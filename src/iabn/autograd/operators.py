@@ -52,7 +52,7 @@ def inplace_abn_forward_(
 ) -> tuple[Tensor, Tensor]:
     # An operator's schema takes scalars, not a LayerConfig: the fields travel one by one.
     config = LayerConfig(training, momentum, eps, activation, activation_param, gamma_mode)
-    return backend_for(x).forward_(x, weight, bias, running_mean, running_var, config)
+    return backend_for(x, activation).forward_(x, weight, bias, running_mean, running_var, config)
 
 
 @inplace_abn_forward_.register_fake
@@ -80,7 +80,7 @@ def inplace_abn_backward(
     output_mask: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
     config = LayerConfig(training, 0.0, eps, activation, activation_param, gamma_mode, variant)
-    dx, dgamma, dbeta = backend_for(z).backward(
+    dx, dgamma, dbeta = backend_for(z, activation).backward(
         z, dz, weight, bias, invstd, scale, config, output_mask
     )
     # An operator returns tensors, never None: gradients not asked for come back empty.

@@ -72,7 +72,8 @@ class InPlaceABNSyncFunction(torch.autograd.Function):
         config: LayerConfig,
         group: Any,
     ) -> Tensor:
-        kernels = backend_for(x)  # before the all-gather or any write: every rank raises alike
+        # before the all-gather or any write: every rank raises alike
+        kernels = backend_for(x, config.activation)
         moments = local_moments(x)
         gathered = [torch.empty_like(moments) for _ in range(dist.get_world_size(group))]
         dist.all_gather(gathered, moments, group=group)

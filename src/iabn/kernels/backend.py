@@ -2,7 +2,9 @@ r"""The contract every kernel backend keeps: nine functions, no autograd, no com
 
 A backend is a module (:mod:`.reference`, :mod:`.triton_backend`) that :func:`.backends.backend_for`
 returns and the layers' ``Function``\ s call without knowing which one it is. A backend may leave
-a function to the reference backend (:func:`from_reference`, named in its own source).
+a function to the reference backend (:func:`from_reference`, named in its own source), and an
+activation: one that runs only some names them in ``KNOWN_ACTIVATIONS``, and ``backend_for``
+gives the reference for the others.
 
 The batch-norm family: the single-process layer calls
 ``forward_`` and ``backward``; the synchronised layer calls ``forward_`` with the statistics

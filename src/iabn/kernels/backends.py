@@ -87,9 +87,11 @@ _PARSED: dict[bytes | str | None, str] = {}
 _ENV_KEY = os.environ.encodekey(ENV) if hasattr(os.environ, "encodekey") else ENV
 
 
-def backend_for(x: Tensor) -> KernelBackend:
+def backend_for(x: Tensor, activation: str | None = None) -> KernelBackend:
     """The kernel module that runs a layer on ``x``: its forward and backward, and the two
-    halves of the synchronised layer's backward (:class:`.backend.KernelBackend`)."""
+    halves of the synchronised layer's backward (:class:`.backend.KernelBackend`). A backend
+    that runs only some activations names them (``KNOWN_ACTIVATIONS``); for another
+    ``activation`` the reference runs the layer."""
     if requested_backend() != "triton":
         return reference  # type: ignore[return-value]
     if not has_triton():
@@ -103,16 +105,19 @@ def backend_for(x: Tensor) -> KernelBackend:
             f"kernels on CPU set TRITON_INTERPRET=1 before starting Python (slow, for tests), "
             f"or set {ENV}=reference"
         )
-    return _triton_backend()
+    backend = _triton_backend()
+    if activation is not None and activation not in backend.KNOWN_ACTIVATIONS:
+        return reference  # type: ignore[return-value]
+    return backend
 
 
-def backend_or_reference(x: Tensor) -> KernelBackend:
+def backend_or_reference(x: Tensor, activation: str | None = None) -> KernelBackend:
     """:func:`backend_for`, or the reference while compiling: its ATen operations, which the
     compiler traces and fuses (the norms' and activations' ``Function``\\ s are traced as they
     are)."""
     if torch.compiler.is_compiling():
         return reference  # type: ignore[return-value]
-    return backend_for(x)
+    return backend_for(x, activation)
 
 
 @contextmanager

@@ -45,6 +45,9 @@ from .common import (
 
 #: Activation name -> its code in the kernels (the registry's, for those the kernels run).
 _ACTIVATION_CODES = {name: a.code for name, a in act.ACTIVATIONS.items() if a.code is not None}
+#: The activations these kernels run (a registry record with a code); the reference runs the
+#: others (:func:`.backends.backend_for`).
+KNOWN_ACTIVATIONS = frozenset(_ACTIVATION_CODES)
 
 #: Chebyshev coefficients of ``(1 + 2t) exp(t^2) erfc(t)`` in ``s = (t - K) / (t + K)``,
 #: ``K = 3.75`` (:func:`.triton_kernels._erfcx`): interpolation at 25 Chebyshev nodes of the
