@@ -74,7 +74,9 @@ def test_kinds_and_codes():
     the activations with a minimum are those that need a branch bit."""
     codes = [a.code for a in act.ACTIVATIONS.values() if a.code is not None]
     assert len(codes) == len(set(codes))
-    assert set(act.IN_PLACE_ACTIVATIONS) == {n for n, a in act.ACTIVATIONS.items()
+    # the kernels run in-place activations only; one without a code (softplus) is left to
+    # the reference by the Triton backend (backends.backend_for)
+    assert set(act.IN_PLACE_ACTIVATIONS) >= {n for n, a in act.ACTIVATIONS.items()
                                              if a.code is not None}
     source = (Path(act.__file__).parent / "triton_kernels.py").read_text()
     for name, record in act.ACTIVATIONS.items():

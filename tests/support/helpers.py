@@ -73,7 +73,7 @@ BRANCH = activation_names(branch=True)
 WITH_PARAMETER = activation_names(with_parameter=True)
 #: The parameter values the tests use, by the torch keyword that names them (not torch's
 #: defaults, which a bug ignoring the value would still pass with).
-PARAMETER_VALUES = {"negative_slope": 0.1, "alpha": 0.7}
+PARAMETER_VALUES = {"negative_slope": 0.1, "alpha": 0.7, "beta": 1.5}
 
 
 def param_for(name: str) -> float:

@@ -5,7 +5,7 @@ tests and ``iabn.convert`` know about an activation is read from :data:`ACTIVATI
 An in-place layer stores only its output ``z = phi(y)``; backward recovers ``y`` from it. An
 activation is one of three kinds:
 
-invertible (``leaky_relu``, ``elu``, ``identity``)
+invertible (``leaky_relu``, ``elu``, ``identity``, ``softplus``)
     ``y = phi^-1(z)`` and ``dy = phi'(y) dz`` from ``z`` alone (:attr:`Activation.invert`,
     :attr:`Activation.grad_from_output`), on PyTorch's own vectorised kernels (``leaky_relu``,
     ``elu`` and their ``*_backward`` ops evaluated from the output), never per-element Python.
@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 
 LEAKY_RELU = "leaky_relu"
 ELU = "elu"
@@ -45,6 +46,7 @@ SILU = "silu"
 GELU = "gelu"
 GELU_TANH = "gelu_tanh"
 MISH = "mish"
+SOFTPLUS = "softplus"
 
 
 # ------------------------------------------------------------------ the record
@@ -358,6 +360,72 @@ def _branch(value, derivative, log_tail, log_tail_derivative, apply_, y_star, z_
                    log_tail, log_tail_derivative, apply_)
 
 
+# ------------------------------------------------------------------ softplus
+
+#: ``nn.Softplus``'s default ``threshold``: above ``beta * x > threshold`` it returns ``x``. The
+#: batch-norm and group-norm layers take ``beta`` as their parameter and compute with this
+#: threshold (a module with another one is not recognised as this record); the layer without a
+#: norm, :class:`iabn.InPlaceSoftplus`, takes both: its parameter is the pair.
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def _softplus_options(param) -> tuple[float, float]:
+    """``(beta, threshold)`` from the parameter: ``beta`` alone (the norm layers), or the
+    pair (the layer without a norm)."""
+    if isinstance(param, tuple):
+        return float(param[0]), float(param[1])
+    return float(param), SOFTPLUS_THRESHOLD
+
+
+def _softplus(x: Tensor, param) -> Tensor:
+    beta, threshold = _softplus_options(param)
+    return F.softplus(x, beta, threshold)
+
+
+def _softplus_(x: Tensor, param) -> Tensor:
+    # ATen's softplus kernel writing its input (an elementwise out= may alias it); where
+    # autograd or a torch.func transform records x, a new tensor (softplus has no in-place
+    # op, its backward reads its input, and out= takes no forward-mode derivative)
+    beta, threshold = _softplus_options(param)
+    if ((x.requires_grad and torch.is_grad_enabled()) or _is_wrapped(x)
+            or forward_ad._current_level >= 0):
+        return F.softplus(x, beta, threshold)
+    return torch._C._nn.softplus(x, beta, threshold, out=x)
+
+
+_is_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _softplus_slope(z: Tensor, beta: float) -> Tensor:
+    """``sigmoid(beta y) = 1 - exp(-beta z)`` from the output ``z = softplus(y)``."""
+    return torch.expm1(z * -beta).neg_()
+
+
+def _softplus_branch(z: Tensor, beta: float, threshold: float) -> tuple[Tensor, Tensor]:
+    """``(y, linear)``: the input below the threshold whose softplus is ``z``,
+    ``z + log(1 - exp(-beta z)) / beta``, and where there is none (``beta y > threshold``: the
+    output came from the linear part, ``y = z``). Just above ``threshold / beta`` both parts
+    give the same outputs (softplus is continuous to ``exp(-threshold)`` only); there the part
+    below is taken, off by at most ``log1p(exp(-threshold)) / beta`` in ``y`` and
+    ``exp(-threshold)`` in the slope for an input of the linear part (2.1e-9 at torch's
+    default 20). An output that underflowed to 0 (``y`` below about -103 / beta in float32) is
+    taken as the smallest normal number: ``y`` is then finite and its slope about 0."""
+    clamped = z.clamp(min=torch.finfo(z.dtype).tiny)
+    y = torch.log(_softplus_slope(clamped, beta)).div_(beta).add_(clamped)
+    return y, y * beta > threshold
+
+
+def _invert_softplus(z: Tensor, param, out: Tensor | None = None) -> Tensor:
+    y, linear = _softplus_branch(z, *_softplus_options(param))
+    return torch.where(linear, z, y)
+
+
+def _grad_softplus(dz: Tensor, z: Tensor, param, out: Tensor | None = None) -> Tensor:
+    beta, threshold = _softplus_options(param)
+    _, linear = _softplus_branch(z, beta, threshold)
+    return torch.where(linear, dz, _softplus_slope(z, beta).mul_(dz))
+
+
 # ------------------------------------------------------------------ the registry
 
 _NONE = (("approximate", "none"),)
@@ -472,6 +540,19 @@ ACTIVATIONS: dict[str, Activation] = {a.name: a for a in (
         ),
         forms=TorchForms(modules=(ModuleForm(nn.Mish),),
                          functions=(FunctionForm(F.mish, "F.mish"),)),
+    ),
+    Activation(
+        SOFTPLUS, None, Parameter("beta", "beta", "beta", 1.0), True,
+        apply_=_softplus_, apply=_softplus,
+        make_module=lambda p, inplace: nn.Softplus(*_softplus_options(p)),
+        invert=_invert_softplus, grad_from_output=_grad_softplus,
+        # dy = dz * (1 - exp(-beta z)) cancels for small z in half precision
+        half_in_float32=True,
+        forms=TorchForms(
+            modules=(ModuleForm(nn.Softplus, lambda m: m.threshold == SOFTPLUS_THRESHOLD),),
+            functions=(FunctionForm(F.softplus, "F.softplus",
+                                    (("threshold", SOFTPLUS_THRESHOLD),)),),
+        ),
     ),
 )}
 

@@ -1,5 +1,6 @@
 """In-place activation layers without a norm: :class:`InPlaceGELU`, :class:`InPlaceSiLU`,
-:class:`InPlaceMish` (docs/design.md, "In-place activations without a norm"), their checks,
+:class:`InPlaceMish`, :class:`InPlaceSoftplus` (docs/design.md, "In-place activations without
+a norm"), their checks,
 and :func:`activation_layer`, the layer of a recognised ``torch.nn`` activation module.
 
 ``z = phi(x)`` is computed by PyTorch's own function (``F.gelu``, ``F.silu``, ``F.mish``: the
@@ -18,13 +19,22 @@ backward is refused. The functional forms are in :mod:`iabn.functional`.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..autograd.activation import activation_call
-from ..kernels.activations import ACTIVATIONS, GELU, GELU_TANH, MISH, SILU, module_activation
+from ..kernels.activations import (
+    ACTIVATIONS,
+    GELU,
+    GELU_TANH,
+    MISH,
+    SILU,
+    SOFTPLUS,
+    module_activation,
+)
 from .checks import SUPPORTED_DTYPES, check_writable
 from .options import OverwriteInputOption, check_overwrite_input
 
@@ -181,6 +191,48 @@ class InPlaceMish(_InPlaceActivation, nn.Mish):
         return self._overwrite_repr()
 
 
+class InPlaceSoftplus(_InPlaceActivation, nn.Softplus):
+    """``nn.Softplus`` that keeps only its output for backward: softplus is monotone, so its
+    input is recovered from its output alone (no branch bit), ``y = z + log(1 - exp(-beta z))
+    / beta`` below the threshold.
+
+    Args:
+        beta, threshold: as ``nn.Softplus``: ``beta`` a finite number > 0, ``threshold`` a
+            finite number >= 20 (torch's default). Softplus is continuous at the threshold to
+            ``exp(-threshold)`` only, so just above it two inputs give one output; the layer
+            takes the one below, off by at most ``exp(-threshold)`` in the slope (2.1e-9 at
+            20), which a lower threshold would make larger.
+        overwrite_input: as :class:`InPlaceGELU`.
+    """
+
+    def __init__(self, beta: float = 1.0, threshold: float = 20.0, *,
+                 overwrite_input: bool = True) -> None:
+        for name, value, low, rule in (
+            ("beta", beta, 0.0, "a finite number > 0, e.g. 1.0"),
+            ("threshold", threshold, 20.0, "a finite number >= 20 (torch's default 20; the "
+             "layer recovers the input from the output, exact to exp(-threshold) there)"),
+        ):
+            if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                    or not math.isfinite(value) or value < low or value == low == 0.0):
+                raise ValueError(f"{name}={value!r}: must be {rule}")
+        check_overwrite_input(overwrite_input)
+        super().__init__(beta, threshold)
+        self.overwrite_input = overwrite_input
+
+    def _activation(self) -> str:
+        return SOFTPLUS
+
+    def _activation_param(self) -> Any:
+        return (float(self.beta), float(self.threshold))
+
+    @classmethod
+    def like(cls, module: nn.Module, *, overwrite_input: bool) -> nn.Module:
+        return cls(module.beta, module.threshold, overwrite_input=overwrite_input)
+
+    def extra_repr(self) -> str:
+        return ", ".join(filter(None, (super().extra_repr(), self._overwrite_repr())))
+
+
 # ------------------------------------------------------------------ from the registry
 
 
@@ -237,6 +289,7 @@ __all__ = [
     "InPlaceGELU",
     "InPlaceMish",
     "InPlaceSiLU",
+    "InPlaceSoftplus",
     "activation_layer",
     "has_activation_layer",
     "standalone_activations",
