@@ -27,8 +27,9 @@ from .autograd.row_norm import row_norm_call
 from .distributed.function import inplace_abn_sync
 from .kernels.common import LAYER_NORM, RMS_NORM, RowConfig
 from .layers.activation import check_activation_input, gelu_activation, standalone_activations
+from .layers.checks import check_overwrite_input
 from .layers.layer_norm import as_shape, check_norm_inputs
-from .layers.options import check_flag, check_overwrite_input, checked_call
+from .layers.options import check_flag, checked_call
 
 
 def inplace_abn(

@@ -343,7 +343,7 @@ def test_backward_memory_is_bounded(activation, dtype, extra, training, monkeypa
     activations (in the input's dtype; float32: y, dy and dx as the leaky_relu layer) more
     than BatchNorm + the activation's, counting every allocation (iabn.measure.traffic); half inputs
     make no float32 tensor of the activation's size."""
-    from iabn.kernels import parts
+    from iabn.kernels import common as parts
     from iabn.measure import traffic
 
     monkeypatch.setattr(parts, "MIN_PIECE", 1)  # slices at this small shape

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.kernels import parts as kernels_parts
+from iabn.kernels import common as kernels_parts
 from iabn.measure import traffic
 from iabn.memory import saved_tensor_bytes
 

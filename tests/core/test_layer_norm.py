@@ -14,7 +14,7 @@ from torch import nn
 
 import iabn
 import iabn.kernels.row_norm as layer_norm
-from iabn.kernels import parts as kernels_parts
+from iabn.kernels import common as kernels_parts
 from iabn.memory import saved_tensor_bytes
 
 #: float64: every output and gradient's largest error relative to the largest reference value

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.kernels import parts as cutting
+from iabn.kernels import common as cutting
 from iabn.kernels.backends import use_backend
 from iabn.measure import traffic
 

@@ -251,8 +251,8 @@ def half_inputs_in_pieces(rank: int, world: int) -> None:
     """bfloat16 and float16 inputs (float32 parameters, as under autocast): the input
     gradient within twice PyTorch's own error of a float64 reference on the whole batch, and
     a backward that makes no float32 tensor of a whole rank's activation (it works on float32
-    slices: kernels/parts.pieces)."""
-    from iabn.kernels import parts
+    slices: kernels/common.pieces)."""
+    from iabn.kernels import common as parts
     from iabn.measure import traffic
 
     parts.MIN_PIECE = 1  # slices at this tiny size (a process of its own)
@@ -413,7 +413,7 @@ def branch_half_inputs(rank: int, world: int) -> None:
     largest value (measured: at most 1.0x that larger error). The backward makes no float32
     tensor of a whole rank's activation (Newton on float32 slices) and holds at most one
     activation in bfloat16 more than nn.BatchNorm2d + the activation on the rank's batch."""
-    from iabn.kernels import parts
+    from iabn.kernels import common as parts
     from iabn.measure import traffic
     from test_branch_activation import exact_from_output
 

@@ -26,7 +26,7 @@ from .groups import group_to_sync
 class _Synchronised:
     """What :class:`InPlaceABNSync` and :class:`ABNSync` share: in training with a multi-rank
     group, :meth:`_synchronised_step` on the tensor ``_to_overwrite`` gives (the input, or a
-    copy: :class:`iabn.layers.options.OverwriteInputOption`'s for :class:`InPlaceABNSync`,
+    copy: :class:`iabn.layers.checks.OverwriteInputOption`'s for :class:`InPlaceABNSync`,
     :class:`ABNSync`'s own); otherwise the local layer's own ``forward``."""
 
     group: Any

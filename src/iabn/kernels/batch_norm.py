@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import activations as act
 from . import branch, scratch
-from . import parts as cutting
+from . import common as cutting
 from .common import (
     BATCH_NORM_BACKWARD,
     LOW_PRECISION,
@@ -39,10 +39,10 @@ from .common import (
     empty_invstd,
     finish_grads,
     is_dense_format,
+    pieces,
     running_invstd,
     stat_dtype,
 )
-from .parts import pieces
 
 
 def full_dtype(dtype: torch.dtype, activation: str, variant: int) -> torch.dtype:

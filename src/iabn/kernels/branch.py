@@ -39,9 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import activations as act
-from . import parts as cutting
-from .common import compute_dtype
-from .parts import at_most, part_count
+from . import common as cutting
+from .common import at_most, compute_dtype, part_count
 
 #: Newton steps per compute dtype (float32 also for half inputs); measured, see above.
 ITERATIONS = {torch.float32: 4, torch.float64: 5}

@@ -34,8 +34,14 @@ import torch
 from torch import Tensor
 
 from . import activations as act
-from .common import LOW_PRECISION, GroupConfig, effective_scale, gamma_grad
-from .parts import at_most, part_count
+from .common import (
+    LOW_PRECISION,
+    GroupConfig,
+    at_most,
+    effective_scale,
+    gamma_grad,
+    part_count,
+)
 
 _NATIVE_GROUP_NORM = torch.ops.aten.native_group_norm.default
 _NATIVE_GROUP_NORM_BACKWARD = torch.ops.aten.native_group_norm_backward.default
@@ -140,7 +146,7 @@ def _grads_in_parts(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | 
     whole samples (``N >= PIECES``) or of whole groups of one sample; ``dx`` is written part by
     part, the parameter gradients are summed over them. With fewer than ``PIECES`` (sample,
     group) pairs the parts are those pairs. (The float32 temporaries of a part, z, dz, dy, y,
-    xhat and dx, hold 6 x 4 bytes an element of it: as in :data:`.parts.PIECES`.)"""
+    xhat and dx, hold 6 x 4 bytes an element of it: as in :data:`.common.PIECES`.)"""
     n, c = z.shape[:2]
     per = c // num_groups
     count = part_count(z.numel())

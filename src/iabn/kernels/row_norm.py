@@ -48,8 +48,7 @@ import math
 import torch
 from torch import Tensor
 
-from .common import LAYER_NORM, LOW_PRECISION, RowConfig
-from .parts import at_most, part_count
+from .common import LAYER_NORM, LOW_PRECISION, RowConfig, at_most, part_count
 
 _NATIVE_LAYER_NORM = torch.ops.aten.native_layer_norm.default
 _NATIVE_LAYER_NORM_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
@@ -205,7 +204,7 @@ def _grads_in_parts(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor |
                     mask: list[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """:func:`_grads` for half inputs without a float32 tensor of the whole activation: rows
     are normalised independently, so parts of whole rows are exact (the parts of
-    :func:`.parts.part_count`); ``dx`` is written part by part, the parameter
+    :func:`.common.part_count`); ``dx`` is written part by part, the parameter
     gradients summed over them in float32."""
     m, d = y.shape
     dx = torch.empty((m, d), dtype=y.dtype, device=y.device) if mask[0] else None

@@ -35,8 +35,12 @@ from ..kernels.activations import (
     SOFTPLUS,
     module_activation,
 )
-from .checks import SUPPORTED_DTYPES, check_writable
-from .options import OverwriteInputOption, check_overwrite_input
+from .checks import (
+    SUPPORTED_DTYPES,
+    OverwriteInputOption,
+    check_overwrite_input,
+    check_writable,
+)
 
 #: ``nn.GELU``'s ``approximate`` -> the registry's record.
 GELU_FORMS = {"none": GELU, "tanh": GELU_TANH}

@@ -18,9 +18,8 @@ from torch.nn.modules.batchnorm import _NormBase
 from ..autograd.batch_norm import compute_abn, compute_inplace
 from ..kernels.activations import WITH_PARAMETER
 from ..kernels.common import SIGNED, LayerConfig
-from .checks import check_inputs, check_per_call, input_signature
+from .checks import OverwriteInputOption, check_inputs, check_per_call, input_signature
 from .options import (
-    OverwriteInputOption,
     ValidatedOptions,
     check_flag,
     check_loaded_gamma_mode,

@@ -258,3 +258,42 @@ def has_internal_overlap(t: Tensor) -> bool:
         index = torch.arange(size, dtype=torch.int64) * stride
         offsets = offsets + index.reshape((size,) + (1,) * (t.dim() - dim - 1))
     return int(torch.unique(offsets).numel()) < t.numel()
+
+
+def check_overwrite_input(value: object) -> None:
+    """The in-place layers' ``overwrite_input``: a bool, whose two meanings the message says."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"overwrite_input={value!r}: must be True (overwrite the input, the default) or "
+            f"False (write a new tensor and keep only it for backward)"
+        )
+
+
+class OverwriteInputOption:
+    """The ``overwrite_input`` option of the in-place layers (:class:`InPlaceABN`,
+    :class:`iabn.InPlaceABNSync`, :class:`iabn.InPlaceGroupNormAct`).
+
+    ``True`` (default): the layer overwrites its input and returns it. ``False`` (the
+    output-only mode): the layer leaves its input untouched and runs on a copy of it, which
+    it returns; it still keeps only that output for backward, so its input is freed as soon
+    as nothing else holds it (a residual stream read again by an addition, a tensor feeding
+    two branches), where :class:`ABN` keeps both. The copy costs one more pass over the
+    activation in forward (read and write); the input checks are those of a layer that
+    does not overwrite (a leaf that requires grad is accepted)."""
+
+    @property
+    def overwrite_input(self) -> bool:
+        # stored as the instance's _in_place, which the input checks read (the class
+        # attribute stays True: iabn.debug names the in-place layer classes by it)
+        return self.__dict__.get("_in_place", True)
+
+    @overwrite_input.setter
+    def overwrite_input(self, value: bool) -> None:
+        check_overwrite_input(value)
+        self.__dict__["_in_place"] = value
+        self.__dict__.pop("_valid_signature", None)  # the checks differ between the modes
+
+    def _to_overwrite(self, input: Tensor) -> Tensor:
+        """The tensor the layer overwrites: ``input``, or a copy of it in output-only mode."""
+        return input if self._in_place else input.clone()
+

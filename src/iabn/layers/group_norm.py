@@ -26,13 +26,13 @@ from ..kernels import activations as act
 from ..kernels.common import SIGNED, GroupConfig
 from .checks import (
     SUPPORTED_DTYPES,
+    OverwriteInputOption,
     check_channel_tensor,
     check_param_dtypes,
     check_per_call,
     check_tensor_kind,
 )
 from .options import (
-    OverwriteInputOption,
     ValidatedOptions,
     check_flag,
     check_loaded_gamma_mode,
@@ -217,7 +217,7 @@ class InPlaceGroupNormAct(OverwriteInputOption, GroupNormAct):
     the checks of :class:`iabn.InPlaceABN` (a leaf that requires grad, an inference tensor or
     one whose elements share memory is refused; ``iabn.debug.poison_overwritten`` finds later
     reads). Double backward is refused. ``overwrite_input=False`` (keyword): the output-only
-    mode of :class:`iabn.layers.options.OverwriteInputOption`, for an input that is needed again.
+    mode of :class:`iabn.layers.checks.OverwriteInputOption`, for an input that is needed again.
     """
 
     _in_place = True

@@ -25,12 +25,13 @@ from ..autograd.row_norm import row_norm_call
 from ..kernels.common import LAYER_NORM, RMS_NORM, RowConfig
 from .checks import (
     SUPPORTED_DTYPES,
+    OverwriteInputOption,
     check_param_dtypes,
     check_param_tensor,
     check_per_call,
     check_tensor_kind,
 )
-from .options import OverwriteInputOption, check_flag
+from .options import check_flag
 
 _NAMES = {LAYER_NORM: "layer normalisation", RMS_NORM: "RMS normalisation"}
 

@@ -1,7 +1,6 @@
 """What the layers' options share: their checks (at construction, on assignment to a built
 layer, and on the functionals' every call), the validation of an option assigned to a built
-layer (:class:`ValidatedOptions`), the in-place layers' ``overwrite_input``
-(:class:`OverwriteInputOption`), the note a ``gamma_mode="abs"`` layer leaves in its
+layer (:class:`ValidatedOptions`), the note a ``gamma_mode="abs"`` layer leaves in its
 ``state_dict`` (:class:`GammaModeWarning`), and the functional forms' prelude
 (:func:`checked_call`: their options, then their tensors). Messages name the argument and the
 fix.
@@ -94,15 +93,6 @@ def check_flag(name: str, value: object) -> None:
         raise TypeError(f"{name}={value!r}: must be True or False")
 
 
-def check_overwrite_input(value: object) -> None:
-    """The in-place layers' ``overwrite_input``: a bool, whose two meanings the message says."""
-    if not isinstance(value, bool):
-        raise TypeError(
-            f"overwrite_input={value!r}: must be True (overwrite the input, the default) or "
-            f"False (write a new tensor and keep only it for backward)"
-        )
-
-
 def check_num_features(num_features: int) -> None:
     """The channel count a layer is built for: a positive integer."""
     if not isinstance(num_features, numbers.Integral) or isinstance(num_features, bool):
@@ -191,35 +181,6 @@ def check_loaded_gamma_mode(gamma_mode: str, local_metadata: dict, prefix: str) 
         _warn_abs_into_signed(prefix)
 
 
-class OverwriteInputOption:
-    """The ``overwrite_input`` option of the in-place layers (:class:`InPlaceABN`,
-    :class:`iabn.InPlaceABNSync`, :class:`iabn.InPlaceGroupNormAct`).
-
-    ``True`` (default): the layer overwrites its input and returns it. ``False`` (the
-    output-only mode): the layer leaves its input untouched and runs on a copy of it, which
-    it returns; it still keeps only that output for backward, so its input is freed as soon
-    as nothing else holds it (a residual stream read again by an addition, a tensor feeding
-    two branches), where :class:`ABN` keeps both. The copy costs one more pass over the
-    activation in forward (read and write); the input checks are those of a layer that
-    does not overwrite (a leaf that requires grad is accepted)."""
-
-    @property
-    def overwrite_input(self) -> bool:
-        # stored as the instance's _in_place, which the input checks read (the class
-        # attribute stays True: iabn.debug names the in-place layer classes by it)
-        return self.__dict__.get("_in_place", True)
-
-    @overwrite_input.setter
-    def overwrite_input(self, value: bool) -> None:
-        check_overwrite_input(value)
-        self.__dict__["_in_place"] = value
-        self.__dict__.pop("_valid_signature", None)  # the checks differ between the modes
-
-    def _to_overwrite(self, input: Tensor) -> Tensor:
-        """The tensor the layer overwrites: ``input``, or a copy of it in output-only mode."""
-        return input if self._in_place else input.clone()
-
-
 # ------------------------------------------------------------------ the functionals' prelude
 
 
@@ -267,6 +228,6 @@ def checked_call(
 
 
 
-__all__ = ["GammaModeWarning", "OverwriteInputOption", "ValidatedOptions",
+__all__ = ["GammaModeWarning", "ValidatedOptions",
            "check_eps", "check_flag", "check_loaded_gamma_mode", "check_num_features",
-           "check_options", "check_overwrite_input", "checked_call", "note_gamma_mode"]
+           "check_options", "checked_call", "note_gamma_mode"]
