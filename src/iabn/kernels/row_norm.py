@@ -27,7 +27,8 @@ stored output's dtype, the rebuilt ``xhat`` of a feature is off by about
 ``u * (c * |xhat| + |b| / |w|) + s / (2 |w|)`` (``c`` <= 3 roundings of the forward and
 rebuild, ``s`` the smallest subnormal, ``finfo.tiny * eps``). So a feature is rebuilt only
 where ``|w| >= finfo(stored dtype).tiny`` and ``|b| < K * |w|`` (``K`` = :data:`BIAS_RATIO`),
-which bounds its error by ``u * (c * |xhat| + K + 1)``; for every other feature ("kept
+which bounds its error by ``u * (c * |xhat| + K + 1)``, and where its weight and bias are
+finite and its output cannot overflow (:func:`kept_index`); for every other feature ("kept
 columns") forward saves ``xhat`` itself, gathered into a ``(rows, k)`` tensor in the compute
 dtype (float32 for half inputs) with the ``(k,)`` index of those features, and backward puts
 them into the rebuilt ``xhat``. A zero weight therefore never changes anything: the forward
@@ -72,13 +73,28 @@ def resolved_eps(eps: float | None, dtype: torch.dtype) -> float:
 def kept_index(weight: Tensor | None, bias: Tensor | None, stored: torch.dtype
                ) -> Tensor | None:
     """The flat indices of the features whose ``xhat`` is kept (module docstring), or ``None``
-    where every feature is rebuilt. Reads the count on the host (``nonzero``)."""
+    where every feature is rebuilt. Reads the count on the host (``nonzero``).
+
+    Besides the near-zero weights: a weight or bias that is not finite, where ``(y - b) / w``
+    is not ``xhat`` whatever ``y`` is, and a feature whose output may overflow the stored dtype
+    (``|w| sqrt(D) + |b| >= finfo.max``: ``|xhat| <= sqrt(D)`` in a row of ``D`` values), whose
+    ``y`` may be ``inf`` (a float16 output, a weight of 1e308 in float64); PyTorch's gradients
+    are finite there."""
     if weight is None:
         return None
+    # Written as the features that are rebuilt, each condition false for a NaN, in few
+    # launches (each a kernel launch on a GPU, per layer call): w > b / K + tiny (so w >=
+    # tiny, b < K w) and w sqrt(D) + b < max (no overflow: false for an infinite w or b).
     w = weight.detach().reshape(-1).abs()
-    keep = w < torch.finfo(stored).tiny
-    if bias is not None:
-        keep |= bias.detach().reshape(-1).abs() >= BIAS_RATIO * w
+    info = torch.finfo(stored)
+    root = math.sqrt(max(w.numel(), 1))
+    if bias is None:
+        rebuilt = (w > info.tiny) & (w < info.max / root)
+    else:
+        b = bias.detach().reshape(-1).abs()
+        rebuilt = ((torch.add(b, w, alpha=-BIAS_RATIO) < -BIAS_RATIO * info.tiny)
+                   & (torch.add(b, w, alpha=root) < info.max))
+    keep = rebuilt.logical_not_()
     index = keep.nonzero().squeeze(1)
     if torch.compiler.is_compiling():
         # the count is a symbol there (an unbacked size): keep the index, maybe empty
@@ -92,8 +108,9 @@ def normalised_last(t: Tensor, channels: bool) -> Tensor:
 
 
 def _rows(v: Tensor, nd: int) -> tuple[int, int]:
-    d = math.prod(v.shape[v.dim() - nd:])
-    return (v.numel() // d if d else 0), d
+    """``(rows, D)``: the leading dimensions' count and the normalised ones' (either may be
+    0: an empty row is normalised to an empty output, as PyTorch's)."""
+    return math.prod(v.shape[:v.dim() - nd]), math.prod(v.shape[v.dim() - nd:])
 
 
 def row_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None,
