@@ -203,6 +203,7 @@ class _ZeroSlopeInPlaceABN(InPlaceABN):
             text += " (slope 0: ReLU, computed as ABN, not in place)"
         return text
 
+
 class InPlaceABNSync(distributed.InPlaceABNSync, ABN):
     """The original ``InPlaceABNSync``: :class:`InPlaceABN` with batch statistics over the
     ranks of ``group`` (``None``: the default group), positional as in the original."""
