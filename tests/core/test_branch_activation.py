@@ -555,7 +555,7 @@ def _grads(model, x):
 def test_convert_lossless_takes_silu_and_exact_gelu(functional):
     """BN + SiLU, BN + GELU (exact) and BN + GELU(approximate="tanh") (the gelu_tanh
     record), as modules and as functions, go in place with them; outputs equal
-    the original's (float64: SiLU bit for bit, GELU to 1e-15, its erfc form), gradients
+    the original's (float64: SiLU bit for bit, GELU to 3.4e-15, its erfc form), gradients
     within 1e-10 of the largest (measured 1e-13; the converter's verification reports the
     output differences; some gradients are mathematically zero, a norm's bias before another
     norm, so the scale is the model's largest gradient); each layer keeps z, its bits and two
@@ -575,7 +575,10 @@ def test_convert_lossless_takes_silu_and_exact_gelu(functional):
     assert [r.decision for r in report.rows] == ["InPlaceABN"] * 3
     layers = [m for m in converted.modules() if isinstance(m, iabn.InPlaceABN)]
     assert [m.activation for m in layers] == ["silu", "gelu", "gelu_tanh"]
-    assert report.max_difference_train <= 1e-15 and report.max_difference_eval <= 1e-15
+    # float64 GELU differs from torch's by the vector code path's rounding: at most 2.2e-15
+    # over 6 seeds of both forms under ATEN_CPU_CAPABILITY=avx512 and default (8.9e-16 under
+    # avx512 alone, 1.3e-15 here under default, where 1e-15 failed); asserted at 1.5x
+    assert report.max_difference_train <= 3.4e-15 and report.max_difference_eval <= 3.4e-15
     numel, channels = 2 * 4 * 8 * 8, 4
     for row in report.rows[:2]:
         # before: the norm's input, its output (the activation's input), mean and invstd;
@@ -587,7 +590,7 @@ def test_convert_lossless_takes_silu_and_exact_gelu(functional):
         got = _grads(converted.train(training), x)
         want = _grads(model.train(training), x)
         scale = max(w.abs().max().item() for w in want[1:])
-        torch.testing.assert_close(got[0], want[0], rtol=0, atol=1e-15)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=3.4e-15)  # (as above)
         for g, w in zip(got[1:], want[1:], strict=True):
             assert (g - w).abs().max() <= 1e-10 * scale
 
@@ -607,7 +610,10 @@ def test_convert_takes_silu_into_the_synchronised_layer_not_group_norm():
     assert "branch bit" in report.rows[2].reason
     assert [converted[i].activation for i in (1, 4, 7)] == ["silu", "gelu", "silu"]
     assert type(converted[7]) is iabn.GroupNormAct
-    assert report.max_difference_train <= 1e-15 and report.max_difference_eval <= 1e-15
+    # float64 GELU differs from torch's by the vector code path's rounding: at most 2.2e-15
+    # over 6 seeds of both forms under ATEN_CPU_CAPABILITY=avx512 and default (8.9e-16 under
+    # avx512 alone, 1.3e-15 here under default, where 1e-15 failed); asserted at 1.5x
+    assert report.max_difference_train <= 3.4e-15 and report.max_difference_eval <= 3.4e-15
 
 
 def test_efficientnet_b0_activation_bytes():

@@ -578,3 +578,120 @@ def test_zero_slope_decoder_block_through_the_opt_in(opted_in, zero_slope_unwarn
     sign = torch.where(block[1].weight.detach() < 0, -1.0, 1.0).to(torch.float64)
     torch.testing.assert_close(block[1].weight.grad, sign * reference[1].weight.grad, rtol=0,
                                atol=0)
+
+
+def test_zero_slope_layer_reports_the_activation_it_was_given(zero_slope_unwarned):
+    """The original kept what the caller gave: code that exports a layer back to BatchNorm +
+    activation reads ``activation``/``activation_param`` and must take the leaky_relu branch
+    with slope 0 (ReLU's values), as for the original's layer."""
+    with pytest.warns(compat.abn.ZeroSlopeWarning):
+        layer = compat.InPlaceABN(4, 1e-5, 0.1, True, True, "leaky_relu", 0.0)
+    assert (layer.activation, layer.activation_param) == ("leaky_relu", 0.0)
+    assert "activation=leaky_relu, activation_param=0.0" in repr(layer)
+    plain = compat.InPlaceABN(4)
+    assert list(layer.state_dict()) == list(plain.state_dict())
+
+    def exported(abn_layer):  # an exporter written against the original package
+        act = {"relu": lambda: nn.ReLU(),
+               "leaky_relu": lambda: nn.LeakyReLU(abn_layer.activation_param),
+               "elu": lambda: nn.ELU(abn_layer.activation_param)}[abn_layer.activation]()
+        bn = nn.BatchNorm2d(abn_layer.num_features).double()
+        with torch.no_grad():
+            bn.weight.copy_(abn_layer.weight.abs() + abn_layer.eps)
+            bn.bias.copy_(abn_layer.bias)
+        return nn.Sequential(bn, act)
+
+    layer = layer.double()
+    export = exported(layer)
+    assert isinstance(export[1], nn.LeakyReLU) and export[1].negative_slope == 0.0
+    x = torch.randn(3, 4, 5, 5, dtype=torch.float64)
+    torch.testing.assert_close(layer(x * 1), export(x), rtol=0, atol=0)
+    # an option assigned later is checked as given, and the layer computes what it says
+    layer.activation_param = 0.3
+    assert layer.activation_param == 0.3
+    torch.testing.assert_close(layer(x * 1), exported(layer)(x), rtol=0, atol=0)
+    layer.activation_param = 0.0
+    torch.testing.assert_close(layer(x * 1), export(x), rtol=0, atol=0)
+
+
+def _decoder_gradients(norm, c=6):
+    """conv -> ``norm`` -> nn.ReLU(inplace=True) (a decoder as segmentation code writes it),
+    and the same with nn.BatchNorm2d + nn.ReLU: output and all gradients, float64."""
+    torch.manual_seed(0)
+    ours = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), norm,
+                         nn.ReLU(inplace=True), nn.Conv2d(c, 2, 1)).double()
+    theirs = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
+                           nn.ReLU(), nn.Conv2d(c, 2, 1)).double()  # relu(relu(y)) = relu(y)
+    with torch.no_grad():
+        ours[1].weight.uniform_(0.5, 1.5)  # positive: |w| + eps and w + eps agree in sign
+        ours[1].bias.normal_()
+    state = ours.state_dict()
+    if norm.gamma_mode == "abs":  # the original's in-place scale
+        state["1.weight"] = state["1.weight"].abs() + norm.eps
+    theirs.load_state_dict(state)
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    dy = torch.randn(2, 2, 7, 7, dtype=torch.float64)
+    results = []
+    for model in (ours, theirs):
+        norm_layer, last = model[1], model[3]
+        out = model(x)
+        grads = torch.autograd.grad(out, [model[0].weight, norm_layer.weight, norm_layer.bias,
+                                          last.weight], dy)
+        results.append([out.detach(), *grads, norm_layer.running_mean.clone(),
+                        norm_layer.running_var.clone()])
+    return results
+
+
+def test_zero_slope_layer_then_an_in_place_relu_trains_as_batchnorm_relu(zero_slope_unwarned):
+    """A decoder that applies nn.ReLU(inplace=True) after InPlaceABN(C, "leaky_relu", 0.0):
+    the original raised at backward there (ReLU's backward read the output the next ReLU
+    overwrote); this layer keeps a mask instead, so the decoder trains, with the gradients of
+    nn.BatchNorm2d + nn.ReLU to the last bit."""
+    with pytest.warns(compat.abn.ZeroSlopeWarning):
+        norm = compat.InPlaceABN(6, activation="leaky_relu", activation_param=0.0)
+    ours, theirs = _decoder_gradients(norm)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_compat_abn_relu_then_an_in_place_relu_trains_as_batchnorm_relu():
+    """The original's ABN ran F.relu(x, inplace=True), whose backward reads its output: an
+    nn.ReLU(inplace=True) after it raised at backward. compat.ABN with relu keeps a mask."""
+    ours, theirs = _decoder_gradients(compat.ABN(6, activation="relu"))
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_zero_slope_functional_then_an_in_place_relu(zero_slope_unwarned):
+    c, eps = 5, 1e-5
+    w, b, rm, rv = _params(c)
+    ours_w, ours_b = w.clone().requires_grad_(), b.clone().requires_grad_()
+    rw, rb = w.clone().requires_grad_(), b.clone().requires_grad_()
+    x = torch.randn(4, c, 3, 3, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn_like(x)
+    with pytest.warns(compat.abn.ZeroSlopeWarning):
+        out = F.relu(functions.inplace_abn(x * 1, ours_w, ours_b, rm.clone(), rv.clone(), True,
+                                           0.1, eps, "leaky_relu", 0.0), inplace=True)
+    ref = F.relu(_reference(x, rw, rb, rm.clone(), rv.clone(), True, 0.1, eps, "relu", 0.0,
+                            True))
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for ours, theirs in zip(_grads(out, (x, ours_w, ours_b), dy), _grads(ref, (x, rw, rb), dy),
+                            strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_relu_keeps_a_mask_not_its_output(zero_slope_unwarned):
+    """What the slope-0 layer and compat.ABN with relu keep for backward: their input (batch
+    norm's) and one bool mask, never the tensor they return."""
+    with pytest.warns(compat.abn.ZeroSlopeWarning):
+        zero_slope = compat.InPlaceABN(4, activation_param=0.0)
+    for layer in (zero_slope, compat.ABN(4, activation="relu")):
+        kept = []
+        x = torch.randn(2, 4, 3, 3, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, kept=kept: kept.append(t) or t,
+                                                      lambda t: t):
+            out = layer(x * 1)
+        big = [t for t in kept if t.numel() == out.numel()]
+        assert sorted(str(t.dtype) for t in big) == ["torch.bool", "torch.float32"], big
+        assert all(t.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+                   for t in kept)

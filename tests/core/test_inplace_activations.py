@@ -2,9 +2,9 @@
 the output plus one packed branch bit per element.
 
 References are PyTorch's own modules (``nn.GELU()``, ``nn.GELU(approximate="tanh")``,
-``nn.SiLU()``, ``nn.Mish()``) in float64, and for the low-precision bounds PyTorch's own error
-in that dtype and an exact float64 inversion of the stored output by bisection on torch's
-module (not iabn code).
+``nn.SiLU()``, ``nn.Mish()``) in float64, and for the low-precision bounds an exact float64
+inversion of the stored output by bisection on torch's module (not iabn code), which does not
+move with the CPU's vector code path as PyTorch's own low-precision error does.
 """
 
 import math
@@ -134,38 +134,52 @@ def _grad_from_stored_output(z, x, dz, name):
     return slope * dz.double()
 
 
-#: Measured largest input-gradient error over the 4 seeds below, as a multiple of PyTorch's
-#: own error in that dtype (both against float64; values randn * 3 with elements at and near
-#: y* and down to -30). All elements / elements farther than 0.05 from y*:
-#:   float32:  gelu 80 / 19, gelu_tanh 37 / 2.2, silu 112 / 1.1, mish 54 / 1.0
-#:   bfloat16: gelu 4.6 / 2.9, gelu_tanh 3.3 / 3.2, silu 4.8 / 4.3, mish 3.9 / 3.9
-#:   float16:  gelu 15 / 2.9, gelu_tanh 13 / 3.1, silu 9.9 / 4.2, mish 19 / 8.0
-#: Near y* the inverse is ill-conditioned (a rounding of z moves y by sqrt(2 dz / c)); far
-#: from it float32 GELU's 19x is its left tail, where torch's own F.gelu rounds
-#: 1 + erf(y / sqrt 2) to steps of 6e-8: its stored output itself is that coarse.
-#: Asserted: these with headroom (1.5x), and within 3x of the larger of PyTorch's error and
-#: that of the exact float64 inversion of the stored output (measured 1.0x, float32 Mish
-#: 2.2x: its float32 inversion is at most 3.7e-7 relative, iabn.kernels.branch).
-RATIO = {
-    torch.float32: {"gelu": (120, 28), "gelu_tanh": (56, 3.3), "silu": (170, 1.7),
-                    "mish": (81, 1.5)},
-    torch.bfloat16: {"gelu": (7, 4.4), "gelu_tanh": (5, 4.8), "silu": (7.2, 6.4),
-                     "mish": (5.9, 5.9)},
-    torch.float16: {"gelu": (23, 4.4), "gelu_tanh": (20, 4.7), "silu": (15, 6.3),
-                    "mish": (29, 12)},
+#: The largest input-gradient error over the 4 seeds below (values randn * 3 with elements at
+#: and near y* and down to -30; against float64), as a multiple of that of the exact float64
+#: inversion of the stored output (:func:`_grad_from_stored_output`: what any method keeping
+#: only the output and the branch can reach). Both come from the same stored output, so the
+#: multiple does not move with the CPU's vector code path, where PyTorch's own error does.
+#: Measured under ATEN_CPU_CAPABILITY=avx512 (this AVX-512 machine's own path), avx2 and
+#: default, the largest of the three; all elements / elements farther than 0.05 from y*:
+#:   float32:  gelu 1.003 / 1.004, gelu_tanh 1.000 / 1.044, silu 1.000 / 1.697,
+#:             mish 2.188 / 1.400 (avx512 and avx2; default 1.020 / 1.315)
+#:   bfloat16: gelu 1.000 / 1.000, gelu_tanh 1.002 / 1.008, silu 1.003 / 1.002,
+#:             mish 1.052 / 1.000
+#:   float16:  gelu 1.000 / 1.008, gelu_tanh 1.000 / 1.002, silu 1.000 / 1.001,
+#:             mish 1.000 / 1.001
+#: Near y* the inverse is ill-conditioned (a rounding of z moves y by sqrt(2 dz / c)), and
+#: the stored output's rounding sets both errors there; float32 Mish's 2.2x is its float32
+#: inversion (at most 3.7e-7 relative, iabn.kernels.branch). Asserted: 1.5x the largest
+#: measured multiple, rounded up (float32 Mish 3.3 / 2.1, SiLU far 2.6, the rest 1.6).
+#: For the record, PyTorch's own float32 error moves with the path: ours over it was gelu 80
+#: / 19, gelu_tanh 37 / 1.0, silu 112 / 1.1, mish 54 / 1.0 under avx512 and avx2 here,
+#: gelu_tanh 66 and mish 160 under default, and gelu 644 on an AMD EPYC with AVX2 alone
+#: (bounded at 120 then, which failed there); it is not asserted.
+RATIO_TO_STORED = {
+    torch.float32: {"gelu": (1.6, 1.6), "gelu_tanh": (1.6, 1.6), "silu": (1.6, 2.6),
+                    "mish": (3.3, 2.1)},
+    torch.bfloat16: {"gelu": (1.6, 1.6), "gelu_tanh": (1.6, 1.6), "silu": (1.6, 1.6),
+                     "mish": (1.6, 1.6)},
+    torch.float16: {"gelu": (1.6, 1.6), "gelu_tanh": (1.6, 1.6), "silu": (1.6, 1.6),
+                    "mish": (1.6, 1.6)},
 }
+#: Farther than 0.05 from y*, the largest distance of our input gradient from the exact
+#: inversion of the same stored output, in units of the dtype's eps x max |dz| (measured,
+#: largest over the three paths above: float32 silu 2.97 (3.54e-7 x max |dz|), bfloat16
+#: gelu_tanh 0.42, float16 gelu 0.45): an absolute bound, asserted at 1.5x (4.5, 0.65, 0.67).
+FAR_FROM_STORED_EPS = {torch.float32: 4.5, torch.bfloat16: 0.65, torch.float16: 0.67}
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_low_precision_against_torch_s_own_error(name, dtype):
+def test_low_precision_against_the_exact_inversion_of_the_stored_output(name, dtype):
     ratios = []
     for seed in range(4):
         g = torch.Generator().manual_seed(seed)
         x = (torch.randn(64, 512, generator=g) * 3).to(dtype)
         dz = torch.randn(64, 512, generator=g).to(dtype)
         out, dx = run_ours(name, x, dz)
-        theirs_out, theirs_dx = run_torch(name, x, dz)
+        theirs_out, _ = run_torch(name, x, dz)
         _, ref_dx = run_torch(name, x.double(), dz.double())
         assert out.dtype == dtype and torch.equal(out, theirs_out)
         from_z = _grad_from_stored_output(out, x, dz, name)
@@ -175,11 +189,11 @@ def test_low_precision_against_torch_s_own_error(name, dtype):
             d = (a.double() - ref_dx).abs()
             return (d if mask is None else d[mask]).max().item()
 
-        ratio = err(dx) / err(theirs_dx)
-        ratio_far = err(dx, far) / err(theirs_dx, far)
-        assert err(dx) <= 3 * max(err(theirs_dx), err(from_z)), (seed, err(dx))
-        ratios.append((ratio, ratio_far))
-    bound, bound_far = RATIO[dtype][name]
+        ratios.append((err(dx) / err(from_z), err(dx, far) / err(from_z, far)))
+        distance = (dx.double() - from_z).abs()[far].max().item()
+        eps = torch.finfo(dtype).eps * dz.double().abs().max().item()
+        assert distance <= FAR_FROM_STORED_EPS[dtype] * eps, (seed, distance / eps)
+    bound, bound_far = RATIO_TO_STORED[dtype][name]
     assert max(r[0] for r in ratios) <= bound, ratios
     assert max(r[1] for r in ratios) <= bound_far, ratios
 

@@ -259,7 +259,9 @@ def test_torchvision_resnet18_on_meta():
         planned, report = iabn.plan(model, x, budget)
         assert report.predicted == report.measured == measured(planned, x)
         assert report.measured <= budget * report.as_given
-        assert report.counts.get("recompute", 0) >= 1
+        # recomputed one way or another (which way follows the timing calibration)
+        assert sum(report.counts.get(c, 0) for c in ("recompute", "selective",
+                                                     "selective-lean")) >= 1
         assert list(planned.state_dict()) == list(model.state_dict())
         assert any("iabn.convert reads the norms' weights" in n for n in report.notes)
 
@@ -675,7 +677,8 @@ def test_hooks_of_a_recomputed_module_run_once():
     model, x = build("dense")
     planned, _ = iabn.plan(model, x, report_smallest(model, x), allow=("recompute",))
     layer = planned.layers[0]
-    assert module_plan(layer).choice == "recompute"
+    # recomputed whole or selectively, as the timing calibration decides
+    assert module_plan(layer).choice in ("recompute", "selective", "selective-lean")
     calls = []
     layer.register_forward_hook(lambda *_: calls.append("forward"))
     layer.register_forward_pre_hook(lambda *_: calls.append("pre"))
@@ -706,9 +709,11 @@ def test_report_table_and_json():
     assert [r["choice"] for r in data["rows"]] == [r.choice for r in report.rows]
     assert sum(r["saved"] for r in data["rows"]) == report.as_given - report.predicted
     assert data["speed"]["flops_per_s"] > 0
-    # recomputation costs time, keeping costs none
+    # recomputation (whole or selective, as the timing calibration decides) costs time,
+    # keeping costs none
     for row in report.rows:
-        assert (row.predicted_ms > 0) == (row.choice in ("recompute", "inplace+recompute"))
+        assert (row.predicted_ms > 0) == (row.choice in (
+            "recompute", "inplace+recompute", "selective", "selective-lean"))
 
 
 # ---------------------------------------------------------------- arguments

@@ -156,3 +156,84 @@ def test_check_line_names_the_strategies_that_disagree():
     assert not check.passed
     line = format_check(check)
     assert line.startswith("check: MISMATCH") and "iabn_II" in line
+
+
+# ---- iabn bench on a busy machine: a note naming the load average ----
+
+TINY_BENCH = ["bench", "--blocks", "1", "--channels", "2", "--size", "4", "--batch", "2",
+              "--repeats", "1", "--iters", "1", "--warmup", "0", "--threads", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def tiny_bench_result():
+    """One real run of TINY_BENCH's measurements, which the command then reports."""
+    from iabn.tools.arguments import BenchConfig
+    from iabn.tools.bench.blocks import run_bench
+
+    return run_bench(BenchConfig(batch=2, channels=2, size=4, blocks=1, repeats=1, iters=1,
+                                 warmup=0, seed=0), progress=False)
+
+
+@pytest.mark.parametrize("before, after, busy", [
+    (3.0, 3.0, True),    # another job all along: 3 > 1 free core + 0.5
+    (0.2, 4.0, True),    # one that started during the run
+    (1.5, 1.5, False),   # 1.5 is the 1 free core + 0.5: not above it
+    (0.2, 0.3, False),   # a quiet machine
+    (None, None, False),  # no load average on this platform
+])
+def test_bench_notes_a_busy_machine_naming_the_load(tmp_path, capsys, monkeypatch, before,
+                                                    after, busy, tiny_bench_result):
+    """The 1-minute load average is read before and after the run (monkeypatched here, on
+    2 cores with --threads 1: 1 core left free); above the free cores by more than 0.5 the
+    run says so on stderr, even with --quiet, and in its JSON. (The run's figures are one
+    real run's, measured once for all cases.)"""
+    import os
+
+    from iabn.tools.bench import blocks
+
+    monkeypatch.setattr(blocks, "run_bench", lambda config, progress: tiny_bench_result)
+
+    readings = iter([before, after])
+
+    def getloadavg():
+        value = next(readings)
+        if value is None:
+            raise OSError("no load average")
+        return (value, 0.0, 0.0)
+
+    monkeypatch.setattr(os, "getloadavg", getloadavg)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    path = tmp_path / "bench.json"
+    assert main([*TINY_BENCH, "--json", str(path)]) == 0
+    assert next(readings, "done") == "done"  # read twice
+    err = capsys.readouterr().err
+    load = json.loads(path.read_text())["machine_load"]
+    assert (load["load_average_1min_before"], load["load_average_1min_after"]) == (before,
+                                                                                  after)
+    assert (load["threads"], load["cores"], load["free_cores"]) == (1, 2, 1)
+    assert load["busy"] is busy
+    if not busy:
+        assert err == "" and load["note"] is None
+        return
+    assert err.count("\n") == 1 and err.startswith("iabn bench: note: the machine was busy: "
+                                                   f"1-minute load average {before:.2f} "
+                                                   f"before the run and {after:.2f} after")
+    assert "1 thread(s) on 2 core(s) leaving 1 free" in err
+    assert load["note"] in err
+
+
+def test_machine_load_takes_away_what_the_run_itself_added():
+    """After a run of T seconds, its own threads can have added threads x (1 - exp(-T/60))
+    to the load average, the rest is other work."""
+    import math
+
+    from iabn.tools.bench import LOAD_MARGIN, MachineLoad
+
+    own = 2 * (1 - math.exp(-1))  # 2 threads for 60 s: 1.26
+    alone = MachineLoad(0.1, own, 60.0, 2, 2)  # all cores used, none free
+    assert alone.own_at_most == pytest.approx(own) and alone.others == pytest.approx(0.1)
+    assert not alone.busy
+    shared = MachineLoad(0.1, own + LOAD_MARGIN + 0.01, 60.0, 2, 2)
+    assert shared.busy and "2 thread(s) on 2 core(s) leaving 0 free" in shared.note()
+    assert not MachineLoad(0.1, own + LOAD_MARGIN - 0.01, 60.0, 2, 2).busy
+    assert MachineLoad(None, None, 1.0, 1, 1).others is None

@@ -363,3 +363,107 @@ def test_a_checkpoint_holding_a_nan_is_refused_naming_the_tensor(tmp_path, capsy
     assert main(argv) == 2
     err = one_line_error(capsys, command)
     assert "last.pth holds a NaN or an infinity in" in err and name in err
+
+
+# --- a snapshot that loads but lacks a top-level entry ---
+
+
+def _without(path, key):
+    """``path``'s snapshot rewritten without ``key``, its checksum file matching."""
+    import torch
+
+    payload = torch.load(path, weights_only=True)
+    del payload[key]
+    return _with_checksum(path, payload)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The weights at the end of the toy run, trained without a stop."""
+    import torch
+
+    run = tmp_path_factory.mktemp("whole")
+    train(ToyTask(), toy_config(), TrainOptions(run))
+    return torch.load(run / "last.pth", weights_only=True)["model"]
+
+
+@pytest.mark.parametrize("key", ["optimizer", "scheduler", "model", "ranks"])
+def test_resume_from_a_snapshot_without_an_entry_falls_back_to_the_previous_one(
+        tmp_path, capsys, key, uninterrupted):
+    """last.pth lacking an entry, its checksum matching: resuming says so and continues from
+    previous.pth, as from a corrupt last.pth, and ends where an uninterrupted run does; with
+    no previous.pth the error names the entry (the engine's restore raised KeyError)."""
+    import torch
+
+    from iabn.tools.training.snapshot import SnapshotError
+
+    config = toy_config()
+    run = tmp_path / "run"
+    train(ToyTask(), config, TrainOptions(run, stop_after_steps=6))  # epoch 1 end, then step 6
+    last = _without(run / "last.pth", key)
+    capsys.readouterr()
+    assert train(ToyTask(), config, TrainOptions(run, resume=last)) == EXIT_FINISHED
+    err = capsys.readouterr().err
+    assert f"has no '{key}' entry, which resuming reads" in err and "previous.pth" in err
+    again = torch.load(last, weights_only=True)["model"]
+    assert all(torch.equal(uninterrupted[k], again[k]) for k in uninterrupted)
+    _without(last, key)
+    (run / "previous.pth").unlink()
+    with pytest.raises(SnapshotError, match=rf"last\.pth is marked as an iabn training "
+                                            rf"snapshot but has no '{key}' entry"):
+        train(ToyTask(), config, TrainOptions(run, resume=last))
+
+
+def _training_snapshot(path, **entries):
+    """A file marked as an iabn training snapshot, with a matching checksum file."""
+    from iabn.tools.training.snapshot import FORMAT, VERSION
+
+    return _with_checksum(path, {"format": FORMAT, "version": VERSION, **entries})
+
+
+def test_test_and_segment_name_a_missing_entry_in_one_line(tmp_path, capsys):
+    """The readers of a training snapshot's weights refuse one without the entry they read,
+    in one line naming the file and the entry: 'iabn test' raised KeyError there, 'iabn
+    segment' said only "error: 'model'" (exit 2)."""
+    from iabn.tools.training.config import defaults
+    from iabn.tools.training.evaluate import load_weights
+    from iabn.tools.training.segmentation import SegmentationTask
+    from iabn.tools.training.snapshot import SnapshotError
+
+    best = _training_snapshot(tmp_path / "best.pth", task="classification", config={})
+    # what 'iabn test' calls before it touches the model (its SnapshotError: exit 2)
+    with pytest.raises(SnapshotError, match=r"best\.pth is marked as an iabn training snapshot "
+                                            r"but has no 'model' entry, which evaluating its "
+                                            r"weights reads"):
+        load_weights(None, best)
+
+    seg_config = defaults(SegmentationTask().schema)
+    seg = _training_snapshot(tmp_path / "seg.pth", task="segmentation", config=seg_config)
+    argv = ["segment", str(seg), str(_one_image(tmp_path / "in")), str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert "seg.pth is marked as an iabn training snapshot but has no 'model' entry, which " \
+           "iabn segment reads" in one_line_error(capsys, "segment")
+    _training_snapshot(seg, task="classification", config={}, model={})
+    assert main(argv) == 2
+    assert "seg.pth is from an iabn 'classification' run" in one_line_error(capsys, "segment")
+
+
+@pytest.mark.slow
+def test_train_resume_and_test_commands_name_a_missing_entry_in_one_line(tmp_path, capsys):
+    """The commands themselves (exit 2, one line; ~4 s on 2 cores: each builds its data and
+    model before reading the file)."""
+    import torch
+
+    config = write_config(tmp_path / "c.json")
+    run = tmp_path / "run"
+    run.mkdir()
+    _training_snapshot(run / "last.pth", task="classification", config={}, world_size=1,
+                       model={"w": torch.ones(2)})
+    assert main(["train", str(config), "--log-dir", str(run), "--resume"]) == 2
+    err = one_line_error(capsys, "train")
+    assert "last.pth is marked as an iabn training snapshot but has no 'epoch', " in err
+    assert "'optimizer'" in err and "'ranks' entries, which resuming reads" in err
+    best = _training_snapshot(tmp_path / "best.pth", task="classification", config={})
+    assert main(["test", str(config), str(best)]) == 2
+    assert "best.pth is marked as an iabn training snapshot but has no 'model' entry, " \
+           "which evaluating its weights reads" in one_line_error(capsys, "test")

@@ -8,6 +8,7 @@ from iabn.tools.training.config import defaults
 from iabn.tools.training.rng import capture_rng_state, restore_rng_state
 from iabn.tools.training.snapshot import (
     FORMAT,
+    RESUME_KEYS,
     VERSION,
     SnapshotError,
     check_resumable,
@@ -18,8 +19,12 @@ from iabn.tools.training.snapshot import (
 
 
 def _payload(**changes):
+    """A snapshot holding every entry resuming reads (small stand-ins for the states)."""
     payload = {"format": FORMAT, "version": VERSION, "task": "classification",
-               "config": defaults(SCHEMA), "world_size": 1, "model": {"w": torch.ones(3)}}
+               "config": defaults(SCHEMA), "world_size": 1, "model": {"w": torch.ones(3)},
+               "optimizer": {"state": {}, "param_groups": []}, "scheduler": {}, "scaler": {},
+               "epoch": 1, "batches_done": 0, "global_step": 4, "best": None,
+               "ranks": [{"rng": capture_rng_state(), "train_sums": torch.zeros(2)}]}
     payload.update(changes)
     return payload
 
@@ -67,6 +72,40 @@ def test_truncated_and_foreign_files_are_reported_by_name(tmp_path):
         read_snapshot(path)
     with pytest.raises(SnapshotError, match="does not exist"):
         read_snapshot(tmp_path / "missing.pth")
+
+
+@pytest.mark.parametrize("key", RESUME_KEYS)
+def test_a_snapshot_without_an_entry_resuming_reads_is_refused_naming_it(tmp_path, key):
+    """A hand-built or foreign file with a matching checksum that lacks a top-level entry:
+    one SnapshotError naming the file and the entry (the engine's restore raised KeyError)."""
+    path = tmp_path / "best.pth"
+    payload = _payload()
+    del payload[key]
+    save_atomic(payload, path)
+    with pytest.raises(SnapshotError, match=rf"best\.pth is marked as an iabn training "
+                                            rf"snapshot but has no '{key}' entry, which "
+                                            rf"resuming reads"):
+        read_snapshot(path)
+
+
+@pytest.mark.parametrize("change, text", [
+    ({"optimizer": [1, 2]}, r"its 'optimizer' entry is a list, not a dict"),
+    ({"config": None}, r"its 'config' entry is a NoneType, not a dict"),
+    ({"world_size": 2}, r"'ranks' entry holds 1 entry, not one per rank of its "
+                        r"world_size 2"),
+    ({"ranks": {"rng": 1}}, r"'ranks' entry holds a dict, not one per rank"),
+    ({"ranks": [7]}, r"ranks\[0\] is a int, not a dict"),
+    ({"ranks": [{"rng": {}}]}, r"ranks\[0\] has no 'train_sums'"),
+    ({"ranks": [{"rng": {"torch": 1}, "train_sums": 0}]},
+     r"ranks\[0\] has no 'rng.cuda', 'rng.numpy', 'rng.python'"),
+])
+def test_a_snapshot_whose_entries_restore_cannot_read_is_refused(tmp_path, change, text):
+    path = tmp_path / "s.pth"
+    save_atomic(_payload(**change), path)
+    with pytest.raises(SnapshotError, match=text):
+        read_snapshot(path)
+    save_atomic(_payload(), path)  # the same file with every entry is read
+    assert read_snapshot(path)["global_step"] == 4
 
 
 def test_resume_refuses_other_configs_tasks_and_world_sizes():

@@ -66,7 +66,12 @@ def test_eval_transform_resizes_the_shorter_side_then_normalises_the_centre_crop
     resized = _pil_resized(full, 36, 24)  # 48x32 with shorter side 24
     raw = resized[4:20, 10:26].transpose(2, 0, 1) / 255.0
     reference = (raw - np.array(mean)[:, None, None]) / np.array(std)[:, None, None]
-    np.testing.assert_allclose(single.numpy(), reference, rtol=1e-5, atol=1e-6)
+    # torchvision's uint8 resize equals PIL's on the CPU's vector code path (measured at most
+    # 1.9e-5 of an intensity level over 8 images under ATEN_CPU_CAPABILITY=avx512 and avx2)
+    # and rounds up to 1 level differently on the scalar one (default: a quarter of the
+    # values); asserted: 1.5 levels, after normalisation
+    level = 1 / 255 / min(std)
+    np.testing.assert_allclose(single.numpy(), reference, rtol=0, atol=1.5 * level)
     with pytest.raises(ValueError, match="crop 40 is larger than scale 32"):
         EvalTransform(32, 40, False, mean, std)
 

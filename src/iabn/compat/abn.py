@@ -13,9 +13,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from torch import Tensor
+
 from .. import distributed
 from ..autograd.batch_norm import compute_abn
-from ..kernels.common import ABS, SIGNED
+from ..kernels.common import ABS, SIGNED, LayerConfig
 from ..layers import batch_norm as modules
 
 
@@ -57,6 +59,35 @@ def _activation_arguments(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     return activation, param
 
 
+def relu_keeping_mask_(y: Tensor) -> Tensor:
+    """``y <- relu(y)``, returning ``y``: ``masked_fill_`` of the elements ``<= 0``, whose
+    backward reads that bool mask (one byte an element) and not the tensor it returns.
+    ``relu_`` (the original's ``F.relu(x, inplace=True)``) keeps its result instead, so an
+    ``nn.ReLU(inplace=True)`` applied after the layer (decoders written for the original do)
+    made its backward raise ("output 0 of Relu ... modified by an inplace operation"). The
+    values and the gradient are ReLU's: ``dy = dz`` where ``y > 0``, else 0, a NaN kept as
+    ``relu`` keeps it."""
+    return y.masked_fill_(y <= 0, 0)
+
+
+def _computes_relu(config: LayerConfig) -> bool:
+    return config.activation == "relu" or is_zero_slope(config.activation,
+                                                        config.activation_param)
+
+
+def batch_norm_then_relu(input: Tensor, running_mean: Tensor | None,
+                         running_var: Tensor | None, weight: Tensor | None, bias: Tensor | None,
+                         config: LayerConfig) -> Tensor:
+    """The original's ``ABN`` computation (:func:`iabn.autograd.batch_norm.compute_abn`), with
+    ReLU (or leaky ReLU of slope 0) by :func:`relu_keeping_mask_`: the layer keeps batch
+    norm's input and a bool mask, never its output, which the caller may then overwrite."""
+    if not _computes_relu(config):
+        return compute_abn(input, running_mean, running_var, weight, bias, config)
+    y = compute_abn(input, running_mean, running_var, weight, bias,
+                    config._replace(activation="identity"))
+    return relu_keeping_mask_(y)
+
+
 class ABN(modules.ABN):
     """The original ``ABN``: ``nn.BatchNorm`` followed by ``relu``, ``leaky_relu``, ``elu`` or
     ``identity``; stores its input. Weights as ``nn.BatchNorm`` (signed).
@@ -64,7 +95,13 @@ class ABN(modules.ABN):
     As in the original, the in-place layers below are subclasses of it, so
     ``isinstance(layer, ABN)`` finds every layer of the package (the original's scripts
     initialise and exclude from weight decay by it). ``device``, ``dtype`` and ``gamma_mode``
-    are iabn's keyword-only extras."""
+    are iabn's keyword-only extras.
+
+    With ``relu`` it keeps a bool mask for backward instead of its output
+    (:func:`relu_keeping_mask_`), so an ``nn.ReLU(inplace=True)`` after it trains (the
+    original's raised at backward there)."""
+
+    _compute = staticmethod(batch_norm_then_relu)
 
     def __init__(
         self,
@@ -121,12 +158,18 @@ class InPlaceABN(modules.InPlaceABN, ABN):
 class _ZeroSlopeInPlaceABN(InPlaceABN):
     """``InPlaceABN(C, activation="leaky_relu", activation_param=0.0)`` of the original API:
     batch norm (scale ``|weight| + eps``, as the original's in-place layer) and ReLU, computed
-    out of place as :class:`iabn.ABN` does: ReLU's input cannot be recovered from its output,
-    so the layer keeps what BatchNorm + ReLU keep and leaves its input as it is."""
+    out of place as :class:`ABN` computes it: ReLU's input cannot be recovered from its
+    output, so the layer keeps batch norm's input and a bool mask of ReLU's zeros
+    (:func:`relu_keeping_mask_`), not its output, and leaves its input as it is.
+
+    ``activation`` and ``activation_param`` read ``"leaky_relu"`` and ``0.0``, what the
+    caller gave, as on the original's layer (code exporting the layer back to BatchNorm + an
+    activation reads them); another value assigned later is computed as ``ABN`` computes
+    it."""
 
     _in_place = False
     _needs_inverse = False
-    _compute = staticmethod(compute_abn)  # ABN's computation, out of place
+    _compute = staticmethod(batch_norm_then_relu)  # ABN's computation, out of place
 
     def __init__(
         self,
@@ -141,16 +184,24 @@ class _ZeroSlopeInPlaceABN(InPlaceABN):
         bias: bool = True,
     ) -> None:
         warn_zero_slope("InPlaceABN")
+        # built as ABN with relu (iabn's layers refuse a leaky_relu of slope 0), then given
+        # the caller's names, which _check_assigned takes as ReLU
         ABN.__init__(self, num_features, eps, momentum, affine, track_running_stats, "relu",
                      0.0, gamma_mode=ABS, bias=bias)
         self.variant = 2
         self.__dict__["_in_place"] = False
+        self.activation = activation
+
+    def _check_assigned(self, options: dict[str, Any], name: str) -> None:
+        if is_zero_slope(options["activation"], options["activation_param"]):
+            options = {**options, "activation": "relu"}
+        super()._check_assigned(options, name)
 
     def extra_repr(self) -> str:
-        return (f"{self.num_features}, eps={self.eps}, momentum={self.momentum}, "
-                f"affine={self.affine}, track_running_stats={self.track_running_stats}, "
-                f"activation=leaky_relu, activation_param=0.0 (ReLU: computed as ABN, not in "
-                f"place), gamma_mode={self.gamma_mode}")
+        text = modules.ABN.extra_repr(self)
+        if is_zero_slope(self.activation, self.activation_param):
+            text += " (slope 0: ReLU, computed as ABN, not in place)"
+        return text
 
 
 class InPlaceABNSync(distributed.InPlaceABNSync, ABN):

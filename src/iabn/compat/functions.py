@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import functional
 from ..kernels.common import ABS
-from .abn import is_zero_slope, warn_zero_slope
+from .abn import is_zero_slope, relu_keeping_mask_, warn_zero_slope
 
 
 # TorchScript cannot compile iabn's layer (an autograd Function with Python-side checks), so
@@ -38,12 +38,15 @@ def inplace_abn(
     """``x <- act((|weight| + eps) * xhat + bias)``; see :func:`iabn.functional.inplace_abn`.
 
     ``activation="leaky_relu", activation_param=0.0`` is ReLU, which cannot be inverted: it
-    is computed exactly as :func:`iabn.functional.abn` computes it, and returns a new tensor
-    (``x`` is kept for backward, so it is not overwritten), with one warning."""
+    is computed exactly as :func:`iabn.functional.abn` computes batch norm, then ReLU by
+    :func:`~iabn.compat.abn.relu_keeping_mask_`, and returns a new tensor (``x`` is kept for
+    backward, so it is not overwritten; so is a bool mask, not the result, which the caller
+    may overwrite), with one warning."""
     if is_zero_slope(activation, activation_param):
         warn_zero_slope("inplace_abn")
-        return functional.abn(x, running_mean, running_var, weight, bias, training, momentum,
-                              eps, "relu", 0.0, gamma_mode=ABS)
+        return relu_keeping_mask_(functional.abn(
+            x, running_mean, running_var, weight, bias, training, momentum, eps, "identity",
+            0.0, gamma_mode=ABS))
     return functional.inplace_abn(
         x, running_mean, running_var, weight, bias, training, momentum, eps, activation,
         activation_param, gamma_mode=ABS,

@@ -99,7 +99,9 @@ def _add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
             "Run the same stack of [norm -> LeakyReLU(0.01) -> conv 3x3] blocks with "
             "nn.BatchNorm2d (out-of-place and in-place activation), torch.utils.checkpoint and "
             "iabn.InPlaceABN (variants I and II) on CPU; report the activation memory autograd "
-            f"saves for backward and the median forward+backward time, relative to {BASELINE}."
+            f"saves for backward and the median forward+backward time, relative to {BASELINE}. "
+            "When the 1-minute load average, read before and after the run, shows other work on "
+            "the cores the run uses, a note on stderr (and machine_load in the JSON) says so."
         ),
         epilog="Exit status: 0 on success, 1 if the strategies' losses or input gradients "
         "disagree (the comparison would be meaningless), 2 for bad arguments (checked before "
@@ -554,7 +556,7 @@ def _bench(args: argparse.Namespace) -> int:
         json_path = _json_path(args)
     except OutputPathError as error:
         return _fail("bench", str(error))
-    from .bench import set_threads
+    from .bench import MachineLoad, load_average, set_threads
     from .bench.blocks import format_table, run_bench, to_json
 
     threads = set_threads(args.threads)
@@ -562,6 +564,7 @@ def _bench(args: argparse.Namespace) -> int:
         batch=args.batch, channels=args.channels, size=args.size, blocks=args.blocks,
         repeats=args.repeats, iters=args.iters, warmup=args.warmup, seed=args.seed,
     )
+    load_before = load_average()
     start = time.perf_counter()
     try:
         result = run_bench(config, progress=not args.quiet)
@@ -570,11 +573,17 @@ def _bench(args: argparse.Namespace) -> int:
             raise
         return _fail("bench", f"out of memory for input {args.batch}x{args.channels}x"
                      f"{args.size}x{args.size}: use a smaller --batch, --channels or --size")
+    seconds = time.perf_counter() - start
+    load = MachineLoad(load_before, load_average(), seconds, threads, os.cpu_count() or 1)
     print(format_table(result))
     # the run's own wall time: it depends on the machine and its load far more than on iabn
-    print(f"wall time {time.perf_counter() - start:.1f} s ({threads} threads)")
+    print(f"wall time {seconds:.1f} s ({threads} threads)")
+    note = load.note()
+    if note is not None:  # said even with --quiet: it qualifies every time above
+        print(f"iabn bench: note: {note}", file=sys.stderr, flush=True)
     if json_path is not None:
         report = to_json(result, args=_arguments(args))
+        report["machine_load"] = load.to_json()
         report["wall_time_s"] = round(time.perf_counter() - start, 2)
         if _write_json("bench", json_path, report):
             return 2

@@ -43,6 +43,7 @@ from ..models.checkpoints import read_checkpoint
 from .arguments import PALETTES
 from .data.label_sets import LabelSet, voc_colormap
 from .outputs import check_output_folder, write_atomic
+from .training.snapshot import FORMAT, WEIGHT_KEYS, SnapshotError, require_keys
 
 EXTENSIONS = (".png", ".jpg", ".jpeg")
 #: Input normalisation of the released Vistas model (RGB in [0, 1]).
@@ -94,6 +95,19 @@ def _is_train_seg(data: Any) -> bool:
     return isinstance(data, dict) and data.get("task") == "segmentation" and "config" in data
 
 
+def check_training_snapshot(data: Any, path: str | Path) -> None:
+    """A file marked as an iabn training snapshot (its ``format`` entry, or a ``task`` of
+    ``segmentation``) must hold what segmenting reads, ``task``, ``model`` and ``config``, and
+    be a segmentation one: :class:`SnapshotError` (a ValueError) in one line otherwise."""
+    if not isinstance(data, dict) or not (data.get("format") == FORMAT
+                                          or data.get("task") == "segmentation"):
+        return
+    require_keys(data, path, ("task", *WEIGHT_KEYS), "iabn segment", dicts=WEIGHT_KEYS)
+    if data["task"] != "segmentation":
+        raise SnapshotError(f"snapshot {path} is from an iabn {data['task']!r} run: iabn "
+                            f"segment reads the snapshots of iabn train-seg")
+
+
 def load_segmentation_model(snapshot: str | Path, depth: int = 38,
                             device: str | torch.device = "cpu",
                             data: Any = None) -> torch.nn.Module:
@@ -103,6 +117,7 @@ def load_segmentation_model(snapshot: str | Path, depth: int = 38,
     path = Path(snapshot)
     if data is None:
         data = read_snapshot(path)
+    check_training_snapshot(data, path)
     if _is_train_seg(data):
         return _train_seg_model(data, path).to(device).eval()
     state = data.get("state_dict", data) if isinstance(data, dict) else None
@@ -609,5 +624,6 @@ def _check_device(text: str) -> None:
 
 
 __all__ = ["OutputClash", "Plan", "SegmentError", "SegmentOptions", "SegmentWriteError",
-           "label_set", "load_segmentation_model", "predict", "prepare", "read_snapshot", "run",
-           "segment_folder", "snapshot_long_side", "snapshot_normalisation"]
+           "check_training_snapshot", "label_set", "load_segmentation_model", "predict",
+           "prepare", "read_snapshot", "run", "segment_folder", "snapshot_long_side",
+           "snapshot_normalisation"]

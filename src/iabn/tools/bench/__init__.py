@@ -13,12 +13,14 @@ import datetime
 import gc
 import importlib.util
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -225,9 +227,84 @@ def progress_printer(prefix: str, repeats: int) -> RepeatCallback:
     return report
 
 
+#: How far the 1-minute load average may exceed the cores a timed run leaves free before the
+#: run counts as sharing its cores: an idle machine's load is not 0 (the shell, the timing
+#: process's own start-up; 0.25 at this 2-core VM's start), and another job is about 1 per
+#: busy core.
+LOAD_MARGIN = 0.5
+#: The period of the 1-minute load average's exponential decay, in seconds.
+LOAD_PERIOD_S = 60.0
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (``os.getloadavg()[0]``: processes running or
+    waiting for a core, averaged), or None where the platform has none."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+@dataclass(frozen=True)
+class MachineLoad:
+    """The 1-minute load average read before and after a timed run of ``threads`` threads
+    that took ``seconds`` on a machine of ``cores`` cores, and whether other work shared the
+    cores the run used: the load before it, or after it less the most the run itself can have
+    added (``threads x (1 - exp(-seconds / 60))``, the load average's decay), above the
+    cores it left free (``cores - threads``) by more than :data:`LOAD_MARGIN`."""
+
+    before: float | None
+    after: float | None
+    seconds: float
+    threads: int
+    cores: int
+
+    @property
+    def free_cores(self) -> int:
+        return max(self.cores - self.threads, 0)
+
+    @property
+    def own_at_most(self) -> float:
+        """The most the run's own threads can have added to the load average after it."""
+        return self.threads * (1.0 - math.exp(-max(self.seconds, 0.0) / LOAD_PERIOD_S))
+
+    @property
+    def others(self) -> float | None:
+        """The load of other work: the larger of the load before and the load after less
+        :attr:`own_at_most` (None: no load average on this platform)."""
+        seen = [value for value in (self.before, None if self.after is None else
+                                    self.after - self.own_at_most) if value is not None]
+        return max(seen) if seen else None
+
+    @property
+    def busy(self) -> bool:
+        others = self.others
+        return others is not None and others > self.free_cores + LOAD_MARGIN
+
+    def note(self) -> str | None:
+        """One line saying the machine was busy, naming the figures; None when it was not."""
+        if not self.busy:
+            return None
+        after = "n/a" if self.after is None else f"{self.after:.2f}"
+        before = "n/a" if self.before is None else f"{self.before:.2f}"
+        return (f"the machine was busy: 1-minute load average {before} before the run and "
+                f"{after} after it ({self.seconds:.0f} s; at most {self.own_at_most:.2f} of it "
+                f"this run's), with {self.threads} thread(s) on {self.cores} core(s) leaving "
+                f"{self.free_cores} free: other work shared the cores, so the times and their "
+                f"ratios are a busy machine's; rerun when the load is below "
+                f"{self.free_cores + LOAD_MARGIN:g}, or with fewer --threads")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"load_average_1min_before": self.before,
+                "load_average_1min_after": self.after, "run_seconds": round(self.seconds, 2),
+                "threads": self.threads, "cores": self.cores, "free_cores": self.free_cores,
+                "own_load_at_most": round(self.own_at_most, 3), "margin": LOAD_MARGIN,
+                "busy": self.busy, "note": self.note()}
+
+
 __all__ = [
-    "RESNEXT101_STAGES", "OutputPathError", "check_output_file", "check_output_folder",
-    "machine_info", "parse_shapes", "progress_printer", "set_threads", "synchronize",
-    "time_interleaved", "train_step", "training_step", "write_atomic", "write_json",
-    "write_text_atomic",
+    "LOAD_MARGIN", "RESNEXT101_STAGES", "MachineLoad", "OutputPathError", "check_output_file",
+    "check_output_folder", "load_average", "machine_info", "parse_shapes", "progress_printer",
+    "set_threads", "synchronize", "time_interleaved", "train_step", "training_step",
+    "write_atomic", "write_json", "write_text_atomic",
 ]

@@ -38,7 +38,7 @@ from .config import Config, ConfigError, differences
 from .loops import evaluate, memory_format
 from .progress import ProgressLine
 from .ranks import Ranks, finish, start
-from .snapshot import FORMAT, SnapshotError, not_a_file, one_line
+from .snapshot import FORMAT, WEIGHT_KEYS, SnapshotError, not_a_file, one_line, require_keys
 
 
 @dataclass
@@ -96,6 +96,8 @@ def load_weights(model: nn.Module, path: Path, original: bool = False,
                                 ) from None
     trained_config = None
     if isinstance(payload, dict) and payload.get("format") == FORMAT:
+        require_keys(payload, path, WEIGHT_KEYS, "evaluating its weights", what="checkpoint",
+                     dicts=WEIGHT_KEYS)
         state, trained_config = payload["model"], payload["config"]
     elif isinstance(payload, dict):
         state = payload.get("state_dict", payload)

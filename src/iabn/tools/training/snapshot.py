@@ -53,8 +53,69 @@ READ_FROM = "read_from"
 RESUME_MAY_CHANGE = ("logging", "data.workers", "data.val_batch_size")
 
 
+#: The entries resuming reads (the engine's restore and :func:`check_resumable`); a snapshot
+#: without one of them is refused as unreadable, so ``--resume`` falls back to previous.pth.
+RESUME_KEYS = ("task", "config", "world_size", "epoch", "batches_done", "global_step",
+               "model", "optimizer", "scheduler", "scaler", "best", "ranks")
+#: The state dicts among them.
+STATE_KEYS = ("model", "optimizer", "scheduler", "scaler")
+#: What each rank's entry of ``ranks`` holds, and the generator states in its ``rng``
+#: (:func:`iabn.tools.training.rng.capture_rng_state`).
+RANK_KEYS = ("rng", "train_sums")
+RNG_KEYS = ("torch", "cuda", "numpy", "python")
+#: The entries evaluating or segmenting with a training snapshot's weights reads.
+WEIGHT_KEYS = ("model", "config")
+
+
 class SnapshotError(ValueError):
     """A snapshot that cannot be read or does not fit the run (the message says why)."""
+
+
+def _names(keys: Sequence[str]) -> str:
+    return ", ".join(map(repr, keys))
+
+
+def require_keys(payload: dict[str, Any], path: str | Path, keys: Sequence[str], reader: str,
+                 what: str = "snapshot", dicts: Sequence[str] = ()) -> None:
+    """Raise :class:`SnapshotError` in one line naming ``path`` and the entries of ``keys``
+    that the loaded training snapshot ``payload`` lacks (a hand-built, foreign or edited
+    file), or those of ``dicts`` that are not dicts; ``reader`` says what reads them."""
+    missing = [key for key in keys if key not in payload]
+    if missing:
+        plural = "entries" if len(missing) > 1 else "entry"
+        raise SnapshotError(
+            f"{what} {path} is marked as an iabn training snapshot but has no "
+            f"{_names(missing)} {plural}, which {reader} reads: it was not written whole by "
+            f"iabn train")
+    for key in dicts:
+        if not isinstance(payload[key], dict):
+            raise SnapshotError(f"{what} {path}: its {key!r} entry is a "
+                                f"{type(payload[key]).__name__}, not a dict, which {reader} "
+                                f"reads")
+
+
+def _check_resumable_layout(payload: dict[str, Any], path: Path) -> None:
+    """Every entry the engine's restore reads is there, of the kind it reads (module doc)."""
+    require_keys(payload, path, RESUME_KEYS, "resuming", dicts=(*STATE_KEYS, "config"))
+    ranks, world_size = payload["ranks"], payload["world_size"]
+    if not isinstance(ranks, (list, tuple)) or len(ranks) != world_size:
+        count = f"a {type(ranks).__name__}"
+        if isinstance(ranks, (list, tuple)):
+            count = f"{len(ranks)} " + ("entry" if len(ranks) == 1 else "entries")
+        raise SnapshotError(f"snapshot {path}: its 'ranks' entry holds {count}, not one per "
+                            f"rank of its world_size {world_size!r}")
+    for rank, entry in enumerate(ranks):
+        where = f"snapshot {path}: ranks[{rank}]"
+        if not isinstance(entry, dict):
+            raise SnapshotError(f"{where} is a {type(entry).__name__}, not a dict")
+        missing = [key for key in RANK_KEYS if key not in entry]
+        if not missing and isinstance(entry["rng"], dict):
+            missing = [f"rng.{key}" for key in RNG_KEYS if key not in entry["rng"]]
+        elif not missing:
+            missing = ["rng (a dict)"]
+        if missing:
+            raise SnapshotError(f"{where} has no {_names(missing)} (each rank's entry holds "
+                                f"{_names(RANK_KEYS)}, the rng one {_names(RNG_KEYS)})")
 
 
 def _temporary(path: Path) -> Path:
@@ -172,7 +233,9 @@ def remove_stale_temporaries(folder: str | Path) -> list[Path]:
 def read_snapshot(path: str | Path) -> dict[str, Any]:
     """Load a training snapshot (CPU tensors), or raise :class:`SnapshotError` naming the file
     and what is wrong with it. A corrupt or missing ``last.pth`` falls back to a good
-    ``previous.pth`` next to it, with a warning on stderr (see module doc)."""
+    ``previous.pth`` next to it, with a warning on stderr (see module doc), and so does
+    one that loads but lacks an entry resuming reads (:data:`RESUME_KEYS`, each rank's
+    :data:`RANK_KEYS`)."""
     path = Path(path)
     try:
         payload = _read_verified(path)
@@ -213,6 +276,7 @@ def _read_verified(path: Path) -> dict[str, Any]:
     if payload.get("version") != VERSION:
         raise SnapshotError(f"snapshot {path} has format version {payload.get('version')}; "
                             f"this iabn reads version {VERSION}")
+    _check_resumable_layout(payload, path)
     return payload
 
 
@@ -244,7 +308,8 @@ def load_state(target: Any, state: dict[str, Any], what: str, path: str | Path) 
         raise SnapshotError(f"snapshot {path}: the {what} state does not fit: {error}"
                             ) from error
 
-__all__ = ["BEST", "CHECKSUM_SUFFIX", "FORMAT", "LAST", "PREVIOUS", "READ_FROM", "RESUME_LAST",
-           "RESUME_MAY_CHANGE", "VERSION", "SnapshotError", "check_resumable", "checksum_path",
-           "copy_atomic", "file_sha256", "load_state", "not_a_file", "one_line", "read_snapshot",
-           "remove_stale_temporaries", "save_atomic"]
+__all__ = ["BEST", "CHECKSUM_SUFFIX", "FORMAT", "LAST", "PREVIOUS", "READ_FROM", "RESUME_KEYS",
+           "RESUME_LAST", "RESUME_MAY_CHANGE", "VERSION", "WEIGHT_KEYS", "SnapshotError",
+           "check_resumable", "checksum_path", "copy_atomic", "file_sha256", "load_state",
+           "not_a_file", "one_line", "read_snapshot", "remove_stale_temporaries",
+           "require_keys", "save_atomic"]
