@@ -134,10 +134,10 @@ def test_budget_stops_before_a_part_that_does_not_fit(tmp_path, capsys):
     argv = ["--smoke", "--out", str(out), "--parts", "suite,slope_errors,host_overhead",
             "--budget-s", "5", "--reserve-s", "0",
             "--part-command-override", "*=" + _stub(COUNT, "{out}/count_any")]
-    start = time.monotonic()
     code, printed, _ = _run(argv, capsys)
-    # the first part of a call always starts; the next expects its 30 s smoke allowance
-    assert code == 3 and _count(out, "any") == 1 and time.monotonic() - start < 5
+    # the first part of a call always starts; the next expects its 30 s smoke allowance (the
+    # count of parts run decides, not the wall clock, which load moves)
+    assert code == 3 and _count(out, "any") == 1
     assert "slope_errors expects ~30 s" in printed
     assert "Continue: python3 benchmarks/gpu_campaign.py --resume --smoke" in printed
     parts = _state(out)["parts"]
@@ -169,9 +169,10 @@ def test_a_part_overrunning_the_budget_is_stopped_with_what_it_started(tmp_path,
             "--reserve-s", "0", "--expect-s", "slope_errors=1",
             "--part-command-override", "suite=" + _stub("pass"),
             "--part-command-override", "slope_errors=" + _stub(SLEEPER, "{out}/grandchild")]
-    start = time.monotonic()
     code, printed, _ = _run(argv, capsys)
-    assert code == 3 and time.monotonic() - start < 20
+    # stopped, not waited for: its status and its killed process group say so (the sleeper
+    # would run 60 s), whatever the machine's load does to the wall clock
+    assert code == 3
     assert "slope_errors was stopped after" in printed
     entry = _state(out)["parts"]["slope_errors"]
     assert entry["status"] == "interrupted" and entry["attempts"] == 1
@@ -582,9 +583,8 @@ def test_a_part_is_stopped_at_its_own_cap_with_its_report(tmp_path, capsys, monk
               "import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
               "    print('reported on SIGINT', flush=True)\n    raise SystemExit(2)"))
     out = tmp_path / "campaign"
-    start = time.monotonic()
     entry = campaign.run_part(capped, out, None, 1, {"device_name": "cpu"})
-    assert time.monotonic() - start < 5 + campaign.CAP_GRACE_S
+    # stopped by the cap (SIGINT reported, exit 2), not by the child's own 30 s end (exit 0)
     assert entry["status"] == "failed" and entry["capped"] and "cap of 5 s" in entry["reason"]
     assert "reported on SIGINT" in entry["log_tail"] and entry["exit_status"] == 2
     # the budget's limit, when shorter, stops it as interrupted instead
