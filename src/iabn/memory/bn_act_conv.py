@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..autograd.call import grad_mask
 from ..kernels import activations as act
 from ..kernels.common import SIGNED, channel_view, gamma_grad, scale_and_shift, stat_dtype
 from ..layers.batch_norm import ABN, InPlaceABN
@@ -104,7 +105,7 @@ class _CheckpointBNActConv(torch.autograd.Function):
             [True, needs[3], conv_bias is not None and needs[4]],
         )
         dy = act.grad_from_output(dz, z, cfg.activation, cfg.activation_param)
-        mask = [needs[0], weight is not None and needs[1], bias is not None and needs[2]]
+        mask = grad_mask(ctx, weight, bias)
         if cfg.optimized:
             # BN backward on xhat directly (center 0, scale 1, weight g * invstd).
             dx, dg, dbeta = torch.ops.aten.native_batch_norm_backward(
