@@ -281,6 +281,7 @@ def test_wrapper_counts_equal_the_rule_on_a_whole_network():
     assert (wrapped.stats.offloaded_bytes, wrapped.stats.kept_bytes) == (offloaded, kept)
 
 
+@pytest.mark.slow  # 11 s on 2 cores (compiling); the eager hooks are tested in the default run
 def test_offload_context_moves_what_a_compiled_graph_saves():
     """Around a torch.compile'd model the hooks see the compiled graph's saved tensors at run
     time (the compiler does not trace Python hooks): they are offloaded, the host pool is

@@ -383,6 +383,7 @@ def test_an_input_too_large_for_the_machine_is_one_line(monkeypatch, capsys):
                    "smaller batch or image\n")
 
 
+@pytest.mark.slow  # 7 s on 2 cores: a child process that imports torch and converts
 def test_a_reader_that_goes_away_ends_quietly_with_141():
     """``iabn memory ... | head``: the reader of stdout closes before the command writes; the
     command stops as one that SIGPIPE ends (status 141), without a traceback."""
