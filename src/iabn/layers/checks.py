@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..autograd.call import in_backward, refused_view
 from ..kernels.common import LOW_PRECISION
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -203,7 +204,9 @@ def check_writable(input: Tensor, layer: str = "",
     if torch.is_grad_enabled():
         base = input._base
         leaf = input if base is None else base
-        if leaf.is_leaf and leaf.requires_grad:
+        # ... unless an engine made it: the run-time rule computes those output-only
+        # (autograd.call.overwrite_refused)
+        if leaf.is_leaf and leaf.requires_grad and not _engine_made(input, base):
             what = "a leaf tensor" if leaf is input else "a view of a leaf tensor"
             functional = " (iabn.functional.abn)" if instead.endswith("iabn.ABN") else ""
             raise RuntimeError(
@@ -227,6 +230,14 @@ def check_writable(input: Tensor, layer: str = "",
 
 
 _peek_interpreter_stack = torch._C._functorch.peek_interpreter_stack
+
+
+def _engine_made(input: Tensor, base: Tensor | None) -> bool:
+    """Whether a leaf that requires grad (or a view of one) is an engine's, not the caller's:
+    a view autograd does not let be overwritten (FSDP2's hooks pass a block's input through a
+    custom ``Function``) or a tensor met inside a backward (a reentrant checkpoint recomputes
+    its segment there on detached leaves). The layer computes those output-only."""
+    return in_backward() or (base is not None and refused_view(input))
 
 
 # torch._debug_has_internal_overlap's verdicts (ATen's MemOverlap)
