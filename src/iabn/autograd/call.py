@@ -101,20 +101,36 @@ def overwrite_refused(input: Tensor, grad: bool) -> bool:
 
     Eager mode only: under ``torch.compile`` an overwritten input is a copy already
     (:func:`overwritable`), and under ``torch.func`` transforms the layer is composed. Cost
-    on the common path (a computed tensor that is no view, no checkpoint): three queries,
-    about 0.2 µs (CPU)."""
+    on the common path (a computed tensor that is no view, no checkpoint): two attribute
+    reads and the saved-tensor hooks' query (see benchmarks/writability_cost.py)."""
     if not grad:
-        return (input.requires_grad and not torch.compiler.is_compiling()
-                and _peek_interpreter_stack() is None)
-    if torch.compiler.is_compiling() or _peek_interpreter_stack() is not None:
-        return False
+        return input.requires_grad and _eager_untransformed()
+    # ordered for the common case, a computed tensor that is no view: two attribute reads
+    # and the hooks' query (torch.compile cannot trace the queries after _eager_untransformed)
     if input._is_view():
+        if not _eager_untransformed():
+            return False
         if refused_view(input):
             return True
         base = input._base
-        return base.is_leaf and base.requires_grad
-    if input.is_leaf:
-        return input.requires_grad
+        if base.is_leaf and base.requires_grad:
+            return True
+    elif input.is_leaf:
+        return input.requires_grad and _eager_untransformed()
+    return in_checkpoint_forward()
+
+
+def _eager_untransformed() -> bool:
+    return not torch.compiler.is_compiling() and _peek_interpreter_stack() is None
+
+
+@torch.compiler.assume_constant_result  # (torch.compile cannot trace the hooks' query)
+def in_checkpoint_forward() -> bool:
+    """Whether a non-reentrant ``torch.utils.checkpoint`` runs its first forward here: its
+    saved-tensor hooks are the innermost ones. It recomputes the region from the region's
+    inputs in backward, so they must keep their values; the region's saved tensors are
+    dropped, so computing a layer output-only there costs a copy in forward and no memory
+    kept. (Its recomputation in backward runs under other hooks, and overwrites as usual.)"""
     hooks = _top_saved_tensors_hooks(False)
     return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
         _CHECKPOINT_FORWARD)
@@ -125,6 +141,15 @@ def refused_view(view: Tensor) -> bool:
     it records: its creation meta (``MULTI_OUTPUT_NODE``, ``IN_CUSTOM_FUNCTION``,
     ``NO_GRAD_MODE``, ``INFERENCE_MODE``) is not the default one. Eager mode only."""
     return _creation_meta(view) != _DEFAULT_VIEW
+
+
+def engine_made(input: Tensor, base: Tensor | None) -> bool:
+    """Whether a leaf that requires grad, or a view of one (``base``: ``input._base``), is an
+    engine's rather than the caller's, so that the checks let it through to
+    :func:`overwrite_refused`: a view autograd does not let be overwritten (FSDP2's hooks pass
+    a block's input through a custom ``Function``), or a tensor met inside a backward (a
+    reentrant checkpoint recomputes its region there on detached leaves). Eager mode only."""
+    return in_backward() or (base is not None and refused_view(input))
 
 
 def in_backward() -> bool:
@@ -180,5 +205,6 @@ def refuse_double_backward(layer: str, instead: str, *, plural: bool = False) ->
         )
 
 
-__all__ = ["OpFamily", "grad_mask", "in_backward", "layer_call", "overwritable",
-           "overwrite_refused", "refuse_double_backward", "refused_view", "transformed"]
+__all__ = ["OpFamily", "engine_made", "grad_mask", "in_backward", "in_checkpoint_forward",
+           "layer_call", "overwritable", "overwrite_refused", "refuse_double_backward",
+           "refused_view", "transformed"]
