@@ -197,9 +197,10 @@ class InputNorm(nn.Module):
         super().__init__()
         self.bn = nn.BatchNorm2d(3)
         self.act = nn.LeakyReLU(0.2)
+        self.head = nn.Conv2d(3, 2, 1)  # the norm's output is not the model's (see below)
 
     def forward(self, x):
-        return self.act(self.bn(x))
+        return self.head(self.act(self.bn(x)))
 
 
 def test_a_norm_on_the_model_input_is_not_in_place(analysis):
@@ -331,12 +332,13 @@ class AuxiliaryHead(nn.Module):
         self.act = nn.LeakyReLU(0.1)
         self.aux_conv = nn.Conv2d(C, C, 1)
         self.aux_bn = nn.BatchNorm2d(C)
+        self.head = nn.Conv2d(C, 2, 1)  # a returned norm output stays untouched
 
     def forward(self, x):
         h = self.act(self.bn(self.conv(x)))
         if self.training:
             h = h + F.relu(self.aux_bn(self.aux_conv(h)))
-        return h
+        return self.head(h)
 
 
 def test_train_and_eval_graphs_both_hold():

@@ -430,10 +430,11 @@ class ExtraOutput(nn.Module):
         self.conv = nn.Conv2d(3, C, 3, padding=1)
         self.bn = nn.BatchNorm2d(C)
         self.act = nn.LeakyReLU(0.1)
+        self.head = nn.Conv2d(C, 2, 1)  # a returned norm output stays untouched
 
     def forward(self, x):
         h = self.conv(x)
-        return {"out": self.act(self.bn(h)), "features": h}
+        return {"out": self.head(self.act(self.bn(h))), "features": h}
 
 
 def test_a_conv_output_returned_too_is_not_overwritten():
@@ -450,6 +451,7 @@ class CaughtError(nn.Module):
         self.conv = nn.Conv2d(3, C, 3, padding=1)
         self.bn = nn.BatchNorm2d(C)
         self.act = nn.LeakyReLU(0.1)
+        self.head = nn.Conv2d(C, 2, 1)
 
     def forward(self, x):
         h = self.conv(x)
@@ -457,7 +459,7 @@ class CaughtError(nn.Module):
             raise KeyError("absent")
         except KeyError as error:
             caught = error  # noqa: F841
-        return self.act(self.bn(h))
+        return self.head(self.act(self.bn(h)))
 
 
 def test_values_only_in_reference_cycles_do_not_escape():

@@ -80,8 +80,6 @@ class ActivationFamily:
     @staticmethod
     def with_grad(input: Tensor, weight: None, bias: None, options: tuple,
                   overwrite: bool) -> Tensor:
-        if overwrite and _written_view_refused(input):
-            overwrite = False  # a new tensor, as overwrite_input=False (see below)
         return InPlaceActivationFunction.apply(
             overwritable(input) if overwrite else input, *options, overwrite)
 
@@ -92,20 +90,6 @@ def activation_call(input: Tensor, activation: str, activation_param: Any, overw
     after the layer's checks."""
     return layer_call(ActivationFamily, input, None, None, (activation, activation_param),
                       overwrite, layer)
-
-
-_DEFAULT_VIEW = torch._C._autograd.CreationMeta.DEFAULT
-
-
-def _written_view_refused(x: Tensor) -> bool:
-    """Whether autograd refuses to let ``x`` be overwritten while it records: one of several
-    views a function returned (``chunk``, ``split``, ``unbind``: timm's GluMlp gates,
-    ``fc1(x).chunk(2, -1)[1]``), or a view made under ``no_grad``. Writing the elements
-    through a fresh view of the base is allowed, but then reading the *other* views of that
-    base (GluMlp's first half, multiplied next) raises; such an input is computed as with
-    ``overwrite_input=False`` instead (a new tensor; ``z`` and the bits kept, not the input)."""
-    return (not torch.compiler.is_compiling() and x._is_view()
-            and torch._C._autograd._get_creation_meta(x) != _DEFAULT_VIEW)
 
 
 __all__ = ["InPlaceActivationFunction", "activation_call"]

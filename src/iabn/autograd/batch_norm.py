@@ -60,12 +60,15 @@ class BatchNormFamily:
     @staticmethod
     def composed(input: Tensor, weight: Tensor | None, bias: Tensor | None, options: tuple,
                  overwrite: bool) -> Tensor:
-        return _composed_inplace(input, options[0], options[1], weight, bias, options[2])
+        return _composed_inplace(input if overwrite else input.clone(), options[0], options[1],
+                                 weight, bias, options[2])
 
     @staticmethod
     def without_grad(input: Tensor, weight: Tensor | None, bias: Tensor | None,
                      options: tuple, overwrite: bool) -> Tensor:
         running_mean, running_var, config = options
+        if not overwrite:  # (the output-only mode: on a copy)
+            input = input.clone()
         if _traced(config):  # (traced_inplace_abn records no node without a gradient)
             return compiled.traced_inplace_abn(input, running_mean, running_var, weight, bias,
                                                config)
@@ -81,9 +84,10 @@ class BatchNormFamily:
             return compiled.traced_inplace_abn(input, running_mean, running_var, weight, bias,
                                                config)
         # overwritable: a copy where the compiler is given the opaque iabn:: operators instead
-        # (compiled.TRACEABLE off)
+        # (compiled.TRACEABLE off); the output-only mode runs on a copy too
         return InPlaceABNFunction.apply(
-            overwritable(input), weight, bias, running_mean, running_var, config
+            overwritable(input) if overwrite else input.clone(), weight, bias, running_mean,
+            running_var, config
         )
 
 

@@ -1,7 +1,9 @@
 """The one call sequence of every layer after its checks, and what the layers' ``Function``\\ s
 share (docs/design.md, "The in-place contract").
 
-:func:`layer_call` runs, in order: the debug mode's poisoned call (:mod:`iabn.debug`) where the
+:func:`layer_call` runs, in order: the run-time rule (:func:`overwrite_refused`: an input that
+autograd or an engine does not let be overwritten is computed output-only, on a copy), the
+debug mode's poisoned call (:mod:`iabn.debug`) where the
 input is overwritten, the layer composed of PyTorch's differentiable operators under
 forward-mode AD and ``torch.func`` (which cannot run a ``Function`` that sets up its context in
 ``forward``), the computation without an autograd node where no gradient is wanted, or the
@@ -50,6 +52,14 @@ def layer_call(family: OpFamily, input: Tensor, weight: Tensor | None, bias: Ten
     """The output of a layer of ``family`` on ``input`` (written into ``input`` and ``input``
     returned where ``overwrite``), after the layer's checks. ``layer`` names the call in the
     debug mode's reports."""
+    # Spelled out: a generator over the three tensors costs a microsecond per layer call.
+    grad = torch.is_grad_enabled() and (
+        input.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    )
+    if overwrite and overwrite_refused(input, grad):
+        overwrite = False  # the output-only mode: nothing of the caller's is written
     if overwrite and debug._ACTIVE and debug.intercepts():
         # the debug mode reruns this call on a copy of the input, which it poisons
         return debug.poisoned_call(
@@ -57,14 +67,96 @@ def layer_call(family: OpFamily, input: Tensor, weight: Tensor | None, bias: Ten
             input, layer)
     if transformed():
         return family.composed(input, weight, bias, options, overwrite)
-    # Spelled out: a generator over the three tensors costs a microsecond per layer call.
-    if torch.is_grad_enabled() and (
-        input.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    ):
+    if grad:
         return family.with_grad(input, weight, bias, options, overwrite)
     return family.without_grad(input, weight, bias, options, overwrite)
+
+
+_DEFAULT_VIEW = torch._C._autograd.CreationMeta.DEFAULT
+_creation_meta = torch._C._autograd._get_creation_meta
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_graph_task_id = torch._C._current_graph_task_id
+#: the qualified name's start of the pack hook of a non-reentrant checkpoint's first forward
+_CHECKPOINT_FORWARD = "_checkpoint_hook."
+
+
+def overwrite_refused(input: Tensor, grad: bool) -> bool:
+    """The run-time rule of the in-place layers: whether ``input``, which the checks let
+    through, must nevertheless not be overwritten, because autograd or an engine refuses it;
+    the layer then computes output-only (a new output; the input left untouched). Decided
+    before anything is written. ``grad``: whether the call records an autograd node.
+
+    - With a node: a view autograd does not let be overwritten (its creation meta is not
+      the default one): one of several views a function returned (``chunk``, ``split``,
+      ``unbind``), a custom ``Function``'s output returned as-is (FSDP2's hooks pass every
+      block's input through one), a view made under ``no_grad`` or inference mode; a leaf
+      that requires grad or a view of one, which reaches here only inside a backward (the
+      checks refuse the user's own: :func:`~iabn.layers.checks.check_writable`), i.e. a
+      reentrant checkpoint's recomputation on its detached inputs; and any input while a
+      non-reentrant ``torch.utils.checkpoint`` runs its first forward, whose inputs it
+      recomputes from in backward.
+    - Without a node: an input that requires grad (a tensor autograd recorded, read under
+      ``no_grad``: a reentrant checkpoint's first forward, a custom ``Function``'s forward),
+      which something outside may have saved for backward.
+
+    Eager mode only: under ``torch.compile`` an overwritten input is a copy already
+    (:func:`overwritable`), and under ``torch.func`` transforms the layer is composed. Cost
+    on the common path (a computed tensor that is no view, no checkpoint): two attribute
+    reads and the saved-tensor hooks' query, 0.5 µs on the loaded 2-core VM, equal within noise
+    in a layer's call (benchmarks/writability_cost.py)."""
+    if not grad:
+        return input.requires_grad and _eager_untransformed()
+    # ordered for the common case, a computed tensor that is no view: two attribute reads
+    # and the hooks' query (torch.compile cannot trace the queries after _eager_untransformed)
+    if input._is_view():
+        if not _eager_untransformed():
+            return False
+        if refused_view(input):
+            return True
+        base = input._base
+        if base.is_leaf and base.requires_grad:
+            return True
+    elif input.is_leaf:
+        return input.requires_grad and _eager_untransformed()
+    return in_checkpoint_forward()
+
+
+def _eager_untransformed() -> bool:
+    return not torch.compiler.is_compiling() and _peek_interpreter_stack() is None
+
+
+@torch.compiler.assume_constant_result  # (torch.compile cannot trace the hooks' query)
+def in_checkpoint_forward() -> bool:
+    """Whether a non-reentrant ``torch.utils.checkpoint`` runs its first forward here: its
+    saved-tensor hooks are the innermost ones. It recomputes the region from the region's
+    inputs in backward, so they must keep their values; the region's saved tensors are
+    dropped, so computing a layer output-only there costs a copy in forward and no memory
+    kept. (Its recomputation in backward runs under other hooks, and overwrites as usual.)"""
+    hooks = _top_saved_tensors_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
+        _CHECKPOINT_FORWARD)
+
+
+def refused_view(view: Tensor) -> bool:
+    """Whether autograd refuses to let ``view`` (a view: ``_is_view()``) be overwritten while
+    it records: its creation meta (``MULTI_OUTPUT_NODE``, ``IN_CUSTOM_FUNCTION``,
+    ``NO_GRAD_MODE``, ``INFERENCE_MODE``) is not the default one. Eager mode only."""
+    return _creation_meta(view) != _DEFAULT_VIEW
+
+
+def engine_made(input: Tensor, base: Tensor | None) -> bool:
+    """Whether a leaf that requires grad, or a view of one (``base``: ``input._base``), is an
+    engine's rather than the caller's, so that the checks let it through to
+    :func:`overwrite_refused`: a view autograd does not let be overwritten (FSDP2's hooks pass
+    a block's input through a custom ``Function``), or a tensor met inside a backward (a
+    reentrant checkpoint recomputes its region there on detached leaves). Eager mode only."""
+    return in_backward() or (base is not None and refused_view(input))
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a reentrant
+    checkpoint recomputes its segment there)."""
+    return _graph_task_id() != -1
 
 
 def transformed() -> bool:
@@ -114,5 +206,6 @@ def refuse_double_backward(layer: str, instead: str, *, plural: bool = False) ->
         )
 
 
-__all__ = ["OpFamily", "grad_mask", "layer_call", "overwritable", "refuse_double_backward",
-           "transformed"]
+__all__ = ["OpFamily", "engine_made", "grad_mask", "in_backward", "in_checkpoint_forward",
+           "layer_call", "overwritable", "overwrite_refused", "refuse_double_backward",
+           "refused_view", "transformed"]

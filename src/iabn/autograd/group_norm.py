@@ -54,11 +54,14 @@ class GroupNormFamily:
         if weight is not None and config.gamma_mode != ABS:
             clamped = effective_scale(weight.detach(), config.eps, config.gamma_mode)
             weight = weight + (clamped - weight.detach())
-        return input.copy_(group_norm_act(input.clone(), weight, bias, config))
+        out = group_norm_act(input.clone(), weight, bias, config)
+        return input.copy_(out) if overwrite else out
 
     @staticmethod
     def without_grad(input: Tensor, weight: Tensor | None, bias: Tensor | None,
                      config: GroupConfig, overwrite: bool) -> Tensor:
+        if not overwrite:  # (the output-only mode: on a copy)
+            input = input.clone()
         with torch.no_grad():
             backend_or_reference(input).group_norm_forward_(input, weight, bias, config)
         return input
@@ -66,7 +69,8 @@ class GroupNormFamily:
     @staticmethod
     def with_grad(input: Tensor, weight: Tensor | None, bias: Tensor | None,
                   config: GroupConfig, overwrite: bool) -> Tensor:
-        return InPlaceGroupNormFunction.apply(overwritable(input), weight, bias, config)
+        return InPlaceGroupNormFunction.apply(overwritable(input) if overwrite else input.clone(),
+                                              weight, bias, config)
 
 
 def inplace_group_norm_act(input: Tensor, weight: Tensor | None, bias: Tensor | None,

@@ -625,6 +625,8 @@ def later_write(output: fx.Node, modules: dict[str, nn.Module],
         for user in node.users:
             if user in seen:
                 continue
+            if user.op == "output":  # the caller's tensor (or a view of it): it may write
+                return f"{what} is returned by the model (the caller may write into it)"
             writes = writes_first_argument(user, modules)
             if writes is None:
                 return (f"{via or 'its output'} goes to {describe(user, modules)}, which iabn "

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .. import debug
 from ..autograd.batch_norm import compute_inplace
-from ..autograd.call import grad_mask, overwritable, refuse_double_backward
+from ..autograd.call import grad_mask, overwritable, overwrite_refused, refuse_double_backward
 from ..kernels.backends import backend_for
 from ..kernels.common import SIGNED, LayerConfig, finish_grads, new_bits, stat_dtype
 from ..layers.options import checked_call
@@ -168,6 +168,13 @@ def synchronised_call(
         return InPlaceABNSyncFunction.apply(x, weight, bias, running_mean, running_var, config,
                                             group)
 
+    grad = torch.is_grad_enabled() and (
+        input.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
+    )
+    if overwrite_refused(input, grad):  # the run-time rule of autograd/call.layer_call
+        return step(input.clone())
     if poison and debug._ACTIVE and debug.intercepts():
         return debug.poisoned_call(step, input, name)
     return step(overwritable(input))

@@ -131,9 +131,9 @@ class InPlaceGELU(_InPlaceActivation, nn.GELU):
     Args:
         approximate: ``"none"`` (default, the exact erf form) or ``"tanh"``, as ``nn.GELU``.
         overwrite_input: ``True`` (default): the output is written into the input, which is
-            returned (the in-place contract of :class:`iabn.InPlaceABN`: the input must not
-            be needed afterwards; a leaf that requires grad is refused). ``False``: a new
-            tensor, the input left as it is and not kept for backward.
+            returned (:class:`iabn.InPlaceABN`'s in-place contract: the input must not be needed
+            afterwards; the caller's leaf that requires grad is refused; a view autograd or an
+            engine forbids overwriting goes as ``False``). ``False``: a new tensor, not kept.
 
     Outputs are ``F.gelu``'s, bit for bit; backward recovers the input from the output and
     the bit (docs/design.md, "In-place activations without a norm").

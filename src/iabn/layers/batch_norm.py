@@ -252,8 +252,9 @@ class InPlaceABN(OverwriteInputOption, ABN):
     ``"elu"``, ``"identity"``) or have one minimum (``BRANCH_ACTIVATIONS``, e.g. ``"silu"``),
     which keep one bit per element saying which of the two inputs of an output it was
     (docs/design.md, "SiLU and GELU in place"). The returned tensor *is* the input tensor, so
-    the input must not be needed elsewhere afterwards (e.g. a residual shortcut); see the
-    in-place contract in the documentation (docs/usage/layers.md).
+    the input must not be needed elsewhere afterwards (e.g. a residual shortcut; the contract:
+    docs/usage/layers.md). An input autograd or an engine forbids overwriting (a ``chunk``
+    view, FSDP2's, a checkpoint's input) is computed output-only (docs/design.md).
     """
 
     _in_place = True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..autograd.call import engine_made
 from ..kernels.common import LOW_PRECISION
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -203,7 +204,7 @@ def check_writable(input: Tensor, layer: str = "",
     if torch.is_grad_enabled():
         base = input._base
         leaf = input if base is None else base
-        if leaf.is_leaf and leaf.requires_grad:
+        if leaf.is_leaf and leaf.requires_grad and not (eager and engine_made(input, base)):
             what = "a leaf tensor" if leaf is input else "a view of a leaf tensor"
             functional = " (iabn.functional.abn)" if instead.endswith("iabn.ABN") else ""
             raise RuntimeError(
@@ -215,8 +216,7 @@ def check_writable(input: Tensor, layer: str = "",
     # torch.func's wrapped tensors (vmap's batched ones) have no overlap query: there the
     # layer is computed by composition and ATen's copy_ into the input does its own check.
     # A contiguous tensor cannot overlap: asking that first spares the common case the
-    # overlap query (0.09 against 0.5 µs, CPU). (_peek_interpreter_stack: whether a torch.func
-    # transform runs.)
+    # overlap query (0.09 against 0.5 µs, CPU). (_peek_interpreter_stack: torch.func runs.)
     if (eager and _peek_interpreter_stack() is None and not input.is_contiguous()
             and has_internal_overlap(input)):
         raise ValueError(
@@ -273,13 +273,14 @@ class OverwriteInputOption:
     """The ``overwrite_input`` option of the in-place layers (:class:`InPlaceABN`,
     :class:`iabn.InPlaceABNSync`, :class:`iabn.InPlaceGroupNormAct`).
 
-    ``True`` (default): the layer overwrites its input and returns it. ``False`` (the
-    output-only mode): the layer leaves its input untouched and runs on a copy of it, which
-    it returns; it still keeps only that output for backward, so its input is freed as soon
-    as nothing else holds it (a residual stream read again by an addition, a tensor feeding
-    two branches), where :class:`ABN` keeps both. The copy costs one more pass over the
-    activation in forward (read and write); the input checks are those of a layer that
-    does not overwrite (a leaf that requires grad is accepted)."""
+    ``True`` (default): the layer overwrites its input and returns it (an input autograd or
+    an engine forbids overwriting, e.g. a ``chunk`` or FSDP2 view, is computed as with
+    ``False``: the run-time rule, docs/design.md). ``False`` (the output-only mode): the
+    layer leaves its input untouched and runs on a copy, which it returns; it keeps only that
+    output for backward, so its input is freed once nothing else holds it (a residual stream
+    read again by an addition, a tensor feeding two branches), where :class:`ABN` keeps both.
+    The copy costs one more pass in forward (read and write); the input checks are those of a
+    layer that does not overwrite (a leaf that requires grad is accepted)."""
 
     @property
     def overwrite_input(self) -> bool:

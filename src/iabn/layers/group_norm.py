@@ -217,7 +217,9 @@ class InPlaceGroupNormAct(OverwriteInputOption, GroupNormAct):
     the checks of :class:`iabn.InPlaceABN` (a leaf that requires grad, an inference tensor or
     one whose elements share memory is refused; ``iabn.debug.poison_overwritten`` finds later
     reads). Double backward is refused. ``overwrite_input=False`` (keyword): the output-only
-    mode of :class:`iabn.layers.checks.OverwriteInputOption`, for an input that is needed again.
+    mode of :class:`iabn.layers.checks.OverwriteInputOption`, for an input that is needed again;
+    an input autograd or an engine forbids overwriting (a ``chunk`` view, FSDP2's, a
+    checkpoint's input) is computed that way too (the run-time rule, docs/design.md).
     """
 
     _in_place = True

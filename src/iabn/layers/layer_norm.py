@@ -101,11 +101,13 @@ class InPlaceLayerNorm(OverwriteInputOption, nn.LayerNorm):
     and ``bias``, and inputs of any strides (a channels-last ``x.permute(0, 2, 3, 1)`` view as
     ConvNeXt normalises it). ``overwrite_input`` (keyword, default ``True``): write the output
     into the input's storage and return the input tensor, which must then not be needed
-    elsewhere (the in-place contract of :class:`iabn.InPlaceABN`: a leaf that requires grad, an
-    inference tensor or one whose elements share memory is refused; ``iabn.debug`` finds later
-    reads). ``False``: the output-only mode, a new output and the input left untouched (and not
-    kept). Features with a weight at or near zero keep their normalised values (docstring
-    of :mod:`iabn.kernels.row_norm`). Double backward is refused.
+    elsewhere (the in-place contract of :class:`iabn.InPlaceABN`: the caller's leaf that
+    requires grad, an inference tensor or one whose elements share memory is refused;
+    ``iabn.debug`` finds later reads; an input autograd or an engine forbids overwriting, a
+    ``chunk`` or FSDP2 view, a checkpoint's input, is computed output-only). ``False``: the
+    output-only mode, a new output and the input left untouched (and not kept). Features with
+    a weight at or near zero keep their normalised values (docstring of
+    :mod:`iabn.kernels.row_norm`). Double backward is refused.
     """
 
     _in_place = True
