@@ -104,6 +104,10 @@ def overwrite_refused(input: Tensor, grad: bool) -> bool:
     on the common path (a computed tensor that is no view, no checkpoint): two attribute
     reads and the saved-tensor hooks' query, 0.5 µs on the loaded 2-core VM, equal within noise
     in a layer's call (benchmarks/writability_cost.py)."""
+    if torch.compiler.is_compiling():
+        # (Dynamo cannot trace _is_view and the creation-meta query; an overwritten input
+        # is a copy under the compiler anyway: overwritable)
+        return False
     if not grad:
         return input.requires_grad and _eager_untransformed()
     # ordered for the common case, a computed tensor that is no view: two attribute reads
