@@ -307,8 +307,9 @@ def _held_by_python(recorder: _Recorder, known: set[fx.Node]) -> list[fx.Node]:
 
 
 def record(model: nn.Module, args: tuple, training: bool,
-           count_saves: bool = False) -> tuple[Traced, Any, dict[str, Any]]:
-    """Run ``model(*args)`` once in training or eval mode and record its graph (see the
+           count_saves: bool = False, kwargs: dict[str, Any] | None = None
+           ) -> tuple[Traced, Any, dict[str, Any]]:
+    """Run ``model(*args, **kwargs)`` once in training or eval mode and record its graph (see the
     module's docstring). The caller keeps the model's state (``trial_runs.preserved``) and
     randomness (``same_randomness``). With ``count_saves``, the tensors saved for backward
     are attributed to the node that saved them (:func:`iabn.memory.attributing_saves`).
@@ -318,7 +319,8 @@ def record(model: nn.Module, args: tuple, training: bool,
     recorder = _Recorder(model)
     model.train(training)
     inputs = []
-    for i, value in enumerate(tree_leaves(args)):
+    kwargs = kwargs or {}
+    for i, value in enumerate(tree_leaves((args, kwargs))):
         if isinstance(value, Tensor):
             node = recorder.graph.placeholder(f"input_{i}")
             node.meta["data"] = True
@@ -329,10 +331,10 @@ def record(model: nn.Module, args: tuple, training: bool,
         if count_saves:
             with (attributing_saves(lambda: recorder.current, state_keys(model)) as saves,
                   recorder):
-                result = model(*args)
+                result = model(*args, **kwargs)
         else:
             with recorder:
-                result = model(*args)
+                result = model(*args, **kwargs)
     output = recorder.graph.output(recorder.nodes(result))
     kinds = hook_kinds(model)
     if kinds:  # the model's own hooks get its inputs and outputs
