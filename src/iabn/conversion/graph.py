@@ -340,7 +340,8 @@ def _known_class(m: nn.Module) -> bool:
 def recognition(m: nn.Module) -> Recognised | None:
     """:func:`.recognise.recognise` of a module of a class the conversion does not know by
     name (``None`` for the known ones and those that are no candidate)."""
-    if _known_class(m) or not is_candidate_class(m) or getattr(m, "_fast_norm", False):
+    if (_known_class(m) or type(m) in registry.MODULE_FORMS or not is_candidate_class(m)
+            or getattr(m, "_fast_norm", False)):
         return None
     return recognise(m)
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,9 @@ class Recognised:
 
     found: NormForm | nn.Module | None
     why: str | None = None
+    #: a module that matches nothing gets a row in the report, unless it is no activation
+    #: at all (a parameterless module whose forward fails on a probe or returns its input)
+    reported: bool = True
 
 
 #: The activation forms: (name, torch module, function).
@@ -85,7 +89,10 @@ _cache: dict[tuple, Recognised | None] = {}
 
 
 def recognise(m: nn.Module) -> Recognised | None:
-    """What ``m`` computes, if it is a candidate (``None``: not one, so never probed)."""
+    """What ``m`` computes, if it is a candidate (``None``: not one, so never probed).
+    In bfloat16 an RMS norm must give the module's values (Llama's, Gemma's and T5's
+    roundings differ there), or, for a module computing in bfloat16 throughout, be no
+    farther from the float64 function than the module is."""
     params = dict(m.named_parameters(recurse=False))
     if next(m.children(), None) is not None or any(True for _ in m.buffers(recurse=False)):
         return None
@@ -93,7 +100,9 @@ def recognise(m: nn.Module) -> Recognised | None:
         return None
     key = _key(m, params)
     if key not in _cache:
-        _cache[key] = _recognise_norm(m, params) if params else _recognise_activation(m)
+        with warnings.catch_warnings():  # torch.rms_norm of mixed dtypes warns
+            warnings.simplefilter("ignore")
+            _cache[key] = _recognise_norm(m, params) if params else _recognise_activation(m)
     return _cache[key]
 
 
@@ -163,7 +172,8 @@ def _recognise_activation(m: nn.Module) -> Recognised:
         outputs = {(dtype, training): _run(m, _probe_input(dtype), None, training)
                    for dtype in (torch.float64, torch.float32) for training in (True, False)}
     except Exception as error:  # any failure on a probe: no match
-        return Recognised(None, f"its forward fails on a probe ({_short(error)})")
+        return Recognised(None, f"its forward fails on a probe ({_short(error)})",
+                          reported=False)
     for name, make, function in _ACTIVATIONS:
         worst = 0.0
         for (dtype, _), out in outputs.items():
@@ -279,16 +289,17 @@ def _recognise_norm(m: nn.Module, params: dict[str, Tensor]) -> Recognised:
     return Recognised(None, _no_match("norm", best))
 
 
-def _norm_excess(m: nn.Module, form: NormForm, d: int) -> float:
-    """The largest excess over the float64 and float32 probes in both modes."""
+def _norm_excess(m: nn.Module, form: NormForm, d: int, strict: bool = False) -> float:
+    """The largest excess over the float64 and float32 probes in both modes (``strict``:
+    the float64 probe alone, in float64's units whatever the form computes in)."""
     worst = 0.0
     channels = form.kind == "layer_norm_2d"
-    for dtype in (torch.float64, torch.float32):
+    for dtype in (torch.float64,) if strict else (torch.float64, torch.float32):
         x = _norm_probe(d, channels, dtype)
         params = _probe_params(d, form.bias, dtype)
         ref = _reference(form, x, params)
         # an upcasting RMS form computes a float64 input in float32
-        unit = torch.finfo(torch.float32 if form.upcast else dtype).eps
+        unit = torch.finfo(torch.float32 if form.upcast and not strict else dtype).eps
         rows = ref.movedim(1, -1) if channels else ref
         scale = rows.abs().amax(-1, keepdim=True)
         scale = scale.movedim(-1, 1) if channels else scale
@@ -310,9 +321,14 @@ def _pick_upcast(m: nn.Module, form: NormForm, d: int) -> Recognised:
     candidates = [NormForm(form.kind, form.eps, False, form.weight_offset, upcast)
                   for upcast in (None, "normalise", "scale", "statistics")]
     candidates = [c for c in candidates if _norm_excess(m, c, d) <= 1]
+    # float64 in its own units tells a module computing in float64 from one rounding to
+    # float32 (Llama's, Gemma's and T5's upcasts also differ there from one another)
+    strict = {c: _norm_excess(m, c, d, strict=True) for c in candidates}
+    best = min(strict.values(), default=0.0)
+    candidates = [c for c in candidates if strict[c] <= max(1.0, 4 * best)]
     scores = []
     for candidate in candidates:
-        off, ulps = 0, 0.0
+        off, ulps, closer = 0, 0.0, True
         for param_dtype in (torch.bfloat16, torch.float32):
             x = _norm_probe(d, False, torch.bfloat16)
             params = _probe_params(d, False, param_dtype)
@@ -323,19 +339,28 @@ def _pick_upcast(m: nn.Module, form: NormForm, d: int) -> Recognised:
                                   f"({_short(error)})")
             ref = _reference(candidate, x, params)
             if out.dtype != ref.dtype:
-                off, ulps = math.inf, math.inf
+                off, ulps, closer = math.inf, math.inf, False
                 break
             err = (out.double() - ref.double()).abs()
             spacing = torch.finfo(ref.dtype).eps * ref.double().abs().clamp_min(
                 torch.finfo(ref.dtype).tiny)
             off += int((err > 0).sum())
             ulps = max(ulps, float((err / spacing).max()))
-        scores.append((off, ulps, candidate))
+            # the same function in float64: is the form no farther from it than the module?
+            truth = _reference(NormForm("rms_norm", form.eps, False, form.weight_offset),
+                               x.double(), {k: v.double() for k, v in params.items()})
+            closer = closer and bool((ref.double() - truth).abs().max()
+                                     <= (out.double() - truth).abs().max())
+        scores.append((off, ulps, closer, candidate))
     good = [s for s in scores if s[1] <= 2]  # one unit in the last place either side
-    if not good:
-        return Recognised(None, f"{_describe(form)} in float64 and float32, but no RMS norm "
-                          f"form gives its bfloat16 values")
-    return Recognised(min(good, key=lambda s: s[0])[2])
+    if good:
+        return Recognised(min(good, key=lambda s: s[0])[3])
+    # a module computing in bfloat16 throughout: a form closer to the float64 function
+    closer = [s for s in scores if s[2]]
+    if closer:
+        return Recognised(min(closer, key=lambda s: s[0])[3])
+    return Recognised(None, f"{_describe(form)} in float64 and float32, but no RMS norm form "
+                      f"gives its bfloat16 values or comes closer to the float64 function")
 
 
 def _describe(form: NormForm) -> str:
