@@ -24,8 +24,9 @@ layer: the row-norm call wherever it computes what the original does (measured b
 on CPU, torch 2.14: ``torch.rms_norm`` of a float32 input equals the Python formula, of a
 half input without weight equals ``(x.float() * rsqrt(...)).to(x.dtype)``, and of a half
 input with a float32 weight equals Gemma's single rounding), and the reference's operations
-where it does not (T5's form for float64 inputs, or for half inputs with float32 weights:
-no memory saved there).
+where it does not or where the original's float32 rounding would make the gradients differ
+(the upcasting forms' float64 inputs; T5's form for half inputs with float32 weights): no
+memory is saved there.
 """
 
 from __future__ import annotations
@@ -96,9 +97,15 @@ def rms_forward(call, input: Tensor, weight: Tensor | None, eps: float | None,
     f32 = torch.float32
     if upcast is None or (dtype == f32 and (scale is None or scale.dtype == f32)):
         return call(input, scale, None)
+    if dtype == torch.float64:
+        # the original rounds to float32 inside: its own operations (and their backward)
+        # give the same gradients, where the row-norm call's backward would differ by
+        # float32's rounding (1.4e-7 of a small Llama's largest gradient); float64 is for
+        # checking, not for saving memory
+        return rms_reference(input, weight, eps, weight_offset, upcast)
     if upcast == "normalise" or (upcast == "statistics" and dtype in _HALF and (
             weight is None or weight.dtype == dtype)):
-        # Llama rounds a float64 input to float32 (T5's form does not come here)
+        # a float32 input with a half weight: normalised in float32, then scaled
         h = (call(input, None, None) if dtype in _HALF
              else _on_float32(call, input, None).to(dtype))
         return h if scale is None else scale * h
