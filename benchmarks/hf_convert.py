@@ -14,6 +14,11 @@ configs, random weights, no download) this measures, in one run and at one batch
   by hand (``tests/support/hf_models.hand_swapped``), over the same original bytes;
 - how many modules each conversion replaced, and the largest output difference (verify).
 
+Token models run twice: with a tokenizer's batch (``input_ids`` and ``attention_mask``),
+where Hugging Face's masking reads the mask's values and the conversion goes part by part
+(each decoder layer on its own; the first norm of each layer and the final norm stay), and
+with ``input_ids`` alone, converted whole.
+
 Bytes are exact counts (no timing), so the machine's load does not move them.
 
 Usage::
@@ -69,28 +74,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--families", nargs="*", default=list(hf_models.FAMILIES))
-    parser.add_argument("--no-mask", action="store_true",
-                        help="token batches without attention_mask (a mask makes Hugging "
-                             "Face's masking read values: the conversion goes part by part)")
     parser.add_argument("--json", type=Path, default=None)
     options = parser.parse_args()
     set_threads(1)
     import transformers
-    rows = {}
-    print(f"{'family':<12} {'plain':>7} {'by hand':>8} {'gap':>7} {'replaced':>9}  max diff")
+    rows: dict[str, dict] = {}
+    print(f"{'family':<12} {'batch':<10} {'plain':>7} {'by hand':>8} {'gap':>7} "
+          f"{'replaced':>9}  max diff")
     for family in options.families:
-        row = measure(family, DTYPES[options.dtype], not options.no_mask)
-        rows[family] = row
-        print(f"{family:<12} {row['plain']:7.3f} {row['hand_swap']:8.3f} "
-              f"{row['plain'] - row['hand_swap']:+7.3f} "
-              f"{row['replaced_plain']:>4}/{row['replaced_hand_swap']:<4}  "
-              f"{row['max_difference_train']:.3g}")
+        token = hf_models.FAMILIES[family][1] is hf_models.ids
+        for mask in (True, False) if token else (True,):
+            batch = "ids+mask" if token and mask else "ids" if token else "pixels"
+            row = measure(family, DTYPES[options.dtype], mask)
+            rows.setdefault(family, {})[batch] = row
+            print(f"{family:<12} {batch:<10} {row['plain']:7.3f} {row['hand_swap']:8.3f} "
+                  f"{row['plain'] - row['hand_swap']:+7.3f} "
+                  f"{row['replaced_plain']:>4}/{row['replaced_hand_swap']:<4}  "
+                  f"{row['max_difference_train']:.3g}")
     load = os.getloadavg()
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (bytes are exact counts)")
     report = {"dtype": options.dtype, "transformers": transformers.__version__,
               "families": rows, "load_average": load, "machine": machine_info()}
-    write_json(options.json or RESULTS / f"hf_convert_{'cpu' if options.dtype == 'float32' else options.dtype + '_cpu'}.json",
-               report)
+    suffix = "" if options.dtype == "float32" else f"_{options.dtype}"
+    write_json(options.json or RESULTS / f"hf_convert{suffix}_cpu.json", report)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import torch
 import iabn
 
 pytest.importorskip("transformers", reason="the Hugging Face models")
-import hf_models  # noqa: E402  (tests/support, after the skip: it imports transformers)
+import hf_models  # tests/support, after the skip: it imports transformers
 
 #: the default run's (under 1.2 s each on the 2-core VM); the recorded runs of Llama, GPT-2 and
 #: Gemma take 2-5 s: slow
