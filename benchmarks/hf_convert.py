@@ -73,7 +73,9 @@ def measure(family: str, dtype: torch.dtype, mask: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    parser.add_argument("--families", nargs="*", default=list(hf_models.FAMILIES))
+    parser.add_argument("--families", nargs="*", default=list(hf_models.FAMILIES),
+                        choices=list(hf_models.FAMILIES), metavar="FAMILY",
+                        help=f"of {', '.join(hf_models.FAMILIES)} (default: all)")
     parser.add_argument("--json", type=Path, default=None)
     options = parser.parse_args()
     set_threads(1)
