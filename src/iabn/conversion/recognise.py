@@ -122,11 +122,14 @@ def _norm_shaped(params: dict[str, Tensor]) -> bool:
 
 
 def _key(m: nn.Module, params: dict[str, Tensor]) -> tuple:
-    """Modules of one class with the same plain attributes and parameter shapes compute the
-    same function (the probes replace the parameters' values)."""
-    plain = tuple(sorted((k, v) for k, v in vars(m).items() if not k.startswith("_")
-                         and k != "training"
-                         and (v is None or isinstance(v, (bool, int, float, str)))))
+    """Modules of one class with the same plain attributes, the same functions in their
+    attributes (GELUActivation's ``act``: ``F.gelu`` or its Python formula) and parameter
+    shapes compute the same function (the probes replace the parameters' values)."""
+    plain = tuple(sorted((k, v if v is None or isinstance(v, (bool, int, float, str))
+                          else getattr(v, "__qualname__", None) or type(v).__qualname__)
+                         for k, v in vars(m).items()
+                         if k not in ("training", "_parameters", "_buffers", "_modules")
+                         and not k.endswith("hooks") and not isinstance(v, (dict, list))))
     return (type(m), plain, tuple((k, tuple(p.shape)) for k, p in params.items()))
 
 
