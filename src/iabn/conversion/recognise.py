@@ -289,6 +289,8 @@ def _recognise_norm(m: nn.Module, params: dict[str, Tensor]) -> Recognised:
             if worst <= 1:
                 return _pick_upcast(m, candidate, d)
             best = min(best, (worst, _describe(candidate)))
+    if not math.isfinite(best[0]):  # no norm at all: its forward takes something else
+        return Recognised(None, "its forward fails on every norm's probe", reported=False)
     return Recognised(None, _no_match("norm", best))
 
 
