@@ -100,8 +100,11 @@ def recognise(m: nn.Module) -> Recognised | None:
         return None
     key = _key(m, params)
     if key not in _cache:
-        with warnings.catch_warnings():  # torch.rms_norm of mixed dtypes warns
-            warnings.simplefilter("ignore")
+        # the probes may run while fx traces or a run is recorded (is_leaf asks): torch
+        # function modes must not see them (a recorder would take their float() for reads
+        # of the model's values)
+        with warnings.catch_warnings(), torch._C.DisableTorchFunction():
+            warnings.simplefilter("ignore")  # torch.rms_norm of mixed dtypes warns
             _cache[key] = _recognise_norm(m, params) if params else _recognise_activation(m)
     return _cache[key]
 
@@ -121,15 +124,20 @@ def _norm_shaped(params: dict[str, Tensor]) -> bool:
     return bias is None or tuple(bias.shape) == tuple(weight.shape)
 
 
+def _plain(value: object) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
 def _key(m: nn.Module, params: dict[str, Tensor]) -> tuple:
     """Modules of one class with the same plain attributes, the same functions in their
-    attributes (GELUActivation's ``act``: ``F.gelu`` or its Python formula) and parameter
-    shapes compute the same function (the probes replace the parameters' values)."""
-    plain = tuple(sorted((k, v if v is None or isinstance(v, (bool, int, float, str))
-                          else getattr(v, "__qualname__", None) or type(v).__qualname__)
-                         for k, v in vars(m).items()
-                         if k not in ("training", "_parameters", "_buffers", "_modules")
-                         and not k.endswith("hooks") and not isinstance(v, (dict, list))))
+    public attributes (GELUActivation's ``act``: ``F.gelu`` or its Python formula; not a
+    ``forward`` put on the instance, as a recorded run does) and parameter shapes compute
+    the same function (the probes replace the parameters' values)."""
+    plain = tuple(sorted(
+        (k, v if _plain(v) else getattr(v, "__qualname__", None) or type(v).__qualname__)
+        for k, v in vars(m).items()
+        if k != "training" and (_plain(v) or (callable(v) and not k.startswith("_")
+                                              and k != "forward"))))
     return (type(m), plain, tuple((k, tuple(p.shape)) for k, p in params.items()))
 
 
@@ -145,7 +153,8 @@ def _run(m: nn.Module, x: Tensor, params: dict[str, Tensor] | None, training: bo
     probe.train(training)
     before = x.clone()
     with torch.no_grad():
-        out = probe.forward(x)
+        # the class's forward: a recorded run puts a recording wrapper on the instance
+        out = type(probe).forward(probe, x)
     if not isinstance(out, Tensor) or out.shape != x.shape:
         raise ValueError("it returns no tensor of its input's shape")
     if not torch.equal(x, before) or out.untyped_storage().data_ptr() == \
