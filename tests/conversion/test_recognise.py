@@ -201,3 +201,30 @@ def test_a_converted_model_reports_a_module_that_matches_nothing():
     assert rows["3"].decision == "InPlaceRMSNorm" and rows["5"].decision == "InPlaceSiLU"
     assert set(converted.state_dict()) == set(model.state_dict())
     assert report.max_difference_train < 1e-6
+
+
+
+def test_probes_are_unseen_by_torch_function_modes_and_instance_forwards(monkeypatch):
+    """A recorded run wraps each module's forward on the instance and records every torch
+    call through a TorchFunctionMode: the probes run inside neither."""
+    from torch.overrides import TorchFunctionMode
+
+    from iabn.conversion import recognise as module
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    def wrapper(x):
+        raise AssertionError("the instance's forward ran")
+
+    monkeypatch.setattr(module, "_cache", {})
+    gelu = WrittenGELU()
+    gelu.forward = wrapper
+    with Counting():
+        found = recognise(gelu).found
+    assert type(found) is nn.GELU and found.approximate == "tanh"
+    assert Counting.calls == 0
