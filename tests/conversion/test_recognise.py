@@ -151,13 +151,15 @@ def test_activation_forms_are_recognised(module, expected):
 @pytest.mark.parametrize(("module", "closest"), [
     # FastGELUActivation's constant: 3e-11 relative off sqrt(2/pi)
     (WrittenGELU(0.7978845608), "approximate='tanh'"),
-    (QuickGELU(), "F.gelu"),
+    (QuickGELU(), "F.gelu"),  # far from every form: no report row (reported=False)
     (InPlaceSwish(), "writes into its input"),
 ])
 def test_activation_near_misses_are_refused_with_the_reason(module, closest):
     result = recognise(module)
     assert result.found is None
     assert closest in result.why
+    # a row in the report only within 1e-6 relative of a form (FastGELU's constant)
+    assert result.reported == isinstance(module, WrittenGELU)
 
 
 @pytest.mark.parametrize(("module", "expected"), [

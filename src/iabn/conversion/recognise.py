@@ -49,6 +49,8 @@ from ..layers.norm_forms import rms_reference
 
 #: Units of roundoff a match may be off (module against reference), see the docstring.
 ULPS = 32
+#: How far (relative) an activation that matches nothing may be from a form to get a row.
+NEAR = 1e-6
 #: The probes' input sizes (rows, or positions of a channels-first input).
 _ROWS = 24
 
@@ -71,8 +73,9 @@ class Recognised:
 
     found: NormForm | nn.Module | None
     why: str | None = None
-    #: a module that matches nothing gets a row in the report, unless it is no activation
-    #: at all (a parameterless module whose forward fails on a probe or returns its input)
+    #: a module that matches nothing gets a row in the report where it is a near miss: a
+    #: norm (its parameters are a norm's), or an activation within 1e-6 relative of a form
+    #: (FastGELUActivation's constant; not a sigmoid, nor a module that fails on a probe)
     reported: bool = True
 
 
@@ -195,7 +198,8 @@ def _recognise_activation(m: nn.Module) -> Recognised:
         if worst <= 1:
             return Recognised(make())
         best = min(best, (worst, name))
-    return Recognised(None, _no_match("activation", best))
+    near = best[0] * ULPS * torch.finfo(torch.float64).eps <= NEAR
+    return Recognised(None, _no_match("activation", best), reported=near)
 
 
 def _no_match(what: str, best: tuple[float, str]) -> str:
