@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -42,9 +43,10 @@ class ConversionWarning(UserWarning):
 
 def convert(
     model: nn.Module,
-    example_input: Tensor | tuple[Any, ...],
+    example_input: Tensor | tuple[Any, ...] | None = None,
     policy: str = LOSSLESS,
     *,
+    example_kwargs: dict[str, Any] | None = None,
     verify: bool = True,
     progress: Callable[[str], None] | None = None,
     activations: bool = True,
@@ -84,7 +86,12 @@ def convert(
     is computed in the graph and saved by no other operation (a residual stream), untouched
     otherwise (:mod:`iabn.conversion.layers`). The activation layers are those of
     :func:`iabn.layers.activation.activation_layer` for the registry's records; an
-    activation with one minimum that has no such layer stays, with that reason. Activations
+    activation with one minimum that has no such layer stays, with that reason. Modules of
+    classes iabn does not know (Hugging Face's ``LlamaRMSNorm``, ``T5LayerNorm``, Gemma's
+    RMSNorm, ``GELUActivation``, ``NewGELUActivation``, ``SiLUActivation``, ConvNeXt's
+    channels-first layer norm) are recognised by what they compute, verified numerically
+    in float64, float32 and bfloat16 (:mod:`iabn.conversion.recognise`); one that matches
+    no form stays, and its row says why. Activations
     written as functions (``F.gelu(x)``, ``F.silu``, ``F.mish``) become calls of these layers
     by the same rules where the result is a generated module anyway; where it is the model's
     own class they stay, and a note of the report names them.
@@ -112,6 +119,11 @@ def convert(
         example_input: a tensor (or a tuple of ``forward``'s arguments) on the model's device;
             used to measure the saved bytes and to compare outputs, never to train; for a
             model fx cannot trace, also to record the run the decisions are read from.
+            ``None``: no positional arguments (give ``example_kwargs``).
+        example_kwargs: ``forward``'s keyword arguments (a Hugging Face model's batch,
+            ``{"input_ids": ..., "attention_mask": ...}``): the model is called as
+            ``model(*example_input, **example_kwargs)`` by every step (the analysis, the
+            byte counts, ``verify``).
         policy: ``"lossless"`` (default): outputs equal the original's to floating-point
             rounding, in train and eval mode. ``"leaky_relu"``: ReLU after a norm becomes
             LeakyReLU(0.01) so that the layer can go in place; this changes the model (plan
@@ -134,35 +146,88 @@ def convert(
                          f"LeakyReLU(0.01) to go in place)")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    args = example_input if isinstance(example_input, tuple) else (example_input,)
-    if not any(isinstance(a, Tensor) for a in tree_leaves(args)):
-        raise TypeError("example_input must be a tensor or a tuple of forward's arguments "
-                        "with at least one tensor (in lists and dicts too: a detector's list "
-                        "of images), e.g. torch.randn(8, 3, 224, 224)")
+    args, kwargs = _example(model, example_input, example_kwargs)
     if not isinstance(activations, bool):
         raise TypeError(f"activations={activations!r}: must be True (replace GELU/SiLU/Mish "
                         f"modules too) or False (only norms)")
     return _convert(model, args, policy, verify, progress or (lambda _text: None),
-                    activations=activations)
+                    activations=activations, kwargs=kwargs)
+
+
+def _example(model: nn.Module, example_input: Any, example_kwargs: Any
+             ) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` of the calls ``model(*args, **kwargs)``: the keyword arguments that
+    name a positional parameter of ``forward`` become positional ones (with the defaults of
+    those before them), which fx's graphs take; the others (keyword-only, ``**kwargs``) stay
+    keywords. Errors name the argument, before anything runs."""
+    if example_kwargs is not None and not (
+            isinstance(example_kwargs, dict) and all(isinstance(k, str) for k in example_kwargs)):
+        raise TypeError(f"example_kwargs must be a dict of forward's keyword arguments by name, "
+                        f"e.g. {{'input_ids': ids, 'attention_mask': mask}}, got "
+                        f"{type(example_kwargs).__name__}")
+    kwargs = dict(example_kwargs or {})
+    if example_input is None:
+        args: tuple = ()
+    else:
+        args = example_input if isinstance(example_input, tuple) else (example_input,)
+    if not any(isinstance(a, Tensor) for a in tree_leaves((args, kwargs))):
+        raise TypeError("example_input must be a tensor or a tuple of forward's arguments "
+                        "with at least one tensor (in lists and dicts too: a detector's list "
+                        "of images), e.g. torch.randn(8, 3, 224, 224), or example_kwargs a "
+                        "dict of keyword arguments with one (a Hugging Face batch)")
+    if not kwargs:
+        return args, kwargs
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to read: call as given
+        return args, kwargs
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"example_input and example_kwargs do not fit "
+                        f"{type(model).__name__}.forward{signature}: {error}; give the "
+                        f"arguments forward takes") from None
+    positional, rest = [], {}
+    names = [name for name, p in signature.parameters.items()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    last = max((i for i, name in enumerate(names) if name in bound.arguments), default=-1)
+    for name in names[:last + 1]:
+        if name in bound.arguments:
+            positional.append(bound.arguments[name])
+        elif signature.parameters[name].default is not inspect.Parameter.empty:
+            positional.append(signature.parameters[name].default)
+        else:  # bind would have refused
+            raise TypeError(f"example_kwargs: forward's argument {name!r} is missing")
+    for name, value in bound.arguments.items():
+        parameter = signature.parameters[name]
+        if parameter.kind == parameter.VAR_POSITIONAL:
+            positional.extend(value)
+        elif parameter.kind == parameter.VAR_KEYWORD:
+            rest.update(value)
+        elif parameter.kind == parameter.KEYWORD_ONLY:
+            rest[name] = value
+    return tuple(positional), rest
 
 
 def _convert(model: nn.Module, args: tuple, policy: str, verify: bool,
-             say: Callable[[str], None], enclosed: bool = False, activations: bool = True
-             ) -> tuple[nn.Module, ConversionReport]:
+             say: Callable[[str], None], enclosed: bool = False, activations: bool = True,
+             kwargs: dict[str, Any] | None = None) -> tuple[nn.Module, ConversionReport]:
     """:func:`convert` after its argument checks. ``enclosed``: ``model`` is a submodule of
-    a model being converted part by part, so the code around it may write into its outputs."""
+    a model being converted part by part, so the code around it may write into its outputs.
+    ``kwargs``: keyword arguments of every call that fit no positional parameter."""
+    kwargs = kwargs or {}
     # ``original`` is traced (the tracer adds its constants to it) and is the reference of
     # the comparisons; ``work`` becomes the result. ``model`` itself is never run.
     original = _deepcopy(model)
     work = _deepcopy(model)
     say("tracing the model in train and eval mode")
-    analysis = _analyse(original, args, say)
+    analysis = _analyse(original, args, say, kwargs)
     reads = list(dict.fromkeys(r for t in analysis.traced.values() for r in t.value_reads))
     if reads:
         why = (f"{analysis.not_traced}, and its forward reads tensor values into Python "
                f"({_listed(reads)}), so other inputs may take paths this run did not")
         return _convert_by_parts(original, work, args, policy, verify, why, say,
-                                 analysis.traced, activations)
+                                 analysis.traced, activations, kwargs)
     if enclosed:
         _outputs_escape(analysis.traced)
     say("counting the bytes the original model saves for backward")
@@ -170,12 +235,12 @@ def _convert(model: nn.Module, args: tuple, policy: str, verify: bool,
     decided = plan(_context(original, analysis, policy, activations, before[2]), work)
     say(f"replacing {len(decided.layers) + len(decided.calls)} of {len(decided.rows)} layers; "
         f"counting the bytes the converted model saves")
-    converted, result, why, after = _put_in(work, original, analysis, decided, args)
-    report = _report(decided, policy, args, before, after, result, why)
+    converted, result, why, after = _put_in(work, original, analysis, decided, args, kwargs)
+    report = _report(decided, policy, (args, kwargs), before, after, result, why)
     if verify:
         say("comparing outputs with the original in eval and train mode")
         report.max_difference_eval, report.max_difference_train = _differences(
-            original, converted, args)
+            original, converted, args, kwargs)
     return converted, report
 
 
@@ -187,24 +252,45 @@ class _Analysis(NamedTuple):
     recorded_saves: tuple | None = None
     #: why fx could not trace the model, for the report (``None``: it could)
     not_traced: str | None = None
+    #: of fx's graphs: :func:`_bytes_per_node` of the training-mode graph
+    counted: tuple | None = None
 
 
-def _analyse(original: nn.Module, args: tuple, say: Callable[[str], None]) -> _Analysis:
-    """fx's graphs of ``original`` in train and eval mode, else recorded runs' graphs."""
+def _analyse(original: nn.Module, args: tuple, say: Callable[[str], None],
+             kwargs: dict[str, Any]) -> _Analysis:
+    """fx's graphs of ``original`` in train and eval mode, else recorded runs' graphs (also
+    where forward takes keyword-only arguments, which fx's graph has no inputs for)."""
+    if kwargs:
+        say("keyword-only arguments: recording a run in train and eval mode")
+        traced, recorded_saves = _record_both(original, args, kwargs)
+        return _Analysis(traced, recorded_saves,
+                         f"{type(original).__name__} takes keyword-only arguments "
+                         f"({', '.join(kwargs)}), which torch.fx's graph has no inputs for")
     try:
-        return _Analysis({mode: trace(original, mode) for mode in (True, False)})
+        traced = {mode: trace(original, mode) for mode in (True, False)}
     except Exception as error:  # fx raises many kinds for untraceable code
         say(f"torch.fx cannot trace it ({type(error).__name__}); recording a run in train "
             f"and eval mode instead")
-        traced, recorded_saves = _record_both(original, args)
-        return _Analysis(traced, recorded_saves, _fx_failure(original, error))
+        recorded = _record_both(original, args, kwargs)
+        return _Analysis(*recorded, _fx_failure(original, error))
+    try:
+        # fx traced forward on proxies: an argument given as None (a Hugging Face layer's
+        # token_type_ids) took the branch of a tensor, so the graph may not run on the example
+        counted = _bytes_per_node(original, traced[True].graph, args)
+    except Exception as error:
+        say(f"torch.fx's graph fails on the example ({type(error).__name__}); recording a run "
+            f"in train and eval mode instead")
+        recorded = _record_both(original, args, kwargs)
+        return _Analysis(*recorded, f"torch.fx's graph of {type(original).__name__} fails on "
+                         f"the example ({_first_line(error, 120)})")
+    return _Analysis(traced, counted=counted)
 
 
 def _bytes_before(original: nn.Module, analysis: _Analysis, args: tuple
                   ) -> tuple[dict[str, int], int, dict[str, set[fx.Node]]]:
     """:func:`_bytes_per_node` of the original model (a recorded run counted them)."""
     if analysis.recorded_saves is None:
-        return _bytes_per_node(original, analysis.traced[True].graph, args)
+        return analysis.counted
     return _bytes_by_norm(analysis.traced[True].graph, dict(original.named_modules()),
                           *analysis.recorded_saves)
 
@@ -252,7 +338,8 @@ def _context(original: nn.Module, analysis: _Analysis, policy: str, activations:
 
 
 def _put_in(work: nn.Module, original: nn.Module, analysis: _Analysis, decided: Plan,
-            args: tuple) -> tuple[nn.Module, str, str, tuple[dict[str, int], int]]:
+            args: tuple, kwargs: dict[str, Any]
+            ) -> tuple[nn.Module, str, str, tuple[dict[str, int], int]]:
     """The converted model, the report's result and its reason, and the bytes the converted
     model saves (per site and in all)."""
     graphs = {mode: t.graph for mode, t in analysis.traced.items()}
@@ -262,9 +349,9 @@ def _put_in(work: nn.Module, original: nn.Module, analysis: _Analysis, decided: 
         assert obstacle is None and not decided.calls, obstacle
         converted = swap(work, decided.layers, decided.fused)
         why = (f"{analysis.not_traced}: decided on one recorded run in train and eval mode at "
-               f"input shape {_shape_text(args)}; a forward that branches on sizes may take "
-               f"other paths at other shapes")
-        after, saved_after, _ = _bytes_recorded(converted, args)
+               f"input shape {_shape_text((args, kwargs))}; a forward that branches on sizes "
+               f"may take other paths at other shapes")
+        after, saved_after, _ = _bytes_recorded(converted, args, kwargs)
         return converted, "modules swapped", why, (after, saved_after)
     if obstacle is None:
         assert not decided.calls  # Context.calls_stay kept them
@@ -356,14 +443,16 @@ def _bytes_per_node(model: nn.Module, graph: fx.Graph,
     return _bytes_by_norm(graph, dict(module.named_modules()), saves, interpreter.norm_inputs)
 
 
-def _record_both(model: nn.Module, args: tuple) -> tuple[dict[bool, Traced], tuple]:
+def _record_both(model: nn.Module, args: tuple, kwargs: dict[str, Any]
+                 ) -> tuple[dict[bool, Traced], tuple]:
     """Recorded runs in train and eval mode (:mod:`iabn.conversion.recording`), the train
     run counting the bytes saved for backward; the model's state is restored."""
     traced, counted = {}, None
     for mode in (True, False):
-        with preserved(model), same_randomness(args):
+        with preserved(model), same_randomness((args, kwargs)):
             try:
-                traced[mode], saves, norm_inputs = record(model, args, mode, count_saves=mode)
+                traced[mode], saves, norm_inputs = record(model, args, mode, count_saves=mode,
+                                                          kwargs=kwargs)
             except Exception as error:
                 raise ValueError(
                     f"example_input: {type(model).__name__}'s forward fails on it in "
@@ -375,11 +464,12 @@ def _record_both(model: nn.Module, args: tuple) -> tuple[dict[bool, Traced], tup
     return traced, counted
 
 
-def _bytes_recorded(model: nn.Module, args: tuple
+def _bytes_recorded(model: nn.Module, args: tuple, kwargs: dict[str, Any]
                     ) -> tuple[dict[str, int], int, dict[str, set[fx.Node]]]:
     """:func:`_bytes_per_node` from a recorded training-mode run of ``model``."""
-    with preserved(model), same_randomness(args):
-        traced, saves, norm_inputs = record(model, args, True, count_saves=True)
+    with preserved(model), same_randomness((args, kwargs)):
+        traced, saves, norm_inputs = record(model, args, True, count_saves=True,
+                                            kwargs=kwargs)
     return _bytes_by_norm(traced.graph, dict(model.named_modules()), saves, norm_inputs)
 
 
@@ -433,16 +523,17 @@ def _layer_name(layer: nn.Module | None) -> str:
     return name if getattr(layer, "overwrite_input", True) else f"{name}(overwrite_input=False)"
 
 
-def _saved(model: nn.Module, args: tuple) -> int:
-    with preserved(model), same_randomness(args):
-        return saved_tensor_bytes(model.train(), *args)
+def _saved(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> int:
+    with preserved(model), same_randomness((args, kwargs)):
+        return saved_tensor_bytes(model.train(), *args, **kwargs)
 
 
-def _shapes(args: tuple) -> list[list[int]]:
+def _shapes(args: Any) -> list[list[int]]:
     return [list(a.shape) for a in tree_leaves(args) if isinstance(a, Tensor)]
 
 
-def _differences(original: nn.Module, converted: nn.Module, args: tuple) -> tuple[float, float]:
+def _differences(original: nn.Module, converted: nn.Module, args: tuple,
+                 kwargs: dict[str, Any]) -> tuple[float, float]:
     """Largest absolute output difference in eval and in train mode, each after a backward
     pass through the converted model in that mode (frozen-statistics fine-tuning and input
     gradients run backward in eval mode). Nothing of either model changes: statistics are
@@ -452,10 +543,12 @@ def _differences(original: nn.Module, converted: nn.Module, args: tuple) -> tupl
         for training in (False, True):
             original.train(training)
             converted.train(training)
-            with same_randomness(args):
-                expected = [t for t in tree_leaves(original(*args)) if isinstance(t, Tensor)]
-            with same_randomness(args):
-                got = [t for t in tree_leaves(converted(*args)) if isinstance(t, Tensor)]
+            with same_randomness((args, kwargs)):
+                expected = [t for t in tree_leaves(original(*args, **kwargs))
+                            if isinstance(t, Tensor)]
+            with same_randomness((args, kwargs)):
+                got = [t for t in tree_leaves(converted(*args, **kwargs))
+                       if isinstance(t, Tensor)]
             result.append(max((float((x.detach().double() - y.detach().double()).abs().max())
                                for x, y in zip(expected, got, strict=True) if x.numel()),
                               default=0.0))
@@ -492,7 +585,8 @@ def _backward(converted: nn.Module, got: list[Tensor], original: nn.Module,
 
 def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy: str,
                       verify: bool, why: str, say: Callable[[str], None],
-                      traced: dict[bool, Traced], activations: bool = True
+                      traced: dict[bool, Traced], activations: bool = True,
+                      kwargs: dict[str, Any] | None = None
                       ) -> tuple[nn.Module, ConversionReport]:
     """Convert the submodules whose forward reads no tensor values, each on its own.
 
@@ -516,18 +610,24 @@ def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy:
                 parts.append(name)
 
     visit("", original)
-    inputs = _part_inputs(original, args, parts)
+    kwargs = kwargs or {}
+    inputs = _part_inputs(original, args, parts, kwargs)
     layers: dict[str, LayerRow] = {}
     converted_parts = []
     for name in parts:
         if name not in inputs:
-            continue  # called with keyword arguments, or only in eval mode
+            continue  # called only in eval mode
+        part_module = original.get_submodule(name)
+        try:
+            part_args, part_kwargs = _example(part_module, *inputs[name])
+        except TypeError:
+            continue  # no tensor among its arguments
         say(f"converting the part {name}")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConversionWarning)
-            part, part_report = _convert(original.get_submodule(name), inputs[name], policy,
+            part, part_report = _convert(part_module, part_args, policy,
                                          False, lambda _text: None, enclosed=True,
-                                         activations=activations)
+                                         activations=activations, kwargs=part_kwargs)
         work.set_submodule(name, part)
         converted_parts.append(name)
         for row in part_report.rows:
@@ -550,34 +650,37 @@ def _convert_by_parts(original: nn.Module, work: nn.Module, args: tuple, policy:
         f"traceable by torch.fx (torch.fx.wrap for the function that reads values) for the "
         f"whole conversion.", ConversionWarning, stacklevel=3)
     report = ConversionReport(
-        policy, _shapes(args), rows, _saved(original, args), _saved(work, args),
+        policy, _shapes((args, kwargs)), rows, _saved(original, args, kwargs),
+        _saved(work, args, kwargs),
         "converted by parts", f"{why}; converted part by part: {_listed(converted_parts)}")
     if verify:
         report.max_difference_eval, report.max_difference_train = _differences(
-            original, work, args)
+            original, work, args, kwargs)
     return work, report
 
 
-def _part_inputs(model: nn.Module, args: tuple, parts: list[str]) -> dict[str, tuple]:
-    """The positional inputs each of ``parts`` gets in a training-mode run of ``model``
-    (copied as they were when it was called); parts called with keyword arguments have
-    none."""
+def _part_inputs(model: nn.Module, args: tuple, parts: list[str], kwargs: dict[str, Any]
+                 ) -> dict[str, tuple[tuple, dict[str, Any]]]:
+    """The arguments ``(args, kwargs)`` each of ``parts`` gets in a training-mode run of
+    ``model`` (tensors copied as they were when it was called: a Hugging Face decoder layer
+    gets its hidden states and the position embeddings as keywords)."""
     inputs: dict[str, tuple] = {}
 
     def keep(name):
         def hook(_module, part_args, part_kwargs):
-            if not part_kwargs and name not in inputs:
+            if name not in inputs:
                 inputs[name] = tree_map(
-                    lambda t: t.detach().clone() if isinstance(t, Tensor) else t, part_args)
+                    lambda t: t.detach().clone() if isinstance(t, Tensor) else t,
+                    (part_args, part_kwargs))
         return hook
 
     handles = [model.get_submodule(name).register_forward_pre_hook(keep(name),
                                                                     with_kwargs=True)
                for name in parts]
     try:
-        with preserved(model), same_randomness(args), torch.no_grad():
+        with preserved(model), same_randomness((args, kwargs)), torch.no_grad():
             model.train()
-            model(*args)
+            model(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()

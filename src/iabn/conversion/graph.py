@@ -49,6 +49,7 @@ from ..layers import layer_norm as layer_norms
 from ..layers.activation import activation_layer, has_activation_layer
 from ..layers.batch_norm import ABN
 from ..layers.group_norm import GroupNormAct
+from .recognise import NormForm, Recognised, is_candidate_class, recognise
 
 
 def _layer_classes(*modules: Any) -> tuple[type, ...]:
@@ -317,28 +318,68 @@ _TIMM_ACTIVATIONS: dict[tuple[str, str], Callable[[nn.Module], nn.Module]] = {
 
 
 def torch_equivalent(m: nn.Module) -> nn.Module:
-    """``m`` itself, or for one of timm's activation modules the ``torch.nn`` module that
-    computes what it computes: what the registry recognises and the layers derive from."""
+    """``m`` itself, or for one of timm's activation modules or a module recognised by what
+    it computes (:mod:`.recognise`: Hugging Face's ``GELUActivation``,
+    ``NewGELUActivation``, ``SiLUActivation``...) the ``torch.nn`` module that computes
+    what it computes: what the registry recognises and the layers derive from."""
     cls = type(m)
     make = _TIMM_ACTIVATIONS.get((cls.__module__, cls.__name__))
-    return m if make is None else make(m)
+    if make is not None:
+        return make(m)
+    found = recognised(m)
+    return found if isinstance(found, nn.Module) else m
+
+
+def _known_class(m: nn.Module) -> bool:
+    cls = type(m)
+    return (cls in (nn.LayerNorm, getattr(nn, "RMSNorm", None))
+            or (cls.__module__, cls.__name__) in _TIMM_KINDS
+            or (cls.__module__, cls.__name__) in _TIMM_ACTIVATIONS)
+
+
+def recognition(m: nn.Module) -> Recognised | None:
+    """:func:`.recognise.recognise` of a module of a class the conversion does not know by
+    name (``None`` for the known ones and those that are no candidate)."""
+    if (_known_class(m) or type(m) in registry.MODULE_FORMS or not is_candidate_class(m)
+            or getattr(m, "_fast_norm", False)):
+        return None
+    return recognise(m)
+
+
+def recognised(m: nn.Module) -> NormForm | nn.Module | None:
+    """What :func:`recognition` found ``m`` computes, if anything."""
+    found = recognition(m)
+    return None if found is None else found.found
+
+
+def norm_form(m: nn.Module) -> NormForm | None:
+    """What a layer or RMS norm that iabn replaces by a layer of its own computes: the
+    known classes' (``nn.LayerNorm``, ``nn.RMSNorm``, timm's and torchvision's, their
+    ``eps`` and bias) or a recognised module's form; ``None`` for anything else."""
+    cls = type(m)
+    kind = None
+    if cls is nn.LayerNorm:
+        kind = "layer_norm"
+    elif cls is getattr(nn, "RMSNorm", None):
+        kind = "rms_norm"
+    else:
+        known = _TIMM_KINDS.get((cls.__module__, cls.__name__))
+        if known is not None and getattr(m, "_fast_norm", False) is False:
+            kind = known
+    if kind is not None:
+        return NormForm(kind, m.eps, getattr(m, "bias", None) is not None)
+    found = recognised(m)
+    return found if isinstance(found, NormForm) else None
 
 
 def layer_kind(m: nn.Module) -> str | None:
     """What a normalisation that iabn replaces by a layer of its own (not fused with an
     activation) computes: ``"layer_norm"`` (``nn.LayerNorm``, timm's ``LayerNorm``),
     ``"layer_norm_2d"`` (timm's ``LayerNorm2d``: over dim 1), ``"rms_norm"``
-    (``nn.RMSNorm``, timm's ``RmsNorm``), or ``None``. Exact classes: a subclass may have
-    changed ``forward``."""
-    cls = type(m)
-    if cls is nn.LayerNorm:
-        return "layer_norm"
-    if cls is getattr(nn, "RMSNorm", None):
-        return "rms_norm"
-    kind = _TIMM_KINDS.get((cls.__module__, cls.__name__))
-    if kind is not None and getattr(m, "_fast_norm", False) is False:
-        return kind
-    return None
+    (``nn.RMSNorm``, timm's ``RmsNorm``), or ``None``. Exact classes (a subclass may have
+    changed ``forward``), or modules recognised by what they compute (:func:`norm_form`)."""
+    form = norm_form(m)
+    return None if form is None else form.kind
 
 
 def activation_kind(m: nn.Module) -> str | None:
@@ -584,8 +625,8 @@ def writes_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool 
             return m.overwrite_input
         if getattr(m, "inplace", False) is True or getattr(m, "_in_place", False):
             return True  # an nn module with inplace=True, or iabn's in-place layers
-        if isinstance(m, (ABN, GroupNormAct)):
-            return False
+        if isinstance(m, (ABN, GroupNormAct)) or recognised(m) is not None:
+            return False  # a recognised module's probes left their input as it was
         # PyTorch's own modules write into their input only through ``inplace``
         return False if _is_torch(type(m).__module__) else None
     if node.op == "call_method":

@@ -29,6 +29,7 @@ from .graph import (
     is_site_module,
     layer_kind,
     node_activation,
+    recognition,
     standalone_layer,
     stands_alone,
 )
@@ -260,6 +261,23 @@ class ActivationAlone(SiteKind):
         return layer.train(source.training)
 
 
+class Unrecognised(SiteKind):
+    """Modules of classes iabn does not know that were probed as a norm or activation and
+    match none of the forms it replaces (:mod:`.recognise`): a row saying why."""
+
+    def find(self, traced, context, plan):
+        return []
+
+    def subjects(self, sites, context, plan):
+        for order, (name, m) in enumerate(context.modules.items()):
+            found = recognition(m)
+            if found is not None and found.found is None and found.reported:
+                yield Subject(name, name, m, order)
+
+    def decide(self, subject, per_graph, context):
+        return Decision(UNTOUCHED, recognition(subject.module).why)
+
+
 def _absorbed_modules(plan: Plan) -> set[str]:
     """The activation modules the norms decided so far absorb."""
     return {s.activation_node.target for s in plan.fused
@@ -277,7 +295,7 @@ def _free_name(base: str, root: nn.Module, taken: set[str]) -> str:
 
 
 #: Every kind, in the order they are decided.
-KINDS: tuple[SiteKind, ...] = (FusedNorm(), NormAlone(), ActivationAlone())
+KINDS: tuple[SiteKind, ...] = (FusedNorm(), NormAlone(), ActivationAlone(), Unrecognised())
 
 
 def plan(context: Context, work: nn.Module, kinds: tuple[SiteKind, ...] = KINDS) -> Plan:
@@ -313,4 +331,4 @@ def plan(context: Context, work: nn.Module, kinds: tuple[SiteKind, ...] = KINDS)
 
 
 __all__ = ["KINDS", "ActivationAlone", "Context", "FusedNorm", "NormAlone", "Plan",
-           "SiteKind", "Subject", "plan"]
+           "SiteKind", "Subject", "Unrecognised", "plan"]

@@ -35,8 +35,8 @@ from .graph import (
     Escape,
     input_not_fresh,
     later_write,
-    layer_kind,
     node_activation,
+    norm_form,
     site_key,
     writes_first_argument,
 )
@@ -114,20 +114,23 @@ def new_norm(module: nn.Module, decision: Decision) -> nn.Module:
     """iabn's layer for the layer or RMS norm ``module``, holding its very parameters (an
     optimizer built on them keeps working)."""
     overwrite = decision.layer == IN_PLACE
-    kind = layer_kind(module)
-    if kind == "layer_norm":
-        layer = InPlaceLayerNorm(module.normalized_shape, module.eps,
-                                 module.weight is not None, module.bias is not None,
+    form = norm_form(module)
+    weight = getattr(module, "weight", None)
+    # a recognised module's parameters are 1-d: the features normalised
+    shape = getattr(module, "normalized_shape", None) or tuple(weight.shape)
+    affine = weight is not None
+    if form.kind == "layer_norm":
+        layer = InPlaceLayerNorm(shape, form.eps, affine, form.bias,
                                  overwrite_input=overwrite, device="meta")
-    elif kind == "layer_norm_2d":
-        (channels,) = module.normalized_shape
-        layer = InPlaceLayerNorm2d(channels, module.eps, module.weight is not None,
-                                   overwrite_input=overwrite)
-        if module.weight is not None and module.bias is None:
+    elif form.kind == "layer_norm_2d":
+        (channels,) = shape
+        layer = InPlaceLayerNorm2d(channels, form.eps, affine, overwrite_input=overwrite)
+        if affine and not form.bias:
             layer.bias = None
     else:
-        layer = InPlaceRMSNorm(module.normalized_shape, module.eps, module.weight is not None,
-                               overwrite_input=overwrite, device="meta")
+        layer = InPlaceRMSNorm(shape, form.eps, affine, overwrite_input=overwrite,
+                               weight_offset=form.weight_offset, upcast=form.upcast,
+                               device="meta")
     for field in ("weight", "bias"):
         if getattr(layer, field, None) is not None:
             setattr(layer, field, getattr(module, field))

@@ -296,19 +296,28 @@ def _held_by_python(recorder: _Recorder, known: set[fx.Node]) -> list[fx.Node]:
     if all(ref() is None for ref, _ in candidates):
         return []  # (no collection needed: the common case)
     gc.collect()  # what forward dropped is gone, cycles (a caught traceback) included
+    alive = [t for t in (ref() for ref, _ in candidates) if t is not None]
+    by_id = {id(t): t for t in alive}
+    # one scan of the heap for all of them (one per tensor took 0.11 s each once
+    # transformers was imported); then which tensors each holder holds
     here = sys._getframe()
+    held_ids: set[int] = set()
+    for holder in gc.get_referrers(*alive):
+        if holder is here or holder is alive or holder is by_id:
+            continue
+        held_ids.update(id(x) for x in gc.get_referents(holder) if id(x) in by_id)
     held = []
-    for ref, _ in candidates:
-        t = ref()
-        if t is not None and any(r is not here for r in gc.get_referrers(t)):
+    for t in alive:
+        if id(t) in held_ids:
             held.extend(n for n in _nodes_of(recorder, t) if n not in held)
-        del t
+    del alive, by_id
     return held
 
 
 def record(model: nn.Module, args: tuple, training: bool,
-           count_saves: bool = False) -> tuple[Traced, Any, dict[str, Any]]:
-    """Run ``model(*args)`` once in training or eval mode and record its graph (see the
+           count_saves: bool = False, kwargs: dict[str, Any] | None = None
+           ) -> tuple[Traced, Any, dict[str, Any]]:
+    """Run ``model(*args, **kwargs)`` once in training or eval mode and record its graph (see the
     module's docstring). The caller keeps the model's state (``trial_runs.preserved``) and
     randomness (``same_randomness``). With ``count_saves``, the tensors saved for backward
     are attributed to the node that saved them (:func:`iabn.memory.attributing_saves`).
@@ -318,7 +327,8 @@ def record(model: nn.Module, args: tuple, training: bool,
     recorder = _Recorder(model)
     model.train(training)
     inputs = []
-    for i, value in enumerate(tree_leaves(args)):
+    kwargs = kwargs or {}
+    for i, value in enumerate(tree_leaves((args, kwargs))):
         if isinstance(value, Tensor):
             node = recorder.graph.placeholder(f"input_{i}")
             node.meta["data"] = True
@@ -329,10 +339,10 @@ def record(model: nn.Module, args: tuple, training: bool,
         if count_saves:
             with (attributing_saves(lambda: recorder.current, state_keys(model)) as saves,
                   recorder):
-                result = model(*args)
+                result = model(*args, **kwargs)
         else:
             with recorder:
-                result = model(*args)
+                result = model(*args, **kwargs)
     output = recorder.graph.output(recorder.nodes(result))
     kinds = hook_kinds(model)
     if kinds:  # the model's own hooks get its inputs and outputs

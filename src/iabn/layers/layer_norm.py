@@ -31,6 +31,7 @@ from .checks import (
     check_per_call,
     check_tensor_kind,
 )
+from .norm_forms import check_form, rms_forward
 from .options import check_flag
 
 _NAMES = {LAYER_NORM: "layer normalisation", RMS_NORM: "RMS normalisation"}
@@ -156,6 +157,15 @@ class InPlaceRMSNorm(OverwriteInputOption, nn.RMSNorm):
     of it); ``eps=None`` is the machine epsilon ``torch.rms_norm`` uses (float32's for half
     inputs). ``overwrite_input`` as :class:`InPlaceLayerNorm`. Features with a weight below
     ``finfo(dtype).tiny`` keep their normalised values. Double backward is refused.
+
+    ``weight_offset`` (keyword, default ``0.0``): scale by ``weight_offset + weight`` (Gemma's
+    ``1 + weight``). ``upcast`` (keyword, default ``None``): compute as Llama's
+    (``"normalise"``), Gemma's (``"scale"``) or T5's (``"statistics"``) RMSNorm do in every
+    dtype (:mod:`iabn.layers.norm_forms`). Where such a form scales after normalising (Llama's
+    and T5's with a half input, Llama's with a float64 one), the row-norm call keeps its
+    normalised output and a multiplication by the weight follows: with
+    ``overwrite_input=True`` the normalised values are written into the input and the scaled
+    output is a new tensor.
     """
 
     _in_place = True
@@ -164,16 +174,36 @@ class InPlaceRMSNorm(OverwriteInputOption, nn.RMSNorm):
 
     def __init__(self, normalized_shape: int | Sequence[int], eps: float | None = None,
                  elementwise_affine: bool = True, device=None, dtype=None, *,
-                 overwrite_input: bool = True) -> None:
+                 overwrite_input: bool = True, weight_offset: float = 0.0,
+                 upcast: str | None = None) -> None:
         shape = as_shape(normalized_shape)
         check_flag("overwrite_input", overwrite_input)
+        check_form(weight_offset, upcast)
         super().__init__(shape, eps, elementwise_affine, device=device, dtype=dtype)
         self.overwrite_input = overwrite_input
+        self.weight_offset = float(weight_offset)
+        self.upcast = upcast
 
-    forward = InPlaceLayerNorm.forward
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.weight_offset and self.upcast is None:
+            return InPlaceLayerNorm.forward(self, input)
+        shape = tuple(self.normalized_shape)
+        check_norm_inputs(input, self.weight, None, shape, kind=RMS_NORM, channels=False,
+                          in_place=self._in_place)
+        config = RowConfig(shape, self.eps, RMS_NORM, False)
+        name = type(self).__name__
+
+        def call(x: Tensor, weight: Tensor | None, overwrite: bool | None) -> Tensor:
+            return row_norm_call(x, weight, None, config,
+                                 self._in_place if overwrite is None else overwrite, name)
+
+        return rms_forward(call, input, self.weight, self.eps, self.weight_offset, self.upcast)
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + ("" if self.overwrite_input else ", overwrite_input=False")
+        text = super().extra_repr() + ("" if self.overwrite_input else ", overwrite_input=False")
+        if self.weight_offset:
+            text += f", weight_offset={self.weight_offset}"
+        return text + (f", upcast={self.upcast!r}" if self.upcast else "")
 
 
 __all__ = ["InPlaceLayerNorm", "InPlaceLayerNorm2d", "InPlaceRMSNorm", "as_shape",

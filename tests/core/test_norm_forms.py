@@ -1,0 +1,95 @@
+"""InPlaceRMSNorm's weight_offset and upcast options against Hugging Face's own RMSNorm
+classes (Llama's, Gemma's, T5's; transformers 5.x), in every dtype: outputs bit for bit,
+gradients against a float64 reference no farther than the originals' (iabn.layers.norm_forms)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iabn import InPlaceRMSNorm
+
+transformers = pytest.importorskip("transformers", reason="compares with Hugging Face's classes")
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
+
+D = 32
+FORMS = {  # class -> (weight_offset, upcast)
+    LlamaRMSNorm: (0.0, "normalise"),
+    GemmaRMSNorm: (1.0, "scale"),
+    T5LayerNorm: (0.0, "statistics"),
+}
+#: (input dtype, parameter dtype)
+DTYPES = [(torch.float64, torch.float64), (torch.float32, torch.float32),
+          (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+          (torch.bfloat16, torch.float32)]
+#: converted error / original error from float64 (max over the elements), measured on these
+#: cases (CPU, torch 2.14): 1.0 for most, 1.21 and 1.41 (Gemma's bfloat16 weight gradient,
+#: bfloat16 and float32 weights), 2.0 (Llama's float32 input gradient); bound 1.5x the
+#: largest.
+ERROR_RATIO = 3.0
+
+
+def _pair(cls, param_dtype, overwrite):
+    torch.manual_seed(0)
+    original = cls(D)
+    with torch.no_grad():
+        original.weight.copy_(torch.randn(D) * 0.5 + (0.0 if cls is GemmaRMSNorm else 1.0))
+    original = original.to(param_dtype)
+    eps = getattr(original, "variance_epsilon", None) or original.eps
+    offset, upcast = FORMS[cls]
+    layer = InPlaceRMSNorm(D, eps, overwrite_input=overwrite, weight_offset=offset,
+                           upcast=upcast, dtype=param_dtype)
+    layer.load_state_dict(original.state_dict())
+    return original, layer
+
+
+def _run(module, x):
+    x = x.clone().requires_grad_()
+    y = module(x * 1)  # a non-leaf, which the in-place mode may overwrite
+    g = torch.Generator().manual_seed(2)
+    y.backward(torch.randn(y.shape, generator=g, dtype=torch.float64).to(y.dtype))
+    grads = (x.grad, module.weight.grad)
+    module.weight.grad = None
+    return y.detach(), grads
+
+
+def _input(dtype):
+    g = torch.Generator().manual_seed(1)
+    scales = torch.logspace(-3, 2, 6, dtype=torch.float64)[:, None, None]
+    return (torch.randn(6, 4, D, generator=g, dtype=torch.float64) * scales).to(dtype)
+
+
+@pytest.mark.parametrize("cls", list(FORMS), ids=lambda c: c.__name__)
+@pytest.mark.parametrize(("dtype", "param_dtype"), DTYPES, ids=str)
+@pytest.mark.parametrize("overwrite", [True, False], ids=["in_place", "output_only"])
+def test_the_options_compute_as_the_hugging_face_class(cls, dtype, param_dtype, overwrite):
+    original, layer = _pair(cls, param_dtype, overwrite)
+    x = _input(dtype)
+    expected, expected_grads = _run(original, x)
+    got, got_grads = _run(layer, x)
+    assert got.dtype == expected.dtype
+    assert torch.equal(got, expected)  # the same roundings in the same order
+    _, reference_grads = _run(_pair(cls, torch.float64, False)[0], x.double())
+    if dtype == torch.float64:  # the same operations: the same gradients
+        for g, e in zip(got_grads, expected_grads, strict=True):
+            assert torch.equal(g, e)
+        return
+    for g, e, r in zip(got_grads, expected_grads, reference_grads, strict=True):
+        ours = float((g.double() - r).abs().max())
+        theirs = float((e.double() - r).abs().max())
+        assert ours <= ERROR_RATIO * theirs + 4 * torch.finfo(g.dtype).eps * float(r.abs().max())
+
+
+def test_state_dict_keys_and_values_are_the_originals():
+    original, layer = _pair(GemmaRMSNorm, torch.float32, True)
+    assert list(layer.state_dict()) == list(original.state_dict()) == ["weight"]
+    assert torch.equal(layer.weight, original.weight)  # the zero-centred weight, not 1 + w
+
+
+def test_bad_options_name_the_argument():
+    with pytest.raises(ValueError, match="upcast='half'"):
+        InPlaceRMSNorm(D, upcast="half")
+    with pytest.raises(TypeError, match="weight_offset"):
+        InPlaceRMSNorm(D, weight_offset="1")
