@@ -57,6 +57,36 @@ MINIMA = {name: (act.ACTIVATIONS[name].minimum.y_star, act.ACTIVATIONS[name].min
 #: the exact float64 inverse of the stored float32 ``z`` without them, 1.0-1.3x with them).
 TAYLOR = {name: act.ACTIVATIONS[name].minimum.taylor for name in act.BRANCH_ACTIVATIONS}
 TAYLOR_RADIUS = 0.3
+#: The left branch's slope as a function of the output, ``phi'(y) = z R(v)``,
+#: ``v = sqrt(log(z* / z))``: ``(V, a_0 .. a_12)``, ``R = sum_k a_k t^k`` with
+#: ``t = min(2 v / V - 1, 1)``. Fitted by ``benchmarks/fit_inverse.py`` (Chebyshev least squares
+#: weighted by ``|z|``, degree 12, down to ``z = -1e-9``; results in
+#: ``benchmarks/results/fit_inverse.json``): in float32, farther than 0.05 from ``y*``, within
+#: 9.8e-8 (silu), 7.5e-8 (gelu), 8.8e-8 (gelu_tanh), 7.9e-8 (mish) of the exact slope at the
+#: float32 output (absolute; the left slopes lie in [-0.11, 0]). Used for float32 and half
+#: inputs; float64 keeps the Newton steps.
+LEFT_SLOPE = {
+    "silu": (4.409578633618451, (
+        0.8785234393100662, 0.16559526541836034, -0.16715952003184997, 0.1569400616190395,
+        -0.19807657928587652, 0.1929160382704454, 0.1649499209740286, 0.5833064737306664,
+        0.08321625833245094, -1.6015524542436408, -2.080073873273527, -1.0054424057931186,
+        -0.1896166649554949)),
+    "gelu": (4.353157961554606, (
+        3.2819336193591453, 2.9716540561423868, 0.02142907586496004, 0.03275003277694388,
+        -0.06996224005068402, 0.0661844992465172, 0.027570114219322095, 0.2372690499060386,
+        0.03730517784736187, -0.366600705843078, -0.7028303287202374, -0.49043732608869867,
+        -0.14462581112443074)),
+    "gelu_tanh": (4.353306508085302, (
+        3.569114582531944, 3.976319487285701, 1.0114391412735135, -0.0252089169854047,
+        -0.3276405494799251, 0.3200282768114953, -0.05572914958759301, 0.029573342274365977,
+        0.4840852157687447, -0.016314086243202464, -1.0300027929427449, -0.8845348631848619,
+        -0.251403207414733)),
+    "mish": (4.421349963623196, (
+        0.8773228121122797, 0.1687859914628701, -0.16879352789279223, 0.16091118503201096,
+        -0.12646623385308686, 0.10988101424146057, -0.3460867407580805, -0.3941565078224668,
+        0.15536516407961387, 1.207628657642899, 1.5323795038386063, 0.8051970389886458,
+        0.1345264008140457)),
+}
 
 
 def _split(x: float, dtype: torch.dtype) -> tuple[float, float]:
@@ -104,12 +134,29 @@ def _log_neg_derivative(y: Tensor, activation: str) -> Tensor:
     return act.ACTIVATIONS[activation].minimum.log_tail_derivative(y).add_(y.reciprocal())
 
 
-def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Tensor:
+def left_slope(z: Tensor, activation: str) -> Tensor:
+    """``phi'(y)`` of left-branch outputs ``z`` (float32), from :data:`LEFT_SLOPE`: no Newton
+    step, no ``exp``/``erfc``; ``log(z* / z)`` as ``log1p((z - z*) / -z)`` with ``z*`` in two
+    parts (exact near the minimum). An output that underflowed to 0 gets the slope 0."""
+    v_max, powers = LEFT_SLOPE[activation]
+    z_hi, z_lo = SPLIT[activation, z.dtype][:2]
+    z = z.clamp(min=z_hi)
+    v = torch.log1p((z - z_hi).sub_(z_lo).div_(-z)).clamp_(min=0).sqrt_()
+    t = v.mul_(2 / v_max).sub_(1).clamp_(max=1)
+    acc = torch.full_like(t, powers[-1])
+    for a in powers[-2::-1]:
+        acc.mul_(t).add_(a)
+    return acc.mul_(z)
+
+
+def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype,
+           left_branch: bool = True) -> Tensor:
     """``y`` with ``phi(y) = z`` on the branch ``left`` (``y < y*``) names, in ``z``'s dtype.
 
     ``stored``: the dtype ``z`` was rounded to. A left-branch ``z`` that underflowed to 0 is
     taken as the smallest subnormal of that dtype: ``y`` then is the point below which every
-    output rounds to 0 (docs/design.md: the bound)."""
+    output rounds to 0 (docs/design.md: the bound). ``left_branch=False``: every element is
+    on the right branch (``left`` is not read) and the left branch's steps are skipped."""
     y_star, z_star, c = minimum(activation)
     info = torch.finfo(z.dtype)
     # below this, G and H are dominated by the rounding of z: use their slope at y*
@@ -156,29 +203,34 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
     # on CPU: 1.9 of 2.4 s in their backward before). On a GPU a gather needs the host to
     # know the count (a synchronisation), and the compiler wants static shapes: both
     # branches run on every element there and one is chosen per element.
-    split = z.device.type == "cpu" and not torch.compiler.is_compiling()
+    split = left_branch and z.device.type == "cpu" and not torch.compiler.is_compiling()
     right = ~left if split else None
     z_right, z_left = (z[right], z[left]) if split else (z, z)
     # right branch: G(y) = sqrt(phi(y) - z*) = target_r
     target_r = above_minimum(z_right).clamp_(min=0).sqrt_()
     y_r = torch.maximum(target_r / slope_right + y_star, z_right)
-    # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
-    z_left = z_left.clamp(min=z_star, max=-smallest)
-    target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
-    y_l = y_star - target_l / slope_left
-    if act.ACTIVATIONS[activation].minimum.exponential_tail:
-        y_l = torch.minimum(y_l, y_star - target_l.square())
+    if left_branch:
+        # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
+        z_left = z_left.clamp(min=z_star, max=-smallest)
+        target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
+        y_l = y_star - target_l / slope_left
+        if act.ACTIVATIONS[activation].minimum.exponential_tail:
+            y_l = torch.minimum(y_l, y_star - target_l.square())
     for _ in range(ITERATIONS[z.dtype]):
         g = phi_above_minimum(y_r, right=True)[1].clamp_(min=0).sqrt_()
         g_slope = derivative(y_r, activation) / (2 * g).clamp_(min=info.tiny)
         g_slope = torch.where(g > floor, g_slope, slope_right)
         y_r = (y_r - (g - target_r) / g_slope).clamp_(min=y_star)
+        if not left_branch:
+            continue
         f, d = phi_above_minimum(y_l)
         f = f.clamp_(max=-info.tiny)
         h = log_ratio(f, d.clamp_(min=0), _log_neg(y_l, activation)).sqrt_()
         h_slope = _log_neg_derivative(y_l, activation) / (-2 * h).clamp_(max=-info.tiny)
         h_slope = torch.where(h > floor, h_slope, -slope_left)
         y_l = (y_l - (h - target_l) / h_slope).clamp_(max=y_star)
+    if not left_branch:
+        return y_r
     if not split:
         return torch.where(left, y_l, y_r)
     y = torch.empty_like(z)
@@ -214,9 +266,25 @@ def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
 
 def _activation_grad_whole(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
     compute = compute_dtype(z.dtype)
+    if compute == torch.float32 and z.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _fitted_left_grad(z, dz, left, activation)
     y = invert(z.to(compute), left, activation, z.dtype)
     dy = act.ACTIVATIONS[activation].minimum.derivative(y).mul_(dz.to(compute))
     return dy.to(z.dtype)
+
+
+def _fitted_left_grad(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
+    """float32 compute on a CPU outside the compiler: the right branch's elements by the
+    Newton steps (:func:`invert` without its left branch), the left branch's by
+    :func:`left_slope` (no Newton step; that branch's log tail cost most of the steps), each
+    on its own elements (a boolean gather, as :func:`invert` does there)."""
+    z32, dz32 = z.to(torch.float32), dz.to(torch.float32)
+    right = ~left
+    slope = torch.empty_like(z32)
+    y_r = invert(z32[right], right, activation, z.dtype, left_branch=False)
+    slope[right] = derivative(y_r, activation)
+    slope[left] = left_slope(z32[left], activation)
+    return slope.mul_(dz32).to(z.dtype)
 
 
 def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
@@ -245,4 +313,4 @@ def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
     return dx
 
 
-__all__ = ["activation_grad", "invert", "minimum", "pack_bits", "unpack_bits"]
+__all__ = ["activation_grad", "invert", "left_slope", "minimum", "pack_bits", "unpack_bits"]
