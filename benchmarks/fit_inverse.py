@@ -125,42 +125,134 @@ def fit_left(name: str, degree: int) -> dict:
             "samples": int(z.size), "y_range": [float(y_star - 120), y_star]}
 
 
-def right_errors(name: str) -> dict:
-    """Errors of a polynomial in ``s = sqrt(z - z*)`` for the slope on ``[y*, X_R]``."""
+def _rational_fit(t, f, m: int, n: int, iterations: int = 12):
+    """``P / Q`` (Chebyshev coefficients, ``Q``'s first 1) minimising ``|P / Q - f|`` by
+    Sanathanan-Koerner iterations (linear least squares, reweighted by the last ``Q``)."""
+    q = np.ones_like(t)
+    for _ in range(iterations):
+        basis = np.hstack([chebyshev.chebvander(t, m),
+                           -f[:, None] * chebyshev.chebvander(t, n)[:, 1:]]) / q[:, None]
+        solution, *_ = np.linalg.lstsq(basis, f / q, rcond=None)
+        p, qc = solution[: m + 1], np.concatenate([[1.0], solution[m + 1:]])
+        q = chebyshev.chebval(t, qc)
+    return p, qc
+
+
+def _horner32(powers, t32):
+    acc = np.full_like(t32, np.float32(powers[-1]))
+    for a in powers[-2::-1]:
+        acc = (acc * t32 + np.float32(a)).astype(np.float32)
+    return acc
+
+
+def fit_right(name: str, degree: int) -> dict:
+    """The right branch's slope as ``P(t) / Q(t)``, ``t = 2 s / S - 1``, ``s = sqrt(z - z*)``
+    up to ``S`` (where the slope is 1 to 1e-8; beyond, ``t`` is held at 1)."""
     f, y_star, z_star = ACTIVATIONS[name]
     y = y_star + np.geomspace(1e-7, 60, 400_000)
     z, slope = f(y)
     x_r = float(y[np.nonzero(np.abs(slope - 1) > 1e-8)[0].max()])
     keep = y <= x_r
-    s = np.sqrt(np.maximum(z[keep] - z_star, 0))
+    y, z, slope = y[keep], z[keep], slope[keep]
+    s = np.sqrt(np.maximum(z - z_star, 0))
     s_max = float(s.max())
     t = 2 * s / s_max - 1
     by_degree = {}
-    for d in (12, 16, 20, 24, 28):
-        c = chebyshev.chebfit(t, slope[keep], d)
-        by_degree[d] = float(np.abs(chebyshev.chebval(t, c) - slope[keep]).max())
-    return {"x_r": x_r, "s_max": s_max, "slope_error_by_degree": by_degree}
+    for d in (12, 16, 20, 24):
+        c = chebyshev.chebfit(t, slope, d)
+        by_degree[f"polynomial {d}"] = float(np.abs(chebyshev.chebval(t, c) - slope).max())
+    for d in (8, 10, 12):
+        p, q = _rational_fit(t, slope, d, d)
+        by_degree[f"rational {d}/{d}"] = float(
+            np.abs(chebyshev.chebval(t, p) / chebyshev.chebval(t, q) - slope).max())
+    p, q = _rational_fit(t, slope, degree, degree)
+    grid = np.linspace(-1, 1, 20001)
+    q_min = float(np.abs(chebyshev.chebval(grid, q)).min())
+    numerator, denominator = chebyshev.cheb2poly(p), chebyshev.cheb2poly(q)
+    # float32 as the library evaluates it
+    z32 = z.astype(np.float32)
+    z_hi = np.float32(z_star)
+    z_lo = np.float32(z_star - np.float64(z_hi))
+    above = np.clip((z32 - z_hi) - z_lo, 0, np.float32(s_max * s_max))
+    t32 = np.sqrt(above) * np.float32(2 / s_max) - np.float32(1)
+    slope32 = _horner32(numerator, t32) / _horner32(denominator, t32)
+    # exact slope at the float32 output: y refined by float64 Newton steps on phi, farther
+    # than 0.05 from y* (nearer, the rounding of z moves y by sqrt(eps))
+    far = y > y_star + 0.05
+    yf, target = y[far], z32[far].astype(np.float64)
+    for _ in range(4):
+        value, derivative = f(yf)
+        yf = yf - (value - target) / derivative
+    error32 = float(np.abs(slope32[far].astype(np.float64) - f(yf)[1]).max())
+    return {"x_r": x_r, "s_max": s_max, "degree": degree,
+            "numerator_powers_of_t": [float(a) for a in numerator],
+            "denominator_powers_of_t": [float(a) for a in denominator],
+            "denominator_min_on_[-1,1]": q_min, "error_by_form": by_degree,
+            "float32_slope_error_far": error32}
+
+
+def fit_right_start(name: str, degree: int) -> dict:
+    """The right branch's inverse ``y(s)``, ``s = sqrt(z - z*)``, as a polynomial in
+    ``t = 2 s / S - 1`` up to ``S``, beyond which ``y = z`` to 2e-8 relative (``z_r``): the
+    start of the right branch's Newton steps (float32 and half inputs)."""
+    f, y_star, z_star = ACTIVATIONS[name]
+    y = y_star + np.geomspace(1e-8, 60, 400_000)
+    z, _ = f(y)
+    z_r_index = np.nonzero(np.abs(y - z) > 2e-8 * np.maximum(np.abs(y), 1))[0].max()
+    keep = np.arange(y.size) <= z_r_index
+    y, z = y[keep], z[keep]
+    s = np.sqrt(np.maximum(z - z_star, 0))
+    s_max = float(s.max())
+    t = 2 * s / s_max - 1
+    c = chebyshev.chebfit(t, y, degree)
+    powers = chebyshev.cheb2poly(c)
+    z32 = z.astype(np.float32)
+    z_hi = np.float32(z_star)
+    z_lo = np.float32(z_star - np.float64(z_hi))
+    above = np.clip((z32 - z_hi) - z_lo, 0, np.float32(s_max * s_max))
+    t32 = np.sqrt(above) * np.float32(2 / s_max) - np.float32(1)
+    start32 = _horner32(powers, t32.astype(np.float32))
+    scale = np.maximum(np.abs(y), 1)
+    return {"s_max": s_max, "z_r": float(z[-1]), "degree": degree,
+            "powers_of_t": [float(a) for a in powers],
+            "relative_error_float64": float((np.abs(chebyshev.chebval(t, c) - y) / scale).max()),
+            "relative_error_float32": float((np.abs(start32 - y) / scale).max())}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--degree", type=int, default=12)
+    parser.add_argument("--degree", type=int, default=12, help="of the left polynomial")
+    parser.add_argument("--right-degree", type=int, default=12,
+                        help="of the right rational's numerator and denominator")
+    parser.add_argument("--start-degree", type=int, default=12,
+                        help="of the right branch's start y(s)")
     parser.add_argument("--json", default=str(RESULTS / "fit_inverse.json"))
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=np.exceptions.RankWarning)
     result = {"script": "benchmarks/fit_inverse.py", "z_floor": Z_FLOOR,
               "numpy": np.__version__, "python": platform.python_version(),
-              "left": {}, "right": {}}
+              "left": {}, "right": {}, "right_start": {}}
     for name in ACTIVATIONS:
         left = fit_left(name, args.degree)
         result["left"][name] = left
-        result["right"][name] = right_errors(name)
+        right = fit_right(name, args.right_degree)
+        result["right"][name] = right
+        start = fit_right_start(name, args.start_degree)
+        result["right_start"][name] = start
+        print(f"  right start: error {start['relative_error_float64']:.2e} (float32 "
+              f"{start['relative_error_float32']:.2e})")
+        print(f"    RIGHT_START[{name!r}] = ({start['s_max']!r}, {start['z_r']!r}, (")
+        print("        " + ", ".join(repr(a) for a in start["powers_of_t"]) + "))")
         print(f"{name}: left V={left['v_max']!r}, weighted error by degree "
               f"{left['weighted_error_by_degree']}, "
               f"float32 far {left['float32_slope_error_far']:.2e}")
         print(f"    LEFT_SLOPE[{name!r}] = ({left['v_max']!r}, (")
         print("        " + ", ".join(repr(a) for a in left["powers_of_t"]) + "))")
-        print(f"  right: {result['right'][name]}")
+        print(f"  right: S={right['s_max']!r} {right['error_by_form']}, float32 far "
+              f"{right['float32_slope_error_far']:.2e}, Q >= {right['denominator_min_on_[-1,1]']:.3f}")
+        print(f"    RIGHT_SLOPE[{name!r}] = ({right['s_max']!r}, (")
+        print("        " + ", ".join(repr(a) for a in right["numerator_powers_of_t"]) + "), (")
+        print("        " + ", ".join(repr(a) for a in right["denominator_powers_of_t"]) + "))")
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
