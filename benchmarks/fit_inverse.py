@@ -10,10 +10,12 @@ Newton steps, close to linear in ``y``) the ratio ``R(v) = phi'(y) / phi(y)`` is
 least-squares fit in ``t = 2 v / V - 1`` on samples dense in ``y``, converted to powers of
 ``t`` for Horner's rule, and checked in float32 (numpy, the same operations as the library).
 
-Right branch (``y >= y*``): recorded, not used: a polynomial in ``s = sqrt(z - z*)`` reaching
-the slope to float32's rounding on all of ``[y*, X_R]`` (beyond ``X_R`` the slope is 1 to that
-rounding) needs a high degree (see the JSON: the errors by degree), so the right branch keeps
-its Newton steps (``iabn.kernels.branch.invert``).
+Right branch (``y >= y*``). Its slope as a function of ``s = sqrt(z - z*)`` is recorded, not
+used: a polynomial reaching float32's rounding on all of ``[y*, X_R]`` (beyond ``X_R`` the slope
+is 1 to that rounding) needs a degree above 24, and the rational ``P/Q`` of degree 12/12 that
+does in float64 loses it in float32 (1e-6 .. 5e-6: its denominator comes near 0.04). What is
+used is the inverse ``y(s)`` as a degree-12 polynomial (within 2.2e-4 of ``max(|y|, 1)`` in
+float32), the start of two Newton steps (``iabn.kernels.branch.RIGHT_START``).
 
 SciPy and NumPy are used here only, never when the library is imported. Writes
 ``benchmarks/results/fit_inverse.json`` (coefficients, errors by degree, float32 error of the
@@ -249,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"    LEFT_SLOPE[{name!r}] = ({left['v_max']!r}, (")
         print("        " + ", ".join(repr(a) for a in left["powers_of_t"]) + "))")
         print(f"  right: S={right['s_max']!r} {right['error_by_form']}, float32 far "
-              f"{right['float32_slope_error_far']:.2e}, Q >= {right['denominator_min_on_[-1,1]']:.3f}")
+              f"{right['float32_slope_error_far']:.2e}, "
+              f"Q >= {right['denominator_min_on_[-1,1]']:.3f}")
         print(f"    RIGHT_SLOPE[{name!r}] = ({right['s_max']!r}, (")
         print("        " + ", ".join(repr(a) for a in right["numerator_powers_of_t"]) + "), (")
         print("        " + ", ".join(repr(a) for a in right["denominator_powers_of_t"]) + "))")
