@@ -165,14 +165,15 @@ def _log_neg_derivative(y: Tensor, activation: str) -> Tensor:
     return act.ACTIVATIONS[activation].minimum.log_tail_derivative(y).add_(y.reciprocal())
 
 
-def _log1p(u: Tensor) -> Tensor:
+def _log1p_(u: Tensor) -> Tensor:
     """``log1p(u)`` for ``u >= 0`` as ``log(w) + (u - (w - 1)) / w``, ``w = 1 + u`` rounded (the
-    second term restores what the rounding of ``w`` lost; ``w - 1`` and ``u - (w - 1)`` are
-    exact): ``log2`` is vectorised on CPU, ``log1p`` and ``log`` are not (float32, one thread,
-    2.4M elements: ``log2`` 3.5 ms, ``log`` 11 ms, ``log1p`` 41 ms, measured under load 4)."""
+    second term restores what the rounding of ``w`` lost; ``w - 1``, ``u - (w - 1)`` and
+    ``(w - 1) + 1`` are exact), a new tensor; ``u`` is overwritten. ``log2`` is vectorised on
+    CPU, ``log1p`` and ``log`` are not (float32, one thread, 2.4M elements: ``log2`` 3.5 ms,
+    ``log`` 11 ms, ``log1p`` 41 ms, measured under load 4)."""
     w = u + 1
-    lost = (w - 1).sub_(u).neg_().div_(w)
-    return torch.log2(w).mul_(math.log(2)).add_(lost)
+    u.sub_(w.sub_(1)).div_(w.add_(1))
+    return w.log2_().mul_(math.log(2)).add_(u)
 
 
 def _right_start(z: Tensor, target: Tensor, activation: str) -> Tensor:
@@ -188,13 +189,14 @@ def _right_start(z: Tensor, target: Tensor, activation: str) -> Tensor:
 def left_slope(z: Tensor, activation: str) -> Tensor:
     """``phi'(y)`` of left-branch outputs ``z`` (float32), from :data:`LEFT_SLOPE`: no Newton
     step, no ``exp``/``erfc``; ``log(z* / z)`` as ``log1p((z - z*) / -z)`` with ``z*`` in two
-    parts (exact near the minimum). An output that underflowed to 0 gets the slope 0."""
+    parts (exact near the minimum). An output that underflowed to 0 gets the slope 0. Three
+    temporaries of ``z``'s size, the result one of them."""
     v_max, powers = LEFT_SLOPE[activation]
     z_hi, z_lo = SPLIT[activation, z.dtype][:2]
     z = z.clamp(min=z_hi, max=-torch.finfo(z.dtype).tiny)
-    v = _log1p((z - z_hi).sub_(z_lo).div_(-z)).clamp_(min=0).sqrt_()
-    t = v.mul_(2 / v_max).sub_(1).clamp_(max=1)
-    acc = torch.full_like(t, powers[-1])
+    u = (z - z_hi).sub_(z_lo).div_(z).neg_()
+    t = _log1p_(u).clamp_(min=0).sqrt_().mul_(2 / v_max).sub_(1).clamp_(max=1)
+    acc = u.fill_(powers[-1])
     for a in powers[-2::-1]:
         acc.mul_(t).add_(a)
     return acc.mul_(z)
