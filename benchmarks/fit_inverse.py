@@ -14,8 +14,8 @@ Right branch (``y >= y*``). Its slope as a function of ``s = sqrt(z - z*)`` is r
 used: a polynomial reaching float32's rounding on all of ``[y*, X_R]`` (beyond ``X_R`` the slope
 is 1 to that rounding) needs a degree above 24, and the rational ``P/Q`` of degree 12/12 that
 does in float64 loses it in float32 (1e-6 .. 5e-6: its denominator comes near 0.04). What is
-used is the inverse ``y(s)`` as a degree-12 polynomial (within 2.2e-4 of ``max(|y|, 1)`` in
-float32), the start of two Newton steps (``iabn.kernels.branch.RIGHT_START``).
+used is the inverse ``y(s)`` as a degree-16 polynomial (within 2.2e-5 of ``max(|y|, 1)``), the
+start of one Newton step (``iabn.kernels.branch.RIGHT_START``).
 
 SciPy and NumPy are used here only, never when the library is imported. Writes
 ``benchmarks/results/fit_inverse.json`` (coefficients, errors by degree, float32 error of the
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--degree", type=int, default=12, help="of the left polynomial")
     parser.add_argument("--right-degree", type=int, default=12,
                         help="of the right rational's numerator and denominator")
-    parser.add_argument("--start-degree", type=int, default=12,
+    parser.add_argument("--start-degree", type=int, default=16,
                         help="of the right branch's start y(s)")
     parser.add_argument("--json", default=str(RESULTS / "fit_inverse.json"))
     args = parser.parse_args(argv)

@@ -69,12 +69,12 @@ def test_left_slope_of_an_underflowed_output_is_zero(name):
 
 
 #: Largest |slope - exact slope at the float32 output| of both branches through
-#: ``activation_grad`` (the right branch: fitted start and two Newton steps) farther than
+#: ``activation_grad`` (the right branch: fitted start and one Newton step) farther than
 #: 0.05 from y*, as a multiple of eps = 1.19e-7 (slopes up to 1.13), measured on this data
-#: (CPU): silu 8.1, gelu 1.1, gelu_tanh 1.9, mish 4.7, all on the right branch (left: at most
-#: 0.73), the same to two digits as the four Newton steps from the plain start gave before
-#: (silu 8.1, gelu 1.1, gelu_tanh 1.9, mish 4.7). Asserted: 1.5x, rounded up.
-BOTH_BOUND_EPS = {"silu": 12.2, "gelu": 1.7, "gelu_tanh": 2.9, "mish": 7.1}
+#: (CPU): silu 8.1, gelu 1.3, gelu_tanh 1.7, mish 4.7, all on the right branch (left: at most
+#: 0.73); the four Newton steps from the plain start gave silu 8.1, gelu 1.1, gelu_tanh 1.9,
+#: mish 4.7. Asserted: 1.5x the larger, rounded up.
+BOTH_BOUND_EPS = {"silu": 12.2, "gelu": 2.0, "gelu_tanh": 2.9, "mish": 7.1}
 
 
 @pytest.mark.parametrize("name", BRANCH)
