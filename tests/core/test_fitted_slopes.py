@@ -121,3 +121,28 @@ def test_log1p_from_log2_against_float64():
     assert got[-1] == 0
     relative = ((got.double() - exact) / exact)[:-1].abs().max().item()
     assert relative <= 2 * torch.finfo(torch.float32).eps, relative
+
+
+#: The reference backward of the layer at 4x33x48 float32 (whole, no slices), counted by
+#: iabn.measure.traffic: launches, bytes of activation-sized tensors in activations, and the
+#: peak of those alive. The four Newton steps on both branches were 487 launches (GELU,
+#: benchmarks/transformer_traffic.py --quick). The bytes count the fitted left slope on every
+#: element; the right branch's gathered elements are not activation-sized and not counted.
+COUNTS = {"gelu": (149, 111.5, 3.25), "gelu_tanh": (165, 111.5, 3.25),
+          "silu": (143, 111.5, 3.25), "mish": (149, 111.5, 3.25)}
+
+
+@pytest.mark.parametrize("name", BRANCH)
+def test_reference_backward_launches_and_bytes(name):
+    import iabn
+    from iabn.measure import traffic
+
+    layers = {"gelu": lambda: iabn.InPlaceGELU(), "gelu_tanh": lambda: iabn.InPlaceGELU("tanh"),
+              "silu": lambda: iabn.InPlaceSiLU(), "mish": lambda: iabn.InPlaceMish()}
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 33, 48, generator=g) * 3
+    step = traffic.count_step(layers[name](), x.requires_grad_(), torch.randn(x.shape, generator=g))
+    activation = x.numel() * x.element_size()
+    backward = step.backward
+    assert (len(backward.launches), backward.moved / activation,
+            backward.peak_bytes / activation) == COUNTS[name]
