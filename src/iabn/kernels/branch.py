@@ -57,6 +57,72 @@ MINIMA = {name: (act.ACTIVATIONS[name].minimum.y_star, act.ACTIVATIONS[name].min
 #: the exact float64 inverse of the stored float32 ``z`` without them, 1.0-1.3x with them).
 TAYLOR = {name: act.ACTIVATIONS[name].minimum.taylor for name in act.BRANCH_ACTIVATIONS}
 TAYLOR_RADIUS = 0.3
+#: The left branch's slope as a function of the output, ``phi'(y) = z R(v)``,
+#: ``v = sqrt(log(z* / z))``: ``(V, a_0 .. a_12)``, ``R = sum_k a_k t^k`` with
+#: ``t = min(2 v / V - 1, 1)``. Fitted by ``benchmarks/fit_inverse.py`` (Chebyshev least squares
+#: weighted by ``|z|``, degree 12, down to ``z = -1e-9``; results in
+#: ``benchmarks/results/fit_inverse.json``): in float32, farther than 0.05 from ``y*``, within
+#: 9.8e-8 (silu), 7.5e-8 (gelu), 8.8e-8 (gelu_tanh), 7.9e-8 (mish) of the exact slope at the
+#: float32 output (absolute; the left slopes lie in [-0.11, 0]). Used for float32 and half
+#: inputs; float64 keeps the Newton steps.
+LEFT_SLOPE = {
+    "silu": (4.409578633618451, (
+        0.8785234393100662, 0.16559526541836034, -0.16715952003184997, 0.1569400616190395,
+        -0.19807657928587652, 0.1929160382704454, 0.1649499209740286, 0.5833064737306664,
+        0.08321625833245094, -1.6015524542436408, -2.080073873273527, -1.0054424057931186,
+        -0.1896166649554949)),
+    "gelu": (4.353157961554606, (
+        3.2819336193591453, 2.9716540561423868, 0.02142907586496004, 0.03275003277694388,
+        -0.06996224005068402, 0.0661844992465172, 0.027570114219322095, 0.2372690499060386,
+        0.03730517784736187, -0.366600705843078, -0.7028303287202374, -0.49043732608869867,
+        -0.14462581112443074)),
+    "gelu_tanh": (4.353306508085302, (
+        3.569114582531944, 3.976319487285701, 1.0114391412735135, -0.0252089169854047,
+        -0.3276405494799251, 0.3200282768114953, -0.05572914958759301, 0.029573342274365977,
+        0.4840852157687447, -0.016314086243202464, -1.0300027929427449, -0.8845348631848619,
+        -0.251403207414733)),
+    "mish": (4.421349963623196, (
+        0.8773228121122797, 0.1687859914628701, -0.16879352789279223, 0.16091118503201096,
+        -0.12646623385308686, 0.10988101424146057, -0.3460867407580805, -0.3941565078224668,
+        0.15536516407961387, 1.207628657642899, 1.5323795038386063, 0.8051970389886458,
+        0.1345264008140457)),
+}
+
+#: The right branch's start for float32 and half inputs: ``y(s)``, ``s = sqrt(z - z*)``, as
+#: ``(S, z_r, a_0 .. a_16)``, ``y = sum_k a_k t^k + max(z - z_r, 0)`` with
+#: ``t = 2 min(s, S) / S - 1``; beyond ``z_r``, ``y = z`` to 2e-8 relative. Fitted by
+#: ``benchmarks/fit_inverse.py`` (Chebyshev least squares, degree 16: within 4.4e-6 (gelu_tanh)
+#: .. 2.2e-5 (mish) of ``max(|y|, 1)`` in float64), so that one Newton step
+#: (:data:`FITTED_ITERATIONS`) reaches what four reached from the plain start (measured in
+#: tests/core/test_fitted_slopes.py).
+RIGHT_START = {
+    "silu": (4.243280009655584, 17.72696069758162, (
+        4.281266488347356, 8.623193844865105, 5.349840065541053, -0.08538186081535326,
+        -2.8083885636566612, 3.200530224242555, 3.9196393148426942, -6.752969121947638,
+        -6.275049416423739, 10.05078215700176, 8.160362534661951, -9.383108651061063,
+        -7.465819548273719, 4.938912801198961, 4.007474310995663, -1.089308621478234,
+        -0.9451385554904267)),
+    "gelu": (2.3791828067871696, 5.49053962063177, (
+        1.3629810942188594, 2.508155667164608, 1.1910377545866366, 1.0218435181396424,
+        0.20828736889589478, -0.7103585278612536, -1.5466749924272578,
+        -0.38745687710197474, 2.629993157916559, 2.4943264537553906,
+        -2.1918067547470326, -3.453734102672479, 0.5950434075761066, 2.193417887807493,
+        0.29001213718476154, -0.5450602094678475, -0.16953074968781986)),
+    "gelu_tanh": (2.2993719962627543, 5.117070826626111, (
+        1.280283318041116, 2.350463390065447, 1.0153503637418428, 0.8765210817952898,
+        0.24562190770832737, -0.2582734223793608, -0.9210730718395879,
+        -1.0528217402696352, 0.5965824892634267, 2.737224015256648, 0.8645556345547734,
+        -3.004333219802872, -1.8814153892295153, 1.6574627507395117, 1.3218510693424697,
+        -0.37148801086181443, -0.33946296572505574)),
+    "mish": (3.085283335480439, 9.210129847176052, (
+        2.119120484060244, 4.480396764691595, 2.7940613135463637, 0.6748948958719004,
+        -2.297754221113649, -0.04048977227411989, 4.5784106415041945,
+        0.3153662434574772, -8.489601773860496, -0.6995160011197428, 11.103436949037938,
+        0.8641770107377357, -9.335957789659778, -0.5270704025342694, 4.449981601118603,
+        0.13352646134940055, -0.9128437560383571)),
+}
+#: Newton steps of the right branch from :data:`RIGHT_START` (float32 compute).
+FITTED_ITERATIONS = 1
 
 
 def _split(x: float, dtype: torch.dtype) -> tuple[float, float]:
@@ -104,12 +170,51 @@ def _log_neg_derivative(y: Tensor, activation: str) -> Tensor:
     return act.ACTIVATIONS[activation].minimum.log_tail_derivative(y).add_(y.reciprocal())
 
 
-def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Tensor:
+def _log1p_(u: Tensor) -> Tensor:
+    """``log1p(u)`` for ``u >= 0`` as ``log(w) + (u - (w - 1)) / w``, ``w = 1 + u`` rounded (the
+    second term restores what the rounding of ``w`` lost; ``w - 1``, ``u - (w - 1)`` and
+    ``(w - 1) + 1`` are exact), a new tensor; ``u`` is overwritten. ``log2`` is vectorised on
+    CPU, ``log1p`` and ``log`` are not (float32, one thread, 2.4M elements: ``log2`` 3.5 ms,
+    ``log`` 11 ms, ``log1p`` 41 ms, measured under load 4)."""
+    w = u + 1
+    u.sub_(w.sub_(1)).div_(w.add_(1))
+    return w.log2_().mul_(math.log(2)).add_(u)
+
+
+def _right_start(z: Tensor, target: Tensor, activation: str) -> Tensor:
+    """:data:`RIGHT_START` at ``s = target = sqrt(z - z*)``."""
+    s_max, z_r, powers = RIGHT_START[activation]
+    t = target.clamp(max=s_max).mul_(2 / s_max).sub_(1)
+    acc = torch.full_like(t, powers[-1])
+    for a in powers[-2::-1]:
+        acc.mul_(t).add_(a)
+    return acc.add_((z - z_r).clamp_(min=0))
+
+
+def left_slope(z: Tensor, activation: str) -> Tensor:
+    """``phi'(y)`` of left-branch outputs ``z`` (float32), from :data:`LEFT_SLOPE`: no Newton
+    step, no ``exp``/``erfc``; ``log(z* / z)`` as ``log1p((z - z*) / -z)`` with ``z*`` in two
+    parts (exact near the minimum). An output that underflowed to 0 gets the slope 0. Three
+    temporaries of ``z``'s size, the result one of them."""
+    v_max, powers = LEFT_SLOPE[activation]
+    z_hi, z_lo = SPLIT[activation, z.dtype][:2]
+    z = z.clamp(min=z_hi, max=-torch.finfo(z.dtype).tiny)
+    u = (z - z_hi).sub_(z_lo).div_(z).neg_()
+    t = _log1p_(u).clamp_(min=0).sqrt_().mul_(2 / v_max).sub_(1).clamp_(max=1)
+    acc = u.fill_(powers[-1])
+    for a in powers[-2::-1]:
+        acc.mul_(t).add_(a)
+    return acc.mul_(z)
+
+
+def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype,
+           left_branch: bool = True) -> Tensor:
     """``y`` with ``phi(y) = z`` on the branch ``left`` (``y < y*``) names, in ``z``'s dtype.
 
     ``stored``: the dtype ``z`` was rounded to. A left-branch ``z`` that underflowed to 0 is
     taken as the smallest subnormal of that dtype: ``y`` then is the point below which every
-    output rounds to 0 (docs/design.md: the bound)."""
+    output rounds to 0 (docs/design.md: the bound). ``left_branch=False``: every element is
+    on the right branch (``left`` is not read) and the left branch's steps are skipped."""
     y_star, z_star, c = minimum(activation)
     info = torch.finfo(z.dtype)
     # below this, G and H are dominated by the rounding of z: use their slope at y*
@@ -156,29 +261,38 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Ten
     # on CPU: 1.9 of 2.4 s in their backward before). On a GPU a gather needs the host to
     # know the count (a synchronisation), and the compiler wants static shapes: both
     # branches run on every element there and one is chosen per element.
-    split = z.device.type == "cpu" and not torch.compiler.is_compiling()
+    split = left_branch and z.device.type == "cpu" and not torch.compiler.is_compiling()
     right = ~left if split else None
     z_right, z_left = (z[right], z[left]) if split else (z, z)
     # right branch: G(y) = sqrt(phi(y) - z*) = target_r
     target_r = above_minimum(z_right).clamp_(min=0).sqrt_()
-    y_r = torch.maximum(target_r / slope_right + y_star, z_right)
-    # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
-    z_left = z_left.clamp(min=z_star, max=-smallest)
-    target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
-    y_l = y_star - target_l / slope_left
-    if act.ACTIVATIONS[activation].minimum.exponential_tail:
-        y_l = torch.minimum(y_l, y_star - target_l.square())
-    for _ in range(ITERATIONS[z.dtype]):
+    fitted = not left_branch and z.dtype == torch.float32
+    if fitted:
+        y_r = _right_start(z_right, target_r, activation)
+    else:
+        y_r = torch.maximum(target_r / slope_right + y_star, z_right)
+    if left_branch:
+        # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
+        z_left = z_left.clamp(min=z_star, max=-smallest)
+        target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
+        y_l = y_star - target_l / slope_left
+        if act.ACTIVATIONS[activation].minimum.exponential_tail:
+            y_l = torch.minimum(y_l, y_star - target_l.square())
+    for _ in range(FITTED_ITERATIONS if fitted else ITERATIONS[z.dtype]):
         g = phi_above_minimum(y_r, right=True)[1].clamp_(min=0).sqrt_()
         g_slope = derivative(y_r, activation) / (2 * g).clamp_(min=info.tiny)
         g_slope = torch.where(g > floor, g_slope, slope_right)
         y_r = (y_r - (g - target_r) / g_slope).clamp_(min=y_star)
+        if not left_branch:
+            continue
         f, d = phi_above_minimum(y_l)
         f = f.clamp_(max=-info.tiny)
         h = log_ratio(f, d.clamp_(min=0), _log_neg(y_l, activation)).sqrt_()
         h_slope = _log_neg_derivative(y_l, activation) / (-2 * h).clamp_(max=-info.tiny)
         h_slope = torch.where(h > floor, h_slope, -slope_left)
         y_l = (y_l - (h - target_l) / h_slope).clamp_(max=y_star)
+    if not left_branch:
+        return y_r
     if not split:
         return torch.where(left, y_l, y_r)
     y = torch.empty_like(z)
@@ -214,9 +328,25 @@ def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
 
 def _activation_grad_whole(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
     compute = compute_dtype(z.dtype)
+    if compute == torch.float32 and z.device.type == "cpu" and not torch.compiler.is_compiling():
+        return _fitted_left_grad(z, dz, left, activation)
     y = invert(z.to(compute), left, activation, z.dtype)
     dy = act.ACTIVATIONS[activation].minimum.derivative(y).mul_(dz.to(compute))
     return dy.to(z.dtype)
+
+
+def _fitted_left_grad(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
+    """float32 compute on a CPU outside the compiler: :func:`left_slope` on every element
+    (a few multiply-adds; no Newton step), then the right branch's elements overwritten by
+    the Newton steps (:func:`invert` without its left branch) on those elements only (one
+    boolean gather: most elements are on the right)."""
+    z32 = z.to(torch.float32).contiguous()  # a slice of activation_grad is strided
+    slope = left_slope(z32, activation)
+    at = torch.nonzero(~left.reshape(-1)).squeeze(1)
+    y_r = invert(z32.reshape(-1).index_select(0, at), left, activation, z.dtype,
+                 left_branch=False)
+    slope.view(-1).index_copy_(0, at, derivative(y_r, activation))
+    return slope.mul_(dz).to(z.dtype)
 
 
 def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
@@ -245,4 +375,4 @@ def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
     return dx
 
 
-__all__ = ["activation_grad", "invert", "minimum", "pack_bits", "unpack_bits"]
+__all__ = ["activation_grad", "invert", "left_slope", "minimum", "pack_bits", "unpack_bits"]

@@ -1,0 +1,92 @@
+"""Forward + backward of the in-place activations without a norm against torch's own module, on
+CPU: paired, interleaved repeats (ours, then torch's, each pair timed back to back), the
+median of the paired ratios with its spread (the lower and upper quartile), and the load
+average with the figures (the machine may be shared: say so with the numbers).
+
+Usage::
+
+    python benchmarks/activation_speed.py [--shape 8,197,1536] [--dtype float32]
+        [--repeats 15] [--threads 1] [--names gelu,silu,mish,gelu_tanh]
+        [--json benchmarks/results/activation_speed_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import iabn
+
+RESULTS = Path(__file__).resolve().parent / "results"
+LAYERS = {
+    "gelu": (lambda: iabn.InPlaceGELU(), lambda: nn.GELU()),
+    "gelu_tanh": (lambda: iabn.InPlaceGELU("tanh"), lambda: nn.GELU(approximate="tanh")),
+    "silu": (lambda: iabn.InPlaceSiLU(), lambda: nn.SiLU()),
+    "mish": (lambda: iabn.InPlaceMish(), lambda: nn.Mish()),
+}
+
+
+def _step(layer, x, dz):
+    leaf = x.clone().requires_grad_()
+    start = time.perf_counter()
+    layer(leaf * 1).backward(dz)
+    return time.perf_counter() - start
+
+
+def measure(name: str, shape, dtype, repeats: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    dz = torch.randn(shape, generator=g).to(dtype)
+    ours, theirs = LAYERS[name][0](), LAYERS[name][1]()
+    for _ in range(2):  # warm up both
+        _step(ours, x, dz), _step(theirs, x, dz)
+    pairs = [(_step(ours, x, dz), _step(theirs, x, dz)) for _ in range(repeats)]
+    ratios = sorted(a / b for a, b in pairs)
+    q = statistics.quantiles(ratios, n=4)
+    return {"name": name, "ours_ms": 1e3 * statistics.median(a for a, _ in pairs),
+            "torch_ms": 1e3 * statistics.median(b for _, b in pairs),
+            "ratio_median": statistics.median(ratios), "ratio_quartiles": [q[0], q[2]],
+            "note": "ours includes the x * 1 copy torch's step also makes"}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="8,197,1536")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--names", default=",".join(LAYERS))
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shape = tuple(int(s) for s in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for name in args.names.split(","):
+        load = os.getloadavg()
+        row = measure(name, shape, dtype, args.repeats)
+        row["loadavg_before"] = load
+        row["loadavg_after"] = os.getloadavg()
+        rows.append(row)
+        print(f"{name:10s} ours {row['ours_ms']:8.2f} ms  torch {row['torch_ms']:7.2f} ms  "
+              f"ratio {row['ratio_median']:6.2f} (quartiles {row['ratio_quartiles'][0]:.2f}"
+              f" .. {row['ratio_quartiles'][1]:.2f})  load {load[0]:.2f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "shape": shape, "dtype": args.dtype, "threads": args.threads,
+            "repeats": args.repeats, "torch": torch.__version__,
+            "machine": platform.processor() or platform.machine(), "rows": rows,
+        }, indent=1) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""Fits the left branch's slope of the activations with one minimum as a function of their
+output, and records how well polynomials in the output reach either branch (docs/design.md,
+"SiLU and GELU in place": "The left branch's slope, fitted").
+
+Left branch (``y < y*``, ``z* < z < 0``). With ``v = sqrt(log(z* / z))`` (the ``H`` of the
+Newton steps, close to linear in ``y``) the ratio ``R(v) = phi'(y) / phi(y)`` is smooth on
+``[0, V]`` and bounded; the slope is ``dy/dx = z R(v)``, so an error ``e`` of ``R`` is an error
+``|z| e`` of the slope: the fit is weighted by ``|z|`` and stops at ``z = -Z_FLOOR`` (beyond,
+``R(V)`` is used, an error of at most ``Z_FLOOR`` in the slope). It is a Chebyshev
+least-squares fit in ``t = 2 v / V - 1`` on samples dense in ``y``, converted to powers of
+``t`` for Horner's rule, and checked in float32 (numpy, the same operations as the library).
+
+Right branch (``y >= y*``). Its slope as a function of ``s = sqrt(z - z*)`` is recorded, not
+used: a polynomial reaching float32's rounding on all of ``[y*, X_R]`` (beyond ``X_R`` the slope
+is 1 to that rounding) needs a degree above 24, and the rational ``P/Q`` of degree 12/12 that
+does in float64 loses it in float32 (1e-6 .. 5e-6: its denominator comes near 0.04). What is
+used is the inverse ``y(s)`` as a degree-16 polynomial (within 2.2e-5 of ``max(|y|, 1)``), the
+start of one Newton step (``iabn.kernels.branch.RIGHT_START``).
+
+SciPy and NumPy are used here only, never when the library is imported. Writes
+``benchmarks/results/fit_inverse.json`` (coefficients, errors by degree, float32 error of the
+chosen fit) and prints the coefficients in the form ``iabn/kernels/branch.py`` holds them.
+
+Usage::
+
+    python benchmarks/fit_inverse.py [--degree 12] [--json benchmarks/results/fit_inverse.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import warnings
+from pathlib import Path
+
+import numpy as np
+from numpy.polynomial import chebyshev
+from scipy.special import erfc, expit
+
+RESULTS = Path(__file__).resolve().parent / "results"
+#: Below this ``|z|`` the left fit is held at its end (slope error at most this).
+Z_FLOOR = 1e-9
+_BETA = np.sqrt(2 / np.pi)
+_KAPPA = 0.044715
+
+
+def _silu(x):
+    s = expit(x)
+    return x * s, s * (1 + x * (1 - s))
+
+
+def _gelu(x):
+    cdf = 0.5 * erfc(-x / np.sqrt(2))
+    return x * cdf, cdf + x * np.exp(-x * x / 2) / np.sqrt(2 * np.pi)
+
+
+def _gelu_tanh(x):
+    v = 2 * _BETA * (x + _KAPPA * x ** 3)
+    s = expit(v)
+    return x * s, s + x * s * expit(-v) * 2 * _BETA * (1 + 3 * _KAPPA * x * x)
+
+
+def _mish(x):
+    t = np.tanh(np.logaddexp(0, x))
+    return x * t, t + x * expit(x) * (1 - t * t)
+
+
+#: ``(phi and phi', y*, z*)``, the minima as ``iabn.kernels.activations`` holds them.
+ACTIVATIONS = {
+    "silu": (_silu, -1.278464542761074, -0.27846454276107385),
+    "gelu": (_gelu, -0.7517915246935645, -0.16997120747990363),
+    "gelu_tanh": (_gelu_tanh, -0.7524614220710163, -0.17004075057125406),
+    "mish": (_mish, -1.1924312145154954, -0.3088434130172504),
+}
+
+
+def _left_samples_y(y_star):
+    return y_star - np.geomspace(1e-7, 120, 400_000)
+
+
+def _left_samples(f, y_star, z_star):
+    y = _left_samples_y(y_star)
+    z, slope = f(y)
+    keep = z < -Z_FLOOR
+    z, slope = z[keep], slope[keep]
+    return np.sqrt(np.log(z_star / z)), z, slope
+
+
+def fit_left(name: str, degree: int) -> dict:
+    f, y_star, z_star = ACTIVATIONS[name]
+    v, z, slope = _left_samples(f, y_star, z_star)
+    v_max = float(v.max())
+    t = 2 * v / v_max - 1
+    ratio = slope / z
+    by_degree = {}
+    for d in (8, 10, 12, 14, 16):
+        c = chebyshev.chebfit(t, ratio, d, w=np.abs(z))
+        by_degree[d] = float((np.abs(chebyshev.chebval(t, c) - ratio) * np.abs(z)).max())
+    c = chebyshev.chebfit(t, ratio, degree, w=np.abs(z))
+    powers = chebyshev.cheb2poly(c)
+    # float32, as the library evaluates it: z, log1p, sqrt, Horner in t, times z
+    z32 = z.astype(np.float32)
+    # log(z* / z) = log1p((z - z*) / -z), z* in two float32 parts (z - z*_hi is exact near
+    # z*): log(z* / z) in float32 has an error of eps, not eps of itself, near the minimum
+    z_hi = np.float32(z_star)
+    z_lo = np.float32(z_star - np.float64(z_hi))
+    above = (z32 - z_hi) - z_lo
+    v32 = np.sqrt(np.maximum(np.log1p(above / -z32), 0)).astype(np.float32)
+    t32 = np.minimum(v32 * np.float32(2 / v_max) - np.float32(1), np.float32(1))
+    acc = np.full_like(t32, np.float32(powers[-1]))
+    for a in powers[-2::-1]:
+        acc = (acc * t32 + np.float32(a)).astype(np.float32)
+    slope32 = (acc * z32).astype(np.float32)
+    # against the exact slope at the float32 output (y refined by float64 Newton steps on
+    # log(-phi)), farther than 0.05 from y* (nearer, the rounding of z moves y by sqrt(eps))
+    y = _left_samples_y(y_star)[: z.size]
+    far = y < y_star - 0.05
+    y = y[far]
+    target = np.log(-z32[far].astype(np.float64))
+    for _ in range(4):
+        value, derivative = f(y)
+        y = y - (np.log(-value) - target) / (derivative / value)
+    error32 = float(np.abs(slope32[far].astype(np.float64) - f(y)[1]).max())
+    return {"v_max": v_max, "degree": degree, "powers_of_t": [float(a) for a in powers],
+            "weighted_error_by_degree": by_degree, "float32_slope_error_far": error32,
+            "samples": int(z.size), "y_range": [float(y_star - 120), y_star]}
+
+
+def _rational_fit(t, f, m: int, n: int, iterations: int = 12):
+    """``P / Q`` (Chebyshev coefficients, ``Q``'s first 1) minimising ``|P / Q - f|`` by
+    Sanathanan-Koerner iterations (linear least squares, reweighted by the last ``Q``)."""
+    q = np.ones_like(t)
+    for _ in range(iterations):
+        basis = np.hstack([chebyshev.chebvander(t, m),
+                           -f[:, None] * chebyshev.chebvander(t, n)[:, 1:]]) / q[:, None]
+        solution, *_ = np.linalg.lstsq(basis, f / q, rcond=None)
+        p, qc = solution[: m + 1], np.concatenate([[1.0], solution[m + 1:]])
+        q = chebyshev.chebval(t, qc)
+    return p, qc
+
+
+def _horner32(powers, t32):
+    acc = np.full_like(t32, np.float32(powers[-1]))
+    for a in powers[-2::-1]:
+        acc = (acc * t32 + np.float32(a)).astype(np.float32)
+    return acc
+
+
+def fit_right(name: str, degree: int) -> dict:
+    """The right branch's slope as ``P(t) / Q(t)``, ``t = 2 s / S - 1``, ``s = sqrt(z - z*)``
+    up to ``S`` (where the slope is 1 to 1e-8; beyond, ``t`` is held at 1)."""
+    f, y_star, z_star = ACTIVATIONS[name]
+    y = y_star + np.geomspace(1e-7, 60, 400_000)
+    z, slope = f(y)
+    x_r = float(y[np.nonzero(np.abs(slope - 1) > 1e-8)[0].max()])
+    keep = y <= x_r
+    y, z, slope = y[keep], z[keep], slope[keep]
+    s = np.sqrt(np.maximum(z - z_star, 0))
+    s_max = float(s.max())
+    t = 2 * s / s_max - 1
+    by_degree = {}
+    for d in (12, 16, 20, 24):
+        c = chebyshev.chebfit(t, slope, d)
+        by_degree[f"polynomial {d}"] = float(np.abs(chebyshev.chebval(t, c) - slope).max())
+    for d in (8, 10, 12):
+        p, q = _rational_fit(t, slope, d, d)
+        by_degree[f"rational {d}/{d}"] = float(
+            np.abs(chebyshev.chebval(t, p) / chebyshev.chebval(t, q) - slope).max())
+    p, q = _rational_fit(t, slope, degree, degree)
+    grid = np.linspace(-1, 1, 20001)
+    q_min = float(np.abs(chebyshev.chebval(grid, q)).min())
+    numerator, denominator = chebyshev.cheb2poly(p), chebyshev.cheb2poly(q)
+    # float32 as the library evaluates it
+    z32 = z.astype(np.float32)
+    z_hi = np.float32(z_star)
+    z_lo = np.float32(z_star - np.float64(z_hi))
+    above = np.clip((z32 - z_hi) - z_lo, 0, np.float32(s_max * s_max))
+    t32 = np.sqrt(above) * np.float32(2 / s_max) - np.float32(1)
+    slope32 = _horner32(numerator, t32) / _horner32(denominator, t32)
+    # exact slope at the float32 output: y refined by float64 Newton steps on phi, farther
+    # than 0.05 from y* (nearer, the rounding of z moves y by sqrt(eps))
+    far = y > y_star + 0.05
+    yf, target = y[far], z32[far].astype(np.float64)
+    for _ in range(4):
+        value, derivative = f(yf)
+        yf = yf - (value - target) / derivative
+    error32 = float(np.abs(slope32[far].astype(np.float64) - f(yf)[1]).max())
+    return {"x_r": x_r, "s_max": s_max, "degree": degree,
+            "numerator_powers_of_t": [float(a) for a in numerator],
+            "denominator_powers_of_t": [float(a) for a in denominator],
+            "denominator_min_on_[-1,1]": q_min, "error_by_form": by_degree,
+            "float32_slope_error_far": error32}
+
+
+def fit_right_start(name: str, degree: int) -> dict:
+    """The right branch's inverse ``y(s)``, ``s = sqrt(z - z*)``, as a polynomial in
+    ``t = 2 s / S - 1`` up to ``S``, beyond which ``y = z`` to 2e-8 relative (``z_r``): the
+    start of the right branch's Newton steps (float32 and half inputs)."""
+    f, y_star, z_star = ACTIVATIONS[name]
+    y = y_star + np.geomspace(1e-8, 60, 400_000)
+    z, _ = f(y)
+    z_r_index = np.nonzero(np.abs(y - z) > 2e-8 * np.maximum(np.abs(y), 1))[0].max()
+    keep = np.arange(y.size) <= z_r_index
+    y, z = y[keep], z[keep]
+    s = np.sqrt(np.maximum(z - z_star, 0))
+    s_max = float(s.max())
+    t = 2 * s / s_max - 1
+    c = chebyshev.chebfit(t, y, degree)
+    powers = chebyshev.cheb2poly(c)
+    z32 = z.astype(np.float32)
+    z_hi = np.float32(z_star)
+    z_lo = np.float32(z_star - np.float64(z_hi))
+    above = np.clip((z32 - z_hi) - z_lo, 0, np.float32(s_max * s_max))
+    t32 = np.sqrt(above) * np.float32(2 / s_max) - np.float32(1)
+    start32 = _horner32(powers, t32.astype(np.float32))
+    scale = np.maximum(np.abs(y), 1)
+    return {"s_max": s_max, "z_r": float(z[-1]), "degree": degree,
+            "powers_of_t": [float(a) for a in powers],
+            "relative_error_float64": float((np.abs(chebyshev.chebval(t, c) - y) / scale).max()),
+            "relative_error_float32": float((np.abs(start32 - y) / scale).max())}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--degree", type=int, default=12, help="of the left polynomial")
+    parser.add_argument("--right-degree", type=int, default=12,
+                        help="of the right rational's numerator and denominator")
+    parser.add_argument("--start-degree", type=int, default=16,
+                        help="of the right branch's start y(s)")
+    parser.add_argument("--json", default=str(RESULTS / "fit_inverse.json"))
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", category=np.exceptions.RankWarning)
+    result = {"script": "benchmarks/fit_inverse.py", "z_floor": Z_FLOOR,
+              "numpy": np.__version__, "python": platform.python_version(),
+              "left": {}, "right": {}, "right_start": {}}
+    for name in ACTIVATIONS:
+        left = fit_left(name, args.degree)
+        result["left"][name] = left
+        right = fit_right(name, args.right_degree)
+        result["right"][name] = right
+        start = fit_right_start(name, args.start_degree)
+        result["right_start"][name] = start
+        print(f"  right start: error {start['relative_error_float64']:.2e} (float32 "
+              f"{start['relative_error_float32']:.2e})")
+        print(f"    RIGHT_START[{name!r}] = ({start['s_max']!r}, {start['z_r']!r}, (")
+        print("        " + ", ".join(repr(a) for a in start["powers_of_t"]) + "))")
+        print(f"{name}: left V={left['v_max']!r}, weighted error by degree "
+              f"{left['weighted_error_by_degree']}, "
+              f"float32 far {left['float32_slope_error_far']:.2e}")
+        print(f"    LEFT_SLOPE[{name!r}] = ({left['v_max']!r}, (")
+        print("        " + ", ".join(repr(a) for a in left["powers_of_t"]) + "))")
+        print(f"  right: S={right['s_max']!r} {right['error_by_form']}, float32 far "
+              f"{right['float32_slope_error_far']:.2e}, "
+              f"Q >= {right['denominator_min_on_[-1,1]']:.3f}")
+        print(f"    RIGHT_SLOPE[{name!r}] = ({right['s_max']!r}, (")
+        print("        " + ", ".join(repr(a) for a in right["numerator_powers_of_t"]) + "), (")
+        print("        " + ", ".join(repr(a) for a in right["denominator_powers_of_t"]) + "))")
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()
