@@ -10,17 +10,19 @@ docstring has the rules) for one ``layer(leaf.clone()).backward(grad)``:
 ``gelu_tanh``    ``nn.GELU(approximate="tanh")`` / ``iabn.InPlaceGELU("tanh")``
 ``silu``         ``nn.SiLU()`` / ``iabn.InPlaceSiLU()``
 
-and for the activations ``iabn_triton``: the same layer with its backward in one Triton launch
-(``IABN_BACKEND=triton``; Triton's CPU interpreter runs it here, ``TRITON_INTERPRET=1`` is set
-before Triton is imported)
+and ``iabn_triton``: the same layer on the Triton backend (``IABN_BACKEND=triton``; Triton's
+CPU interpreter runs it here, ``TRITON_INTERPRET=1`` is set before Triton is imported): the
+activations' backward in one launch, the output-only norms' in one launch and a ``sum`` of
+its per-program partials for the weight and bias gradients (their forward is PyTorch's)
 
 in float32 (and bfloat16 without ``--quick``). A row gives the launches (ATen operators that
 compute: host dispatches, each a kernel or more on a GPU), the bytes of full-size tensors
 read + written in activations (one input tensor's bytes), and the backward's peak of
 full-size memory. The in-place activations' reference backward recovers their input by
-Newton steps written as ATen operations (``kernels/branch.py``): these counts are what an
-eager GPU step would launch and move on the reference backend, which ``torch.compile`` fuses
-and the Triton backward does in one launch; no GPU was used.
+Newton steps written as ATen operations (``kernels/branch.py``), the norms' rebuilds ``xhat``
+as a tensor (``kernels/row_norm.py``): these counts are what an eager GPU step would launch
+and move on the reference backend, which ``torch.compile`` fuses and the Triton backward does
+in one launch; no GPU was used.
 
 Usage::
 
@@ -62,8 +64,9 @@ def _norm_weights(layer: nn.Module) -> nn.Module:
 
 
 def providers() -> dict[str, tuple[int, dict[str, nn.Module]]]:
-    """``{kind: (features, {provider: layer})}``; ``iabn_triton``: the activation's backward
-    in one Triton launch (``IABN_BACKEND=triton``, run by the CPU interpreter here)."""
+    """``{kind: (features, {provider: layer})}``; ``iabn_triton``: the layer's backward on the
+    Triton backend (``IABN_BACKEND=triton``, run by the CPU interpreter here; the norms'
+    output-only layer)."""
     kinds = {
         "layer_norm": (DIM, {
             "torch": nn.LayerNorm(DIM),
@@ -80,8 +83,8 @@ def providers() -> dict[str, tuple[int, dict[str, nn.Module]]]:
     }
     if has_triton():
         for kind, (_, layers) in kinds.items():
-            if "norm" not in kind:
-                layers["iabn_triton"] = copy.deepcopy(layers["iabn_in_place"])
+            source = "iabn_output_only" if "norm" in kind else "iabn_in_place"
+            layers["iabn_triton"] = copy.deepcopy(layers[source])
     return kinds
 
 

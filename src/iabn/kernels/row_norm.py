@@ -15,19 +15,23 @@ Backward rebuilds ``xhat = (y - b) / w`` and, with ``dxhat = w * dy``::
     layer norm:  dx = rstd * (dxhat - mean_D(dxhat) - xhat * mean_D(dxhat * xhat))
     RMS norm:    dx = rstd * (dxhat - xhat * mean_D(dxhat * xhat))
 
-For layer norm, ``native_layer_norm_backward(dy, input=xhat, mean=0, rstd=1, w, b)`` returns
-exactly ``dw``, ``db`` and the bracket (its normalised input ``(xhat - 0) * 1`` is ``xhat``);
-``dx`` is that times the row's ``rstd``. RMS norm's is written with ATen operations. The
+``xhat`` is rebuilt by one operation that reads ``y`` once (:func:`_rebuilt_xhat`), and
+``native_layer_norm_backward(dy, input=xhat, mean=0, rstd=1, w, b)`` returns exactly ``dw``,
+``db`` and layer norm's bracket (its normalised input ``(xhat - 0) * 1`` is ``xhat``); ``dx``
+is that times the row's ``rstd``. RMS norm's bracket is layer norm's plus the row's
+``mean_D(dxhat)`` (one ``mv``), added in the same multiply (:func:`_grads` counts the
+passes). The
 forward is PyTorch's: ``aten::native_layer_norm`` (the kernel ``nn.LayerNorm`` runs, so the
 outputs are equal bit for bit) and ``torch.rms_norm`` (``nn.RMSNorm``'s), the latter with its
 ``rstd`` computed again beside it (one more read of the input).
 
 **Weights at or near zero.** Rebuilding divides by ``w``. With ``u`` the unit roundoff of the
 stored output's dtype, the rebuilt ``xhat`` of a feature is off by about
-``u * (c * |xhat| + |b| / |w|) + s / (2 |w|)`` (``c`` <= 3 roundings of the forward and
-rebuild, ``s`` the smallest subnormal, ``finfo.tiny * eps``). So a feature is rebuilt only
+``u * (c * |xhat| + c' * |b| / |w|) + s / (2 |w|)`` (``c`` <= 3 roundings of the forward and
+rebuild, ``c'`` <= 3: the stored output's, and ``-b/w + y/w`` rounds ``b/w`` and ``y/w``
+apart; ``s`` the smallest subnormal, ``finfo.tiny * eps``). So a feature is rebuilt only
 where ``|w| >= finfo(stored dtype).tiny`` and ``|b| < K * |w|`` (``K`` = :data:`BIAS_RATIO`),
-which bounds its error by ``u * (c * |xhat| + K + 1)``, and where its weight and bias are
+which bounds its error by ``u * (c * |xhat| + c' * K + 1)``, and where its weight and bias are
 finite and its output cannot overflow (:func:`kept_index`); for every other feature ("kept
 columns") forward saves ``xhat`` itself, gathered into a ``(rows, k)`` tensor in the compute
 dtype (float32 for half inputs) with the ``(k,)`` index of those features, and backward puts
