@@ -27,6 +27,10 @@ in one launch; no GPU was used.
 Usage::
 
     python benchmarks/transformer_traffic.py [--tokens 197] [--json PATH] [--quick]
+        [--kinds layer_norm,rms_norm]
+
+``--kinds``: only these rows (the norms' alone take a minute; the activations' Triton rows run
+the interpreter over 2.4M elements each, minutes apiece).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from iabn.tools.bench import machine_info, results_folder, write_json
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 BATCH, DIM, HIDDEN = 8, 384, 1536
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KINDS = ("layer_norm", "rms_norm", "gelu", "gelu_tanh", "silu")
 
 
 def _norm_weights(layer: nn.Module) -> nn.Module:
@@ -106,10 +111,12 @@ def count_row(layer: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> d
     }
 
 
-def measure(tokens: int, quick: bool) -> list[dict]:
+def measure(tokens: int, quick: bool, kinds: list[str] | None = None) -> list[dict]:
     rows = []
     dtypes = {"float32": torch.float32} if quick else DTYPES
     for kind, (features, layers) in providers().items():
+        if kinds is not None and kind not in kinds:
+            continue
         shape = (2 if quick else BATCH, tokens, features)
         for dtype_name, dtype in dtypes.items():
             for name, layer in layers.items():
@@ -132,13 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=197)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="batch 2, float32 only")
+    parser.add_argument("--kinds", default=None,
+                        help=f"comma-separated, of {','.join(KINDS)} (default: all)")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         parser.error(f"--tokens {args.tokens}: must be >= 1")
-    rows = measure(args.tokens, args.quick)
+    kinds = None if args.kinds is None else args.kinds.split(",")
+    unknown = sorted(set(kinds or ()) - set(KINDS))
+    if unknown:
+        parser.error(f"--kinds {args.kinds}: unknown {unknown}; choose from {','.join(KINDS)}")
+    rows = measure(args.tokens, args.quick, kinds)
     write_json(args.json or RESULTS / "transformer_traffic.json",
                {"machine": machine_info("cpu"), "tokens": args.tokens, "quick": args.quick,
-                "rows": rows})
+                "kinds": kinds or list(KINDS), "rows": rows})
     return 0
 
 

@@ -43,3 +43,9 @@ def test_a_bad_size_exits_2(tmp_path):
     done = _run("--tokens", "0", "--json", str(tmp_path / "x.json"))
     assert done.returncode == 2 and "--tokens 0" in done.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_unknown_kinds_exit_2(tmp_path):
+    done = _run("--kinds", "layer_norm,batch_norm", "--json", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and "batch_norm" in done.stderr
+    assert not (tmp_path / "x.json").exists()
