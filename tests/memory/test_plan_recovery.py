@@ -95,3 +95,17 @@ def test_a_real_timing_is_measured_once():
     first = recovery.pair_seconds(nn.GELU(), iabn.InPlaceGELU(), x, repeats=2)
     assert len(recovery._MEASURED) == 1
     assert recovery.pair_seconds(nn.GELU(), iabn.InPlaceGELU(), x, repeats=2) == first
+
+
+def test_a_unit_whose_timing_fails_is_charged_nothing_and_noted(monkeypatch):
+    from iabn.planning import planner as planner_module
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(planner_module, "unit_recovery_seconds", fails)
+    planner = Planner(_model(), (torch.randn(2, 5, 8),), "lossless", ["inplace"])
+    assert planner.recovery == {}
+    assert {c.seconds for c in planner.candidates if c.choice == INPLACE} == {0.0}
+    assert any("timing its converted layers failed (RuntimeError: no kernel)" in note
+               for note in planner.notes)

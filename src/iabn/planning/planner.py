@@ -339,9 +339,15 @@ class Planner:
                 del self.converted_real[u]
         if not self.compiled:
             self.say("timing the converted layers against the layers they replace")
-            self.recovery = {u: unit_recovery_seconds(unit_modules(self.real, self.units[u]),
-                                                      self.converted_real[u], inputs[u])
-                             for u in self.converted if inputs is not None and inputs.get(u)}
+            for u in self.converted:
+                try:
+                    self.recovery[u] = unit_recovery_seconds(
+                        unit_modules(self.real, self.units[u]), self.converted_real[u],
+                        inputs[u] if inputs is not None else ())
+                except Exception as error:  # a layer that does not run alone on its input
+                    self.notes.append(f"{self.units[u].name}: in place is charged no extra "
+                                      f"time: timing its converted layers failed "
+                                      f"({type(error).__name__}: {error})")
 
     # ------------------------------------------------------------ candidates
 
