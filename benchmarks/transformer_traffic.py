@@ -10,21 +10,27 @@ docstring has the rules) for one ``layer(leaf.clone()).backward(grad)``:
 ``gelu_tanh``    ``nn.GELU(approximate="tanh")`` / ``iabn.InPlaceGELU("tanh")``
 ``silu``         ``nn.SiLU()`` / ``iabn.InPlaceSiLU()``
 
-and for the activations ``iabn_triton``: the same layer with its backward in one Triton launch
-(``IABN_BACKEND=triton``; Triton's CPU interpreter runs it here, ``TRITON_INTERPRET=1`` is set
-before Triton is imported)
+and ``iabn_triton``: the same layer on the Triton backend (``IABN_BACKEND=triton``; Triton's
+CPU interpreter runs it here, ``TRITON_INTERPRET=1`` is set before Triton is imported): the
+activations' backward in one launch, the output-only norms' in one launch and a ``sum`` of
+its per-program partials for the weight and bias gradients (their forward is PyTorch's)
 
 in float32 (and bfloat16 without ``--quick``). A row gives the launches (ATen operators that
 compute: host dispatches, each a kernel or more on a GPU), the bytes of full-size tensors
 read + written in activations (one input tensor's bytes), and the backward's peak of
 full-size memory. The in-place activations' reference backward recovers their input by
-Newton steps written as ATen operations (``kernels/branch.py``): these counts are what an
-eager GPU step would launch and move on the reference backend, which ``torch.compile`` fuses
-and the Triton backward does in one launch; no GPU was used.
+Newton steps written as ATen operations (``kernels/branch.py``), the norms' rebuilds ``xhat``
+as a tensor (``kernels/row_norm.py``): these counts are what an eager GPU step would launch
+and move on the reference backend, which ``torch.compile`` fuses and the Triton backward does
+in one launch; no GPU was used.
 
 Usage::
 
     python benchmarks/transformer_traffic.py [--tokens 197] [--json PATH] [--quick]
+        [--kinds layer_norm,rms_norm]
+
+``--kinds``: only these rows (the norms' alone take a minute; the activations' Triton rows run
+the interpreter over 2.4M elements each, minutes apiece).
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from iabn.tools.bench import machine_info, results_folder, write_json
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 BATCH, DIM, HIDDEN = 8, 384, 1536
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KINDS = ("layer_norm", "rms_norm", "gelu", "gelu_tanh", "silu")
 
 
 def _norm_weights(layer: nn.Module) -> nn.Module:
@@ -62,8 +69,9 @@ def _norm_weights(layer: nn.Module) -> nn.Module:
 
 
 def providers() -> dict[str, tuple[int, dict[str, nn.Module]]]:
-    """``{kind: (features, {provider: layer})}``; ``iabn_triton``: the activation's backward
-    in one Triton launch (``IABN_BACKEND=triton``, run by the CPU interpreter here)."""
+    """``{kind: (features, {provider: layer})}``; ``iabn_triton``: the layer's backward on the
+    Triton backend (``IABN_BACKEND=triton``, run by the CPU interpreter here; the norms'
+    output-only layer)."""
     kinds = {
         "layer_norm": (DIM, {
             "torch": nn.LayerNorm(DIM),
@@ -80,8 +88,8 @@ def providers() -> dict[str, tuple[int, dict[str, nn.Module]]]:
     }
     if has_triton():
         for kind, (_, layers) in kinds.items():
-            if "norm" not in kind:
-                layers["iabn_triton"] = copy.deepcopy(layers["iabn_in_place"])
+            source = "iabn_output_only" if "norm" in kind else "iabn_in_place"
+            layers["iabn_triton"] = copy.deepcopy(layers[source])
     return kinds
 
 
@@ -103,10 +111,12 @@ def count_row(layer: nn.Module, shape: tuple[int, ...], dtype: torch.dtype) -> d
     }
 
 
-def measure(tokens: int, quick: bool) -> list[dict]:
+def measure(tokens: int, quick: bool, kinds: list[str] | None = None) -> list[dict]:
     rows = []
     dtypes = {"float32": torch.float32} if quick else DTYPES
     for kind, (features, layers) in providers().items():
+        if kinds is not None and kind not in kinds:
+            continue
         shape = (2 if quick else BATCH, tokens, features)
         for dtype_name, dtype in dtypes.items():
             for name, layer in layers.items():
@@ -129,13 +139,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=197)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--quick", action="store_true", help="batch 2, float32 only")
+    parser.add_argument("--kinds", default=None,
+                        help=f"comma-separated, of {','.join(KINDS)} (default: all)")
     args = parser.parse_args(argv)
     if args.tokens < 1:
         parser.error(f"--tokens {args.tokens}: must be >= 1")
-    rows = measure(args.tokens, args.quick)
+    kinds = None if args.kinds is None else args.kinds.split(",")
+    unknown = sorted(set(kinds or ()) - set(KINDS))
+    if unknown:
+        parser.error(f"--kinds {args.kinds}: unknown {unknown}; choose from {','.join(KINDS)}")
+    rows = measure(args.tokens, args.quick, kinds)
     write_json(args.json or RESULTS / "transformer_traffic.json",
                {"machine": machine_info("cpu"), "tokens": args.tokens, "quick": args.quick,
-                "rows": rows})
+                "kinds": kinds or list(KINDS), "rows": rows})
     return 0
 
 

@@ -359,6 +359,10 @@ def test_triton_kernels_write_only_what_they_declare():
         x = torch.randn(SHAPE).requires_grad_()
         with use_backend("triton"):
             iabn.InPlaceSiLU()(x.clone()).backward(torch.randn(SHAPE))
+        # the output-only layer norm's backward: its one kernel
+        x = torch.randn(SHAPE).requires_grad_()
+        with use_backend("triton"):
+            iabn.InPlaceLayerNorm(SHAPE[-1])(x.clone()).backward(torch.randn(SHAPE))
     finally:
         for kernel in kernels:
             kernel.__dict__.pop("run", None)
@@ -366,6 +370,7 @@ def test_triton_kernels_write_only_what_they_declare():
     assert changed["normalize_branch_kernel"] == {"x_ptr", "bits_ptr"}
     assert changed["input_grad_kernel"] == {"dx_ptr"}
     assert changed["activation_grad_kernel"] == {"dx_ptr"}
+    assert changed["row_norm_grad_kernel"] == {"dx_ptr", "parts_ptr"}
     assert set(changed) == set(triton_kernels.TRAFFIC)
 
 

@@ -25,6 +25,15 @@ F32 = tl.float32
 NO_BRANCH = {"BRANCH": False, "NEWTON": 0, "CHEB": 0, "TAYLOR": False}
 
 CASES = [  # (kernel, pointer types other than *fp32, constexprs)
+    # the output-only layer norm's backward: bfloat16 rows of 384 with float32 parameters,
+    # and a float64 RMS norm without its weight
+    (k.row_norm_grad_kernel, {"y_ptr": "*bf16", "dy_ptr": "*bf16", "dx_ptr": "*bf16"},
+     {"LAYER": True, "HAS_WEIGHT": True, "HAS_BIAS": True, "WANT_DX": True, "WANT_SUMS": True,
+      "BLOCK_M": 8, "BLOCK_D": 512, "ACC": F32}),
+    (k.row_norm_grad_kernel, {"y_ptr": "*fp64", "dy_ptr": "*fp64", "dx_ptr": "*fp64",
+                              "rstd_ptr": "*fp64", "parts_ptr": "*fp64"},
+     {"LAYER": False, "HAS_WEIGHT": False, "HAS_BIAS": False, "WANT_DX": True,
+      "WANT_SUMS": False, "BLOCK_M": 1, "BLOCK_D": 8192, "ACC": tl.float64}),
     (k.moments_ncs_kernel, {"x_ptr": "*bf16", "parts_ptr": "*fp64"},
      {"BLOCK_N": 2, "BLOCK_S": 1024, "ACC": F32}),
     (k.moments_mc_kernel, {"x_ptr": "*fp16", "parts_ptr": "*fp64"},

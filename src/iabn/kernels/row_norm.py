@@ -15,19 +15,23 @@ Backward rebuilds ``xhat = (y - b) / w`` and, with ``dxhat = w * dy``::
     layer norm:  dx = rstd * (dxhat - mean_D(dxhat) - xhat * mean_D(dxhat * xhat))
     RMS norm:    dx = rstd * (dxhat - xhat * mean_D(dxhat * xhat))
 
-For layer norm, ``native_layer_norm_backward(dy, input=xhat, mean=0, rstd=1, w, b)`` returns
-exactly ``dw``, ``db`` and the bracket (its normalised input ``(xhat - 0) * 1`` is ``xhat``);
-``dx`` is that times the row's ``rstd``. RMS norm's is written with ATen operations. The
+``xhat`` is rebuilt by one operation that reads ``y`` once (:func:`_rebuilt_xhat`), and
+``native_layer_norm_backward(dy, input=xhat, mean=0, rstd=1, w, b)`` returns exactly ``dw``,
+``db`` and layer norm's bracket (its normalised input ``(xhat - 0) * 1`` is ``xhat``); ``dx``
+is that times the row's ``rstd``. RMS norm's bracket is layer norm's plus the row's
+``mean_D(dxhat)`` (one ``mv``), added in the same multiply (:func:`_grads` counts the
+passes). The
 forward is PyTorch's: ``aten::native_layer_norm`` (the kernel ``nn.LayerNorm`` runs, so the
 outputs are equal bit for bit) and ``torch.rms_norm`` (``nn.RMSNorm``'s), the latter with its
 ``rstd`` computed again beside it (one more read of the input).
 
 **Weights at or near zero.** Rebuilding divides by ``w``. With ``u`` the unit roundoff of the
 stored output's dtype, the rebuilt ``xhat`` of a feature is off by about
-``u * (c * |xhat| + |b| / |w|) + s / (2 |w|)`` (``c`` <= 3 roundings of the forward and
-rebuild, ``s`` the smallest subnormal, ``finfo.tiny * eps``). So a feature is rebuilt only
+``u * (c * |xhat| + c' * |b| / |w|) + s / (2 |w|)`` (``c`` <= 3 roundings of the forward and
+rebuild, ``c'`` <= 3: the stored output's, and ``-b/w + y/w`` rounds ``b/w`` and ``y/w``
+apart; ``s`` the smallest subnormal, ``finfo.tiny * eps``). So a feature is rebuilt only
 where ``|w| >= finfo(stored dtype).tiny`` and ``|b| < K * |w|`` (``K`` = :data:`BIAS_RATIO`),
-which bounds its error by ``u * (c * |xhat| + K + 1)``, and where its weight and bias are
+which bounds its error by ``u * (c * |xhat| + c' * K + 1)``, and where its weight and bias are
 finite and its output cannot overflow (:func:`kept_index`); for every other feature ("kept
 columns") forward saves ``xhat`` itself, gathered into a ``(rows, k)`` tensor in the compute
 dtype (float32 for half inputs) with the ``(k,)`` index of those features, and backward puts
@@ -171,48 +175,70 @@ def row_norm_backward(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor
     return dx if output_mask[0] else None, dw, db
 
 
+def _rebuilt_xhat(y: Tensor, weight: Tensor | None, bias: Tensor | None,
+                  kept: Tensor | None, index: Tensor | None, compute: torch.dtype) -> Tensor:
+    """``xhat = (y - b) / w`` as a new ``(rows, D)`` tensor in the compute dtype, written by one
+    operation that reads ``y`` once (``addcdiv``: ``-b/w + y/w``; ``div`` without a bias; a
+    copy without a weight), the kept columns put back (``(rows, k)``, a small part)."""
+    m, d = y.shape
+    xhat = torch.empty((m, d), dtype=compute, device=y.device)
+    if weight is None:
+        return xhat.copy_(y)
+    w = weight.to(compute)
+    if index is not None:  # no division by a zero weight, even in columns replaced below
+        w = w.index_fill(0, index, 1.0)
+    if bias is None:
+        torch.div(y, w, out=xhat)
+    else:
+        b = bias.to(compute)
+        if index is not None:  # nor an infinite or NaN bias there
+            b = b.index_fill(0, index, 0.0)
+        torch.addcdiv(-b / w, y, w, out=xhat)
+    if index is not None:
+        xhat.index_copy_(1, index, kept.to(compute))
+    return xhat
+
+
 def _grads(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None, rstd: Tensor,
            kept: Tensor | None, index: Tensor | None, kind: str, mask: list[bool],
+           out: Tensor | None = None,
            ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dx, dw, db)`` from the output ``y`` and ``dz``, both ``(rows, D)``; ``rstd``
     ``(rows, 1)``, ``kept`` ``(rows, k)``; ``weight``/``bias`` flat ``(D,)``. Computed in
-    float32 for half inputs, ``dx`` (``(rows, D)``) in ``y``'s dtype, the parameter gradients
-    in the compute dtype. See the module docstring for the math."""
+    float32 for half inputs, ``dx`` (``(rows, D)``) in ``y``'s dtype (written into ``out``
+    where given), the parameter gradients in the compute dtype. See the module docstring for
+    the math.
+
+    Four operations touch whole activations: the rebuild of ``xhat`` (reads ``y``, writes
+    ``xhat``), ``native_layer_norm_backward(dy, xhat, mean=0, rstd=1)`` (reads ``dy`` and
+    ``xhat``, writes the bracket, returns ``dw`` and ``db``), for RMS norm ``dy @ w`` (reads
+    ``dy``: the row's ``mean_D(dxhat)``, which layer norm's bracket subtracts and RMS norm's
+    does not), and the bracket times ``rstd`` (plus that mean for RMS norm) written as ``dx``:
+    7 activation-sized passes of bytes for layer norm, 8 for RMS norm (float32)."""
     compute = _compute_dtype(y.dtype)
     m, d = y.shape
-    # xhat = (y - b) / w into a new tensor (out=: one pass over any strides of y)
-    xhat = torch.empty((m, d), dtype=compute, device=y.device)
-    if bias is not None:
-        torch.sub(y, bias.to(compute), out=xhat)
-    else:
-        xhat.copy_(y)
-    if weight is not None:
-        w = weight.to(compute)
-        if index is not None:  # no division by a zero weight, even in columns replaced below
-            xhat.div_(w.index_fill(0, index, 1.0))
-            xhat.index_copy_(1, index, kept.to(compute))
-        else:
-            xhat.div_(w)
-    else:
-        w = None
+    xhat = _rebuilt_xhat(y, weight, bias, kept, index, compute)
+    w = None if weight is None else weight.to(compute)
+    b = None if bias is None else bias.to(compute)
     dy = dz.to(compute)
-    if kind == LAYER_NORM:
-        zeros = rstd.new_zeros((m, 1), dtype=compute)
-        ones = rstd.new_ones((m, 1), dtype=compute)
-        b = None if bias is None else bias.to(compute)
-        dx, dw, db = _NATIVE_LAYER_NORM_BACKWARD(dy, xhat, [d], zeros, ones, w, b, mask)
-        if dx is not None:
-            dx.mul_(rstd)
-    else:
-        dxhat = dy if w is None else dy * w
-        dw = (dy * xhat).sum(0) if mask[1] and w is not None else None
-        db = None
-        dx = None
-        if mask[0]:
-            dot = (dxhat * xhat).mean(1, keepdim=True)
-            dx = torch.addcmul(dxhat, xhat, dot, value=-1).mul_(rstd)
-    if dx is not None:
-        dx = dx.to(y.dtype)
+    zeros = rstd.new_zeros((m, 1), dtype=compute)
+    ones = rstd.new_ones((m, 1), dtype=compute)
+    want = [mask[0], mask[1] and w is not None, mask[2] and b is not None]
+    bracket, dw, db = _NATIVE_LAYER_NORM_BACKWARD(dy, xhat, [d], zeros, ones, w, b, want)
+    del xhat
+    dx = None
+    if mask[0]:
+        if out is None:
+            out = (bracket if bracket.dtype == y.dtype
+                   else torch.empty((m, d), dtype=y.dtype, device=y.device))
+        if kind == LAYER_NORM:
+            torch.mul(bracket, rstd, out=out)
+        else:
+            # the bracket minus layer norm's mean_D(w dy), times rstd: one pass
+            mean_dxhat = (dy.mean(1, keepdim=True) if w is None
+                          else torch.mv(dy, w).unsqueeze(1).div_(d))
+            torch.addcmul(mean_dxhat.mul_(rstd), bracket, rstd, out=out)
+        dx = out
     return dx, dw, db
 
 
@@ -229,9 +255,8 @@ def _grads_in_parts(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor |
             for want in mask[1:]]
     for a, b in at_most(m, part_count(y.numel())):
         part = _grads(y[a:b], dz[a:b], weight, bias, rstd[a:b],
-                      None if kept is None else kept[a:b], index, kind, mask)
-        if dx is not None:
-            dx[a:b].copy_(part[0])
+                      None if kept is None else kept[a:b], index, kind, mask,
+                      None if dx is None else dx[a:b])
         for total, value in zip(sums, part[1:], strict=True):
             if total is not None and value is not None:
                 total += value

@@ -34,7 +34,9 @@ from .backend import from_reference
 from .branch import ITERATIONS
 from .common import (
     ABS,
+    LAYER_NORM,
     LayerConfig,
+    RowConfig,
     compute_dtype,
     dx_coefficients,
     effective_g,
@@ -500,8 +502,71 @@ def input_grad(
                        branch).to(out_dtype)
 
 
-# The norms' functions of the contract, which have no Triton kernels: the reference's.
-group_norm_forward_, group_norm_backward, row_norm_forward, row_norm_backward = from_reference(
-    "group_norm_forward_", "group_norm_backward", "row_norm_forward", "row_norm_backward")
+# The norms' functions of the contract without Triton kernels: the reference's (the row norms'
+# forward is PyTorch's kernel there; their backward, below, falls back to it in some cases).
+group_norm_forward_, group_norm_backward, row_norm_forward, _reference_row_norm_backward = (
+    from_reference("group_norm_forward_", "group_norm_backward", "row_norm_forward",
+                   "row_norm_backward"))
 # The invertible activations without a norm (no branch bit): the reference's.
 (_reference_activation_grad,) = from_reference("activation_grad")
+
+
+# --- the output-only layer and RMS norms' backward ------------------------------------------
+
+#: The longest row (``D``, the normalised values) :func:`row_norm_backward` runs as one tile;
+#: longer rows go to the reference.
+ROW_NORM_MAX_D = 8192
+#: Elements of a tile of :func:`.triton_kernels.row_norm_grad_kernel` (``BLOCK_M * BLOCK_D``)
+#: where a row is shorter.
+_ROW_NORM_TILE = 4096
+
+
+def row_norm_backward(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
+                      rstd: Tensor, kept: Tensor | None, index: Tensor | None,
+                      config: RowConfig, output_mask: list[bool],
+                      ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """As :func:`.row_norm.row_norm_backward`, in one launch of
+    :func:`.triton_kernels.row_norm_grad_kernel` (``dx`` and per-program column sums, ``xhat``
+    rebuilt in registers) and one ``sum`` of the partials for the weight and bias gradients.
+    The reference runs the cases the kernel does not take: kept ``xhat`` columns (zero, tiny
+    or non-finite weights, outputs that may overflow), empty tensors and rows longer than
+    :data:`ROW_NORM_MAX_D`."""
+    shape, _, kind, channels = config
+    v = y.movedim(1, -1) if channels else y
+    dv = dz.movedim(1, -1) if channels else dz
+    d = math.prod(shape)
+    m = v.numel() // d if d else 0
+    if index is not None or m == 0 or d == 0 or d > ROW_NORM_MAX_D:
+        return _reference_row_norm_backward(y, dz, weight, bias, rstd, kept, index, config,
+                                            output_mask)
+    y2, dz2 = v.reshape(m, d).contiguous(), dv.reshape(m, d).contiguous()
+    want_dx = output_mask[0]
+    want_dw = output_mask[1] and weight is not None
+    want_db = output_mask[2] and bias is not None
+    adtype = accumulation_dtype(y.dtype)
+    block_d = _pow2(d)
+    block_m = max(1, min(_ROW_NORM_TILE // block_d, _pow2(m)))
+    programs = min(_target_programs(y.device), triton.cdiv(m, block_m))
+    rows_per_program = triton.cdiv(triton.cdiv(m, programs), block_m) * block_m
+    programs = triton.cdiv(m, rows_per_program)
+    dx = torch.empty((m, d), dtype=y.dtype, device=y.device) if want_dx else None
+    parts = (torch.empty((2, programs, d), dtype=adtype, device=y.device)
+             if want_dw or want_db else None)
+    k.row_norm_grad_kernel[(programs,)](
+        y2, dz2, dx if dx is not None else y2, rstd.reshape(m),
+        weight.reshape(d) if weight is not None else y2,
+        bias.reshape(d) if bias is not None else y2,
+        parts if parts is not None else y2, m, d, rows_per_program,
+        LAYER=kind == LAYER_NORM, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        WANT_DX=want_dx, WANT_SUMS=parts is not None,
+        BLOCK_M=block_m, BLOCK_D=block_d, ACC=_TL_DTYPES[adtype], **_LAUNCH,
+    )
+    dw = db = None
+    if parts is not None:
+        sums = parts.sum(1)
+        dw = sums[0].view(shape).to(weight.dtype) if want_dw else None
+        db = sums[1].view(shape).to(bias.dtype) if want_db else None
+    if dx is not None:
+        dx = dx.view(v.shape)
+        dx = dx.movedim(-1, 1) if channels else dx
+    return dx, dw, db

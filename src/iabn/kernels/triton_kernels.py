@@ -839,3 +839,69 @@ def input_grad_kernel(
 
 _declare(input_grad_kernel, reads=("z_ptr", "dz_ptr", "coeffs_ptr", "bits_ptr", "consts_ptr"),
          writes=("dx_ptr",))
+
+
+# --- the output-only layer and RMS norms' backward (docs/design.md, "Output-only layer norm") ---
+
+
+@triton.jit
+def row_norm_grad_kernel(
+    y_ptr, dy_ptr, dx_ptr, rstd_ptr, weight_ptr, bias_ptr, parts_ptr, M, D, rows_per_program,
+    LAYER: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    WANT_DX: tl.constexpr, WANT_SUMS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr,
+):
+    """One pass over the rows of a layer or RMS norm's output ``y`` ``(M, D)`` (row-major) and
+    its gradient: ``xhat = (y - b) / w`` rebuilt in registers, ``dxhat = w * dy``,
+
+        layer norm: ``dx = rstd * (dxhat - mean_D(dxhat) - xhat * mean_D(dxhat * xhat))``
+        RMS norm:   ``dx = rstd * (dxhat - xhat * mean_D(dxhat * xhat))``
+
+    written to ``dx`` (never into ``dy``), and this program's column sums ``sum(dy * xhat)``
+    and ``sum(dy)`` over its rows to ``parts[0, p, :]`` and ``parts[1, p, :]`` (the weight and
+    bias gradients once summed over the programs). A whole row is one tile (``BLOCK_D >=
+    D``); each program takes ``rows_per_program`` consecutive rows, ``BLOCK_M`` at a time. Only
+    for features whose ``xhat`` is rebuilt (no kept columns: the launcher checks)."""
+    p = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_D)
+    c_mask = cols < D
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=c_mask, other=1.0).to(ACC)[None, :]
+    else:
+        w = tl.full([1, BLOCK_D], 1.0, ACC)
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=c_mask, other=0.0).to(ACC)[None, :]
+    else:
+        b = tl.zeros([1, BLOCK_D], ACC)
+    sum_dy = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    sum_dy_xhat = tl.zeros([BLOCK_M, BLOCK_D], ACC)
+    start = p * rows_per_program
+    stop = tl.minimum(start + rows_per_program, M)
+    for first in range(start, stop, BLOCK_M):
+        r = first + tl.arange(0, BLOCK_M)
+        r_mask = r < stop
+        mask = r_mask[:, None] & c_mask[None, :]
+        offsets = r.to(tl.int64)[:, None] * D + cols[None, :]
+        y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(dy_ptr + offsets, mask=mask, other=0.0).to(ACC)
+        xhat = (y - b) / w  # 0 outside the tile's rows and columns (y = b = 0, w = 1)
+        if WANT_DX:
+            rstd = tl.load(rstd_ptr + r, mask=r_mask, other=0.0).to(ACC)[:, None]
+            dxhat = dy * w
+            dot = (tl.sum(dxhat * xhat, axis=1) / D)[:, None]
+            centred = dxhat - (tl.sum(dxhat, axis=1) / D)[:, None] if LAYER else dxhat
+            dx = rstd * (centred - xhat * dot)
+            tl.store(dx_ptr + offsets, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        if WANT_SUMS:
+            sum_dy += dy
+            sum_dy_xhat += dy * xhat
+    if WANT_SUMS:
+        out = parts_ptr + p * D + cols
+        tl.store(out, tl.sum(sum_dy_xhat, axis=0), mask=c_mask)
+        tl.store(out + programs * D, tl.sum(sum_dy, axis=0), mask=c_mask)
+
+
+_declare(row_norm_grad_kernel,
+         reads=("y_ptr", "dy_ptr", "rstd_ptr", "weight_ptr", "bias_ptr"),
+         writes=("dx_ptr", "parts_ptr"))

@@ -19,6 +19,7 @@ from ..measure.trial_runs import preserved, same_randomness
 from ..memory import saved_tensor_bytes
 from .accounting import Run, Saved, observe, recomputed_saves, record
 from .cost import DeviceSpeed, calibrate
+from .recovery import unit_recovery_seconds
 from .report import DecisionRow, PlanReport
 from .segments import (
     Segmentation,
@@ -163,6 +164,8 @@ class Planner:
         self.input_identities = self.keep.input_names
         self.inplace: Run | None = None
         self.inplace_model: nn.Module | None = None
+        #: unit -> the measured extra time of its layers converted in place (recovery.py)
+        self.recovery: dict[int, float] = {}
         if "inplace" in self.allow:
             self._convert_units()
         self.offload: Run | None = None
@@ -334,6 +337,17 @@ class Planner:
                     self.inplace.output_written | self.inplace.writes_input):
                 del self.converted[u]  # saves nothing, or is not safe in this graph
                 del self.converted_real[u]
+        if not self.compiled:
+            self.say("timing the converted layers against the layers they replace")
+            for u in self.converted:
+                try:
+                    self.recovery[u] = unit_recovery_seconds(
+                        unit_modules(self.real, self.units[u]), self.converted_real[u],
+                        inputs[u] if inputs is not None else ())
+                except Exception as error:  # a layer that does not run alone on its input
+                    self.notes.append(f"{self.units[u].name}: in place is charged no extra "
+                                      f"time: timing its converted layers failed "
+                                      f"({type(error).__name__}: {error})")
 
     # ------------------------------------------------------------ candidates
 
@@ -352,9 +366,10 @@ class Planner:
             u = unit.index
             found.append(Candidate((u,), KEEP, self.keep.units.get(u, Saved()), 0.0))
             if u in self.converted and self.inplace is not None:
-                # in place costs no extra time in this model: backward reads the norm's output
-                # where batch norm's reads its input, the same bytes
-                found.append(Candidate((u,), INPLACE, self.inplace.units.get(u, Saved()), 0.0))
+                # in place costs what its layers were measured to cost beyond the layers they
+                # replace (recovery.py; 0 for a model run under torch.compile)
+                found.append(Candidate((u,), INPLACE, self.inplace.units.get(u, Saved()),
+                                       self.recovery.get(u, 0.0)))
             if self.offload is not None:
                 moved = self.offload.transferred.get(u, 0)
                 seconds = 0.0
@@ -422,6 +437,8 @@ class Planner:
                                                 else self._measure_run(model, units))
                     seconds = sum(self._forward_seconds(u, variant, recompute=True)
                                   for u in units)
+                    if variant == INPLACE:
+                        seconds += sum(self.recovery.get(u, 0.0) for u in units)
                     found.append(Candidate(units, choice, saved, seconds))
             # selective runs across containers too (each is measured: on a traced chain as
             # long as ResNet-50's, 4x3x64x64 on a CPU, planning takes 12 s instead of 4): a
