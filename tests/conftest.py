@@ -62,6 +62,23 @@ def _seed():
     torch.manual_seed(0)
 
 
+#: What the planner's in-place recovery timing (iabn.planning.recovery.pair_seconds) answers in
+#: the tests: 20 us for each converted layer against the layer it replaced. The planner times
+#: those pairs on the machine it runs on, and a timing taken while other jobs load the cores
+#: would move its choices between in place and recomputing; a test decides from this fixed
+#: figure instead (tests marked measured_recovery time for real).
+FIXED_RECOVERY_S = 20e-6
+
+
+@pytest.fixture(autouse=True)
+def _fixed_recovery(request, monkeypatch):
+    if request.node.get_closest_marker("measured_recovery") is None:
+        from iabn.planning import recovery
+
+        monkeypatch.setattr(recovery, "pair_seconds",
+                            lambda *args, **kwargs: FIXED_RECOVERY_S)
+
+
 _GPU = pytest.mark.gpu
 _BACKENDS = [
     pytest.param(("reference", "cpu"), id="reference"),

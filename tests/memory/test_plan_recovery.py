@@ -89,6 +89,7 @@ def test_a_compiled_plan_charges_nothing_for_in_place(monkeypatch):
     assert planner.recovery == {}
 
 
+@pytest.mark.measured_recovery
 def test_a_real_timing_is_measured_once():
     recovery._MEASURED.clear()
     x = torch.randn(4, 32, 64)
