@@ -101,9 +101,9 @@ def overwrite_refused(input: Tensor, grad: bool) -> bool:
 
     Eager mode only: under ``torch.compile`` an overwritten input is a copy already
     (:func:`overwritable`), and under ``torch.func`` transforms the layer is composed. Cost
-    on the common path (a computed tensor that is no view, no checkpoint): two attribute
-    reads and the saved-tensor hooks' query, 0.5 µs on the loaded 2-core VM, equal within noise
-    in a layer's call (benchmarks/writability_cost.py)."""
+    on the common path (a computed tensor that is no view, no checkpoint): the compiler's
+    flag, two attribute reads and the saved-tensor hooks' query, about 0.5 µs on the loaded
+    2-core VM, equal within noise in a layer's call (benchmarks/writability_cost.py)."""
     if not grad:
         return input.requires_grad and _eager_untransformed()
     # ordered for the common case, a computed tensor that is no view: the compiler's flag,
