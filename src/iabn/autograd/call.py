@@ -101,19 +101,17 @@ def overwrite_refused(input: Tensor, grad: bool) -> bool:
 
     Eager mode only: under ``torch.compile`` an overwritten input is a copy already
     (:func:`overwritable`), and under ``torch.func`` transforms the layer is composed. Cost
-    on the common path (a computed tensor that is no view, no checkpoint): two attribute
-    reads and the saved-tensor hooks' query, 0.5 µs on the loaded 2-core VM, equal within noise
-    in a layer's call (benchmarks/writability_cost.py)."""
-    if torch.compiler.is_compiling():
-        # (Dynamo cannot trace _is_view and the creation-meta query; an overwritten input
-        # is a copy under the compiler anyway: overwritable)
-        return False
+    on the common path (a computed tensor that is no view, no checkpoint): the compiler's
+    flag, two attribute reads and the saved-tensor hooks' query, about 0.5 µs on the loaded
+    2-core VM, equal within noise in a layer's call (benchmarks/writability_cost.py)."""
     if not grad:
         return input.requires_grad and _eager_untransformed()
-    # ordered for the common case, a computed tensor that is no view: two attribute reads
-    # and the hooks' query (torch.compile cannot trace the queries after _eager_untransformed)
+    # ordered for the common case, a computed tensor that is no view: the compiler's flag,
+    # two attribute reads and the hooks' query (torch.compile traces none of the queries)
+    if torch.compiler.is_compiling():
+        return False
     if input._is_view():
-        if not _eager_untransformed():
+        if _peek_interpreter_stack() is not None:
             return False
         if refused_view(input):
             return True
@@ -121,7 +119,7 @@ def overwrite_refused(input: Tensor, grad: bool) -> bool:
         if base.is_leaf and base.requires_grad:
             return True
     elif input.is_leaf:
-        return input.requires_grad and _eager_untransformed()
+        return input.requires_grad and _peek_interpreter_stack() is None
     return in_checkpoint_forward()
 
 
@@ -129,13 +127,13 @@ def _eager_untransformed() -> bool:
     return not torch.compiler.is_compiling() and _peek_interpreter_stack() is None
 
 
-@torch.compiler.assume_constant_result  # (torch.compile cannot trace the hooks' query)
 def in_checkpoint_forward() -> bool:
     """Whether a non-reentrant ``torch.utils.checkpoint`` runs its first forward here: its
     saved-tensor hooks are the innermost ones. It recomputes the region from the region's
     inputs in backward, so they must keep their values; the region's saved tensors are
     dropped, so computing a layer output-only there costs a copy in forward and no memory
-    kept. (Its recomputation in backward runs under other hooks, and overwrites as usual.)"""
+    kept. (Its recomputation in backward runs under other hooks, and overwrites as usual.)
+    Eager mode only."""
     hooks = _top_saved_tensors_hooks(False)
     return hooks is not None and getattr(hooks[0], "__qualname__", "").startswith(
         _CHECKPOINT_FORWARD)

@@ -25,6 +25,7 @@ needs (docs/design.md, "Converting existing models"):
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import inspect
 import operator
@@ -648,6 +649,11 @@ def writes_first_argument(node: fx.Node, modules: dict[str, nn.Module]) -> bool 
     return None
 
 
+#: Whether the model's returned outputs count as written (the caller may write into them); the
+#: planner, which converts one unit of a model at a time, turns it off for a unit's outputs.
+RETURNED_WRITTEN = contextvars.ContextVar("iabn_returned_written", default=True)
+
+
 def later_write(output: fx.Node, modules: dict[str, nn.Module],
                 escapes: dict[fx.Node, Escape]) -> str | None:
     """Why ``output`` may be written after it is produced, or ``None``. Writes are followed
@@ -666,7 +672,7 @@ def later_write(output: fx.Node, modules: dict[str, nn.Module],
         for user in node.users:
             if user in seen:
                 continue
-            if user.op == "output":  # the caller's tensor (or a view of it): it may write
+            if user.op == "output" and RETURNED_WRITTEN.get():  # the caller's: it may write
                 return f"{what} is returned by the model (the caller may write into it)"
             writes = writes_first_argument(user, modules)
             if writes is None:

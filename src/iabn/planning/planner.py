@@ -271,7 +271,7 @@ class Planner:
 
     def _convert_units(self) -> None:
         from ..conversion import ConversionWarning, convert
-        from ..conversion.graph import is_site_module
+        from ..conversion.graph import RETURNED_WRITTEN, is_site_module
 
         if self.device.type == "meta":
             self.notes.append("in place is not a candidate: iabn.convert reads the norms' "
@@ -302,10 +302,17 @@ class Planner:
                 continue
             target = modules[0] if len(modules) == 1 else nn.Sequential(*modules)
             self.say(f"converting {unit.name}")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", ConversionWarning)
-                converted, report = convert(target, example if len(example) > 1 else example[0],
-                                            policy=self.policy, verify=self.verify)
+            # a unit's outputs feed the next units, not the caller: the versions of the
+            # recorded run below tell whether anything writes into them
+            written = RETURNED_WRITTEN.set(False)
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", ConversionWarning)
+                    converted, report = convert(target, example if len(example) > 1
+                                                else example[0], policy=self.policy,
+                                                verify=self.verify)
+            finally:
+                RETURNED_WRITTEN.reset(written)
             if all(row.decision == "untouched" for row in report.rows):
                 continue
             if len(modules) == 1:
