@@ -71,12 +71,17 @@ FIXED_RECOVERY_S = 20e-6
 
 
 @pytest.fixture(autouse=True)
-def _fixed_recovery(request, monkeypatch):
-    if request.node.get_closest_marker("measured_recovery") is None:
-        from iabn.planning import recovery
+def _fixed_recovery(request):
+    # its own MonkeyPatch, not the test's: an autouse fixture asking for `monkeypatch` would
+    # make it outlive tmp_path, whose removal then runs under the test's own patches
+    if request.node.get_closest_marker("measured_recovery") is not None:
+        yield
+        return
+    from iabn.planning import recovery
 
-        monkeypatch.setattr(recovery, "pair_seconds",
-                            lambda *args, **kwargs: FIXED_RECOVERY_S)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(recovery, "pair_seconds", lambda *args, **kwargs: FIXED_RECOVERY_S)
+        yield
 
 
 _GPU = pytest.mark.gpu

@@ -24,8 +24,11 @@ DEFAULT = ("bert", "convnext", "t5_encoder")
 FAMILIES = [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow)
             for name in hf_models.FAMILIES]
 #: the modules each family's conversion replaces (all its norms and GELU/SiLU modules)
-REPLACED = {"llama": 7, "gpt2": 7, "bert": 7, "vit": 7, "convnext": 15, "t5_encoder": 5,
+REPLACED = {"llama": 7, "gpt2": 7, "bert": 6, "vit": 6, "convnext": 14, "t5_encoder": 4,
             "gemma": 7}
+#: Families whose model returns a norm's output (BERT's last layer norm, ViT's, ConvNeXt's and
+#: T5's final norms): that site stays as given, since the caller may write into what it returns.
+RETURNS_A_NORM = {"bert", "vit", "convnext", "t5_encoder"}
 
 
 def _batch(family: str, dtype: torch.dtype) -> dict:
@@ -60,6 +63,8 @@ def test_float64_outputs_and_gradients_equal_the_originals(family):
     converted, report = _convert(model, batch)
     replaced = [row for row in report.rows if row.decision != "untouched"]
     assert len(replaced) == REPLACED[family], report
+    returned = [row for row in report.rows if "returned by the model" in row.reason]
+    assert len(returned) == (family in RETURNS_A_NORM), report
     assert list(converted.state_dict()) == list(model.state_dict())
     y, grads = _outputs_and_grads(model, batch)
     y_conv, grads_conv = _outputs_and_grads(converted, batch)
