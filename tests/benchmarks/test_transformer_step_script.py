@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "transformer_step.py"
 
 
@@ -38,6 +40,7 @@ def test_quick_cpu_run_writes_times_ratios_and_bytes(tmp_path):
     assert cell["peak_step_bytes"] == dict.fromkeys(("given", "converted", "norms_only"))  # CPU
 
 
+@pytest.mark.slow  # 7.5 s on 2 cores: one child process per bad argument
 def test_usage_errors_exit_2(tmp_path):
     for args in (["--models", "resnet"], ["--modes", ""], ["--batch", "0"]):
         done = _run(*args, "--json", str(tmp_path / "x.json"))

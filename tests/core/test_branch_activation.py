@@ -98,6 +98,8 @@ def _pair(x, dz, w, b, activation, dtype, training=True, device=CPU):
     return results
 
 
+@pytest.mark.slow  # 9 s on 2 cores (torch.func's derivatives up to the Taylor series' order):
+# the registry's constants it checks change only with the registry, and the slow run checks them
 def test_the_minimum_is_where_torch_s_derivative_vanishes():
     for name in ACTIVATIONS:
         y = torch.tensor(Y_STAR[name], dtype=F64, requires_grad=True)
@@ -336,7 +338,10 @@ def test_saved_bytes_are_z_and_the_bits(activation, shape, dtype, backend, devic
     pytest.param(torch.bfloat16, 1, id="torch.bfloat16-1", marks=pytest.mark.slow),
     pytest.param(torch.float16, 1, id="torch.float16-1", marks=pytest.mark.slow),
     pytest.param(torch.float32, 2, id="torch.float32-2")])
-@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+# eval mode in the slow run (3.5 s a case on 2 cores): its backward is training's but for the
+# statistics' terms
+@pytest.mark.parametrize("training", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["train", "eval"])
 def test_backward_memory_is_bounded(activation, dtype, extra, training, monkeypatch):
     """Newton's float32 temporaries (16.25 tensors of their size at their peak) are those of
     slices of the activation (parts.pieces): the backward holds at most ``extra``

@@ -92,7 +92,10 @@ def _train(model, forward, batches):
     return torch.stack(losses)
 
 
-@pytest.mark.parametrize("channels_last", [pytest.param(False, marks=pytest.mark.slow), True])
+# both layouts in the slow run (19 s on 2 cores for one): compiled training steps are checked
+# in the default run by tests/memory/test_plan_compile.py and the compiled layer tests here
+@pytest.mark.slow
+@pytest.mark.parametrize("channels_last", [False, True])
 def test_compiled_training_matches_eager(channels_last, backend, device):
     torch._dynamo.reset()
     fmt = torch.channels_last if channels_last else torch.contiguous_format

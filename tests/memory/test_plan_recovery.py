@@ -82,6 +82,7 @@ def test_the_planner_charges_each_in_place_unit_its_measured_cost(monkeypatch):
     assert report.predicted_overhead_ms == pytest.approx(1000.0)
 
 
+@pytest.mark.slow  # 5 s on 2 cores: a second plan of the model
 def test_a_compiled_plan_charges_nothing_for_in_place(monkeypatch):
     monkeypatch.setattr(recovery, "pair_seconds", lambda *args, **kwargs: 0.5)
     planner = Planner(_model(), (torch.randn(2, 5, 8),), "lossless", ["inplace"],
@@ -98,6 +99,7 @@ def test_a_real_timing_is_measured_once():
     assert recovery.pair_seconds(nn.GELU(), iabn.InPlaceGELU(), x, repeats=2) == first
 
 
+@pytest.mark.slow  # 5 s on 2 cores: a second plan of the model
 def test_a_unit_whose_timing_fails_is_charged_nothing_and_noted(monkeypatch):
     from iabn.planning import planner as planner_module
 
