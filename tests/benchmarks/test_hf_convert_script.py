@@ -25,7 +25,8 @@ def test_one_family_run(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     row = json.loads(out.read_text())["families"]["vit"]["pixels"]
     assert row["plain"] < 1 and abs(row["plain"] - row["hand_swap"]) <= 0.03
-    assert row["replaced_plain"] == row["replaced_hand_swap"] == 7
+    # ViT's 4 layer norms and 2 GELUs (its final norm, whose output the model returns, stays)
+    assert row["replaced_plain"] == row["replaced_hand_swap"] == 6
     assert "load average" in done.stdout
 
 
