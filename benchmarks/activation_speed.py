@@ -7,15 +7,16 @@ Usage::
 
     python benchmarks/activation_speed.py [--shape 8,197,1536] [--dtype float32]
         [--repeats 15] [--threads 1] [--names gelu,silu,mish,gelu_tanh]
-        [--json benchmarks/results/activation_speed_cpu.json]
+        [--json PATH]
+
+Writes ``runs/benchmarks/activation_speed_cpu.json`` (``IABN_COMMIT_RESULTS=1``: the committed
+``benchmarks/results/activation_speed_cpu.json``), atomically.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -24,8 +25,9 @@ import torch
 from torch import nn
 
 import iabn
+from iabn.tools.bench import machine_info, results_folder, write_json
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 LAYERS = {
     "gelu": (lambda: iabn.InPlaceGELU(), lambda: nn.GELU()),
     "gelu_tanh": (lambda: iabn.InPlaceGELU("tanh"), lambda: nn.GELU(approximate="tanh")),
@@ -79,12 +81,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"{name:10s} ours {row['ours_ms']:8.2f} ms  torch {row['torch_ms']:7.2f} ms  "
               f"ratio {row['ratio_median']:6.2f} (quartiles {row['ratio_quartiles'][0]:.2f}"
               f" .. {row['ratio_quartiles'][1]:.2f})  load {load[0]:.2f}", flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps({
-            "shape": shape, "dtype": args.dtype, "threads": args.threads,
-            "repeats": args.repeats, "torch": torch.__version__,
-            "machine": platform.processor() or platform.machine(), "rows": rows,
-        }, indent=1) + "\n")
+    write_json(Path(args.json) if args.json else RESULTS / "activation_speed_cpu.json", {
+        "shape": shape, "dtype": args.dtype, "threads": args.threads,
+        "repeats": args.repeats, "machine": machine_info(), "rows": rows,
+    })
     return rows
 
 
