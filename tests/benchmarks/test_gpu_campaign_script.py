@@ -570,6 +570,7 @@ def test_the_first_call_gives_the_verdict_first_and_fits_its_budget(smoke):
     assert 120 <= parts[0].cap_s <= 150
 
 
+@pytest.mark.slow  # 6 s on 2 cores: a child that runs until its cap stops it
 def test_a_part_is_stopped_at_its_own_cap_with_its_report(tmp_path, capsys, monkeypatch):
     """A capped part gets SIGINT first (pytest then prints its failures; here a script that
     reports on KeyboardInterrupt), is recorded failed with the reason, and the next part runs."""

@@ -46,6 +46,7 @@ def test_half_inputs_work_in_float32_pieces():
     _spawn(2, "half_inputs_in_pieces")
 
 
+@pytest.mark.slow  # 8 s on 2 cores (two spawned ranks); the two-rank LeakyReLU case runs by default
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_silu_and_gelu_match_single_process_on_the_whole_batch(kernels, monkeypatch):
     _use_kernels(kernels, monkeypatch)

@@ -66,6 +66,8 @@ def test_gradcheck(shape, channels_last, activation, variant, training):
 @pytest.mark.parametrize("activation", INVERTIBLE)
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 @runs_triton
+# 9 s on 2 cores under the interpreter; the reference kernels' gradcheck runs by default
+@pytest.mark.slow
 def test_gradcheck_triton_kernels(shape, channels_last, activation, training, monkeypatch):
     """The Triton kernels' backward in float64 (under the interpreter on CPU, compiled on
     CUDA). fast_mode checks random vector-Jacobian products instead of every column, which

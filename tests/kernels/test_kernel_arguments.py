@@ -49,6 +49,7 @@ def _record_float_arguments(seen: dict[tuple[str, str], str]):
 
 
 @runs_triton
+@pytest.mark.slow  # 9 s on 2 cores: every kernel under the interpreter
 @pytest.mark.parametrize("activation,param", [("leaky_relu", 0.1), ("elu", 0.7),
                                               ("identity", 0.01),
                                               *((name, 0.01) for name in BRANCH)])

@@ -68,6 +68,7 @@ def test_a_faster_converted_unit_costs_nothing(monkeypatch):
     assert recovery.unit_recovery_seconds([unit], [converted], (torch.randn(2, 5, 16),)) == 0
 
 
+@pytest.mark.slow  # 12 s on 2 cores: a plan of the model; the sums are checked by default
 def test_the_planner_charges_each_in_place_unit_its_measured_cost(monkeypatch):
     monkeypatch.setattr(recovery, "pair_seconds", lambda *args, **kwargs: 0.5)
     planner = Planner(_model(), (torch.randn(2, 5, 8),), "lossless", ["inplace"])
