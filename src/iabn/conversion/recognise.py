@@ -36,6 +36,7 @@ the reason.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import warnings
 from collections.abc import Callable
@@ -45,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers.norm_forms import rms_reference
+from ..kernels.activations import ACTIVATIONS
+from ..layers.norm_forms import UPCASTS, rms_reference
 
 #: Units of roundoff a match may be off (module against reference), see the docstring.
 ULPS = 32
@@ -79,14 +81,20 @@ class Recognised:
     reported: bool = True
 
 
-#: The activation forms: (name, torch module, function).
-_ACTIVATIONS: tuple[tuple[str, Callable[[], nn.Module], Callable[[Tensor], Tensor]], ...] = (
-    ("F.gelu", nn.GELU, F.gelu),
-    ("F.gelu(approximate='tanh')", lambda: nn.GELU(approximate="tanh"),
-     lambda x: F.gelu(x, approximate="tanh")),
-    ("F.silu", nn.SiLU, F.silu),
-    ("F.mish", nn.Mish, F.mish),
-)
+def _activation_form(record) -> tuple[str, Callable[[], nn.Module], Callable[[Tensor], Tensor]]:
+    """(name, torch module, function) of a registry record: its first function form, with
+    the keyword values it requires (``F.gelu(approximate='tanh')``)."""
+    form = record.forms.functions[0]
+    required = dict(form.required)
+    name = form.display + (f"({', '.join(f'{k}={v!r}' for k, v in required.items())})"
+                           if required else "")
+    return name, record.torch_module, functools.partial(form.function, **required)
+
+
+#: The activation forms, from the registry: the activations with one minimum (SiLU, GELU,
+#: GELU-tanh, Mish), which the in-place layers replace.
+_ACTIVATIONS = tuple(_activation_form(record) for record in ACTIVATIONS.values()
+                     if record.needs_branch)
 
 _cache: dict[tuple, Recognised | None] = {}
 
@@ -253,7 +261,7 @@ def _forms(bias: bool, eps: float | None) -> list[NormForm]:
     forms = [NormForm("layer_norm", eps, bias), NormForm("layer_norm_2d", eps, bias)]
     if not bias:
         forms += [NormForm("rms_norm", eps, False, offset, upcast)
-                  for upcast in (None, "normalise", "scale", "statistics")
+                  for upcast in UPCASTS
                   for offset in (0.0, 1.0)]
     return forms
 

@@ -181,14 +181,19 @@ def _log1p_(u: Tensor) -> Tensor:
     return w.log2_().mul_(math.log(2)).add_(u)
 
 
+def _polynomial_(out: Tensor, t: Tensor, powers: tuple[float, ...]) -> Tensor:
+    """``sum_k powers[k] t^k`` by Horner's rule, written into ``out`` (``t``'s shape)."""
+    out.fill_(powers[-1])
+    for a in powers[-2::-1]:
+        out.mul_(t).add_(a)
+    return out
+
+
 def _right_start(z: Tensor, target: Tensor, activation: str) -> Tensor:
     """:data:`RIGHT_START` at ``s = target = sqrt(z - z*)``."""
     s_max, z_r, powers = RIGHT_START[activation]
     t = target.clamp(max=s_max).mul_(2 / s_max).sub_(1)
-    acc = torch.full_like(t, powers[-1])
-    for a in powers[-2::-1]:
-        acc.mul_(t).add_(a)
-    return acc.add_((z - z_r).clamp_(min=0))
+    return _polynomial_(torch.empty_like(t), t, powers).add_((z - z_r).clamp_(min=0))
 
 
 def left_slope(z: Tensor, activation: str) -> Tensor:
@@ -201,10 +206,7 @@ def left_slope(z: Tensor, activation: str) -> Tensor:
     z = z.clamp(min=z_hi, max=-torch.finfo(z.dtype).tiny)
     u = (z - z_hi).sub_(z_lo).div_(z).neg_()
     t = _log1p_(u).clamp_(min=0).sqrt_().mul_(2 / v_max).sub_(1).clamp_(max=1)
-    acc = u.fill_(powers[-1])
-    for a in powers[-2::-1]:
-        acc.mul_(t).add_(a)
-    return acc.mul_(z)
+    return _polynomial_(u, t, powers).mul_(z)
 
 
 def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype,

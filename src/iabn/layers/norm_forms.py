@@ -50,6 +50,14 @@ def check_form(weight_offset: float, upcast: str | None) -> None:
                          f"float32 computation)")
 
 
+def _scale(weight: Tensor | None, weight_offset: float) -> Tensor | None:
+    """What the normalised input is multiplied by: ``weight_offset + weight`` (``weight``
+    itself without an offset; ``None`` without a weight)."""
+    if weight is None:
+        return None
+    return weight_offset + weight if weight_offset else weight
+
+
 def _rstd(x32: Tensor, eps: float | None) -> Tensor:
     eps = torch.finfo(x32.dtype).eps if eps is None else eps
     return torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -58,8 +66,7 @@ def _rstd(x32: Tensor, eps: float | None) -> Tensor:
 def rms_reference(x: Tensor, weight: Tensor | None, eps: float | None,
                   weight_offset: float = 0.0, upcast: str | None = None) -> Tensor:
     """The RMS norm over the last dimension as the original module writes it."""
-    scale = None if weight is None else (weight if not weight_offset
-                                         else weight_offset + weight)
+    scale = _scale(weight, weight_offset)
     if upcast is None:
         return torch.rms_norm(x, (x.shape[-1],), scale, eps)
     if upcast == "normalise":
@@ -70,7 +77,7 @@ def rms_reference(x: Tensor, weight: Tensor | None, eps: float | None,
         h = x.float()
         h = h * _rstd(h, eps)
         if scale is not None:
-            h = h * (weight_offset + weight.float() if weight_offset else weight.float())
+            h = h * _scale(weight.float(), weight_offset)
         return h.type_as(x)
     # "statistics"
     h = x * _rstd(x.to(torch.float32), eps)
@@ -91,8 +98,7 @@ def rms_forward(call, input: Tensor, weight: Tensor | None, eps: float | None,
     """The layer's output: ``call(x, weight, overwrite)`` is the row-norm call on ``x``
     (``overwrite=None``: the layer's own mode; ``True``: ``x`` is the layer's own cast copy,
     which it may overwrite); the rest of the form is computed around it."""
-    scale = None if weight is None else (weight if not weight_offset
-                                         else weight_offset + weight)
+    scale = _scale(weight, weight_offset)
     dtype = input.dtype
     f32 = torch.float32
     if upcast is None or (dtype == f32 and (scale is None or scale.dtype == f32)):
@@ -111,8 +117,7 @@ def rms_forward(call, input: Tensor, weight: Tensor | None, eps: float | None,
         return h if scale is None else scale * h
     if upcast == "scale":
         # Gemma adds the offset in float32: 1 + w may not be a half value
-        scale32 = None if weight is None else (weight_offset + weight.float()
-                                               if weight_offset else weight.float())
+        scale32 = None if weight is None else _scale(weight.float(), weight_offset)
         if dtype in _HALF:  # one rounding of the float32 product, as Gemma's .type_as
             return call(input, scale32, None)
         return _on_float32(call, input, scale32).to(dtype)
