@@ -72,7 +72,7 @@ def _recast(name, dtype):
 
 # Changes to a layer between two calls with the same input shape: the module revalidates only
 # when the call's signature (input and per-channel tensors' shape, dtype, device) changes, so
-# each of these must change it (iabn.layers.checks.input_signature).
+# each of these must change it (iabn.autograd.call.input_signature).
 LAYER_CHANGES = {
     "layer.double()": (lambda layer: layer.double(), "parameters have dtype torch.float64"),
     "weight of another size": (_replace("weight", torch.nn.Parameter(torch.ones(5))),

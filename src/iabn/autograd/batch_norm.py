@@ -38,12 +38,13 @@ from .operators import RegisteredOperators
 
 def compute_inplace(
     input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
-    weight: Tensor | None, bias: Tensor | None, config: LayerConfig,
+    weight: Tensor | None, bias: Tensor | None, config: LayerConfig, *, overwrite: bool = True,
 ) -> Tensor:
     """Overwrite ``input`` with the layer's output and return it (autograd node when needed):
-    :func:`~.call.layer_call` with this family."""
+    :func:`~.call.layer_call` with this family. ``overwrite=False``: the output-only mode (a
+    new output; ``input`` untouched)."""
     return layer_call(BatchNormFamily, input, weight, bias, (running_mean, running_var, config),
-                      True, "iabn.functional.inplace_abn")
+                      overwrite, "iabn.functional.inplace_abn")
 
 
 def _traced(config: LayerConfig) -> bool:
@@ -81,8 +82,8 @@ class BatchNormFamily:
                   overwrite: bool) -> Tensor:
         running_mean, running_var, config = options
         if _traced(config):
-            return compiled.traced_inplace_abn(input, running_mean, running_var, weight, bias,
-                                               config)
+            return compiled.traced_inplace_abn(input if overwrite else input.clone(),
+                                               running_mean, running_var, weight, bias, config)
         # overwritable: a copy where the compiler is given the opaque iabn:: operators instead
         # (compiled.TRACEABLE off); the output-only mode runs on a copy too
         return InPlaceABNFunction.apply(

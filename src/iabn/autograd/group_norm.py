@@ -74,9 +74,10 @@ class GroupNormFamily:
 
 
 def inplace_group_norm_act(input: Tensor, weight: Tensor | None, bias: Tensor | None,
-                           config: GroupConfig) -> Tensor:
-    """Overwrite ``input`` with the layer's output and return it (no validation)."""
-    return layer_call(GroupNormFamily, input, weight, bias, config, True,
+                           config: GroupConfig, *, overwrite: bool = True) -> Tensor:
+    """Overwrite ``input`` with the layer's output and return it (no validation);
+    ``overwrite=False``: the output-only mode (a new output; ``input`` untouched)."""
+    return layer_call(GroupNormFamily, input, weight, bias, config, overwrite,
                       "InPlaceGroupNormAct")
 
 

@@ -25,9 +25,8 @@ from .groups import group_to_sync
 
 class _Synchronised:
     """What :class:`InPlaceABNSync` and :class:`ABNSync` share: in training with a multi-rank
-    group, :meth:`_synchronised_step` on the tensor ``_to_overwrite`` gives (the input, or a
-    copy: :class:`iabn.layers.checks.OverwriteInputOption`'s for :class:`InPlaceABNSync`,
-    :class:`ABNSync`'s own); otherwise the local layer's own ``forward``."""
+    group, :meth:`_synchronised_step` on the input (:class:`InPlaceABNSync` with
+    ``overwrite_input=True``) or on a copy of it; otherwise the local layer's own ``forward``."""
 
     group: Any
 
@@ -35,7 +34,8 @@ class _Synchronised:
         group = group_to_sync(self.group, self.training)
         if group is None:
             return super().forward(input)
-        return self._synchronised_step(self._to_overwrite(input), group)
+        # the synchronised step overwrites what it is given: a copy unless in place
+        return self._synchronised_step(input if self._in_place else input.clone(), group)
 
     def _synchronised_step(self: Any, input: Tensor, group: Any) -> Tensor:
         """One training step with statistics over ``group``: overwrites ``input`` and returns
@@ -145,9 +145,6 @@ class ABNSync(_Synchronised, ABN):
     # (silu and gelu with their branch bits)
     _needs_inverse = True
     _branch_bit = True
-
-    def _to_overwrite(self, input: Tensor) -> Tensor:
-        return input.clone()  # the synchronised step runs in place: on a copy here
 
 
 def convert_sync(module: nn.Module, group: Any = None) -> nn.Module:

@@ -1,4 +1,4 @@
-"""Math only: the kernels behind the layers, chosen per call by :mod:`.dispatch`.
+"""Math only: the kernels behind the layers, chosen per call by :mod:`.backends`.
 
 Two backends keep one contract (:class:`.backend.KernelBackend`: forward, backward, and the
 two halves of the synchronised layer's backward): :mod:`.reference`, on PyTorch's own

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from ..autograd.activation import activation_call
+from ..autograd.call import check_writable
 from ..kernels.activations import (
     ACTIVATIONS,
     GELU,
@@ -36,12 +37,7 @@ from ..kernels.activations import (
     SOFTPLUS,
     module_activation,
 )
-from .checks import (
-    SUPPORTED_DTYPES,
-    OverwriteInputOption,
-    check_overwrite_input,
-    check_writable,
-)
+from .checks import SUPPORTED_DTYPES, OverwriteInputOption, check_overwrite_input
 
 #: ``nn.GELU``'s ``approximate`` -> the registry's record.
 GELU_FORMS = {"none": GELU, "tanh": GELU_TANH}

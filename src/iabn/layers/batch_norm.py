@@ -16,9 +16,10 @@ from torch import Tensor
 from torch.nn.modules.batchnorm import _NormBase
 
 from ..autograd.batch_norm import compute_abn, compute_inplace
+from ..autograd.call import check_per_call, input_signature
 from ..kernels.activations import WITH_PARAMETER
 from ..kernels.common import SIGNED, LayerConfig
-from .checks import OverwriteInputOption, check_inputs, check_per_call, input_signature
+from .checks import OverwriteInputOption, check_inputs
 from .options import (
     ValidatedOptions,
     check_flag,
@@ -289,8 +290,8 @@ class InPlaceABN(OverwriteInputOption, ABN):
 
     def _compute(self, input: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
                  weight: Tensor | None, bias: Tensor | None, config: LayerConfig) -> Tensor:
-        return compute_inplace(self._to_overwrite(input), running_mean, running_var,
-                                     weight, bias, config)
+        return compute_inplace(input, running_mean, running_var, weight, bias, config,
+                               overwrite=self._in_place)
 
     def extra_repr(self) -> str:
         text = super().extra_repr()

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..autograd.call import check_per_call, check_tensor_kind, input_signature
 from ..autograd.group_norm import group_norm_act, inplace_group_norm_act
 from ..kernels import activations as act
 from ..kernels.common import SIGNED, GroupConfig
@@ -29,8 +30,6 @@ from .checks import (
     OverwriteInputOption,
     check_channel_tensor,
     check_param_dtypes,
-    check_per_call,
-    check_tensor_kind,
 )
 from .options import (
     ValidatedOptions,
@@ -246,9 +245,17 @@ class InPlaceGroupNormAct(OverwriteInputOption, GroupNormAct):
 
     def forward(self, input: Tensor) -> Tensor:
         weight, bias = self.weight, self.bias
-        check_group_norm_inputs(input, weight, bias, self.num_groups, self.num_channels,
-                                in_place=self._in_place)
-        return inplace_group_norm_act(self._to_overwrite(input), weight, bias, self._config())
+        # as InPlaceABN: the full checks when the call's signature changes, else the
+        # per-tensor ones
+        check_per_call(input, in_place=self._in_place)
+        signature = input_signature(input, True, weight, bias, None, None)
+        if signature != self.__dict__.get("_valid_signature"):
+            check_group_norm_inputs(input, weight, bias, self.num_groups, self.num_channels,
+                                    in_place=self._in_place)
+            if not torch.compiler.is_compiling():  # (InPlaceABN._check says why)
+                self.__dict__["_valid_signature"] = signature
+        return inplace_group_norm_act(input, weight, bias, self._config(),
+                                      overwrite=self._in_place)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ("" if self.overwrite_input else ", overwrite_input=False")

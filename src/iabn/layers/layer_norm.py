@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from torch import Tensor, nn
 
+from ..autograd.call import check_per_call, check_tensor_kind
 from ..autograd.row_norm import row_norm_call
 from ..kernels.common import LAYER_NORM, RMS_NORM, RowConfig
 from .checks import (
@@ -28,8 +29,6 @@ from .checks import (
     OverwriteInputOption,
     check_param_dtypes,
     check_param_tensor,
-    check_per_call,
-    check_tensor_kind,
 )
 from .norm_forms import check_form, rms_forward
 from .options import check_flag
