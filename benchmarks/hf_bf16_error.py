@@ -1,0 +1,194 @@
+"""Hugging Face models converted by ``iabn.convert`` in bfloat16: how far their outputs and
+gradients are from a float64 copy, against the original's, over several seeds.
+
+For each family of tests/support/hf_models.py (small configs, random weights, no download) and
+each seed (the weights, the ``input_ids`` / ``pixel_values`` batch and the output's cotangent):
+
+- ``original``: the model in bfloat16 (built in float32, cast);
+- ``norms``: ``iabn.convert(model, example_kwargs=batch, activations=False)``: the layer and
+  RMS norms replaced (output-only layers, which rebuild ``xhat`` from their bfloat16 output);
+- ``activations``: the GELU/SiLU modules replaced (in-place layers, which recover their input
+  from their bfloat16 output): the full conversion with its norms put back;
+- ``both``: ``iabn.convert(model, example_kwargs=batch)``.
+
+The reference is the *original* model in float64 with the bfloat16 model's own weights
+(``original.double()``), run on the same batch and cotangent (the bfloat16 ones, widened),
+so every error is the arithmetic's, not the weights' rounding. Metrics per model:
+
+- ``output``: the largest ``|y - y64|`` of the main output (logits or last hidden state);
+- per parameter, ``max |g - g64| / max |g64|`` (the parameter's gradient error over its largest
+  gradient); ``grad_max`` and ``grad_median`` are its largest and median value over the
+  model's parameters (a parameter whose float64 gradient is below 1e-6 of the model's largest,
+  zero in exact arithmetic, is left out: the attention key biases, which softmax ignores);
+- ``param_ratio``: the median over parameters of a parameter's error in the conversion over
+  its error in the original (the typical parameter, where ``grad_max`` follows the worst one).
+
+Each conversion's figures are divided by the original's of the same seed; the report gives per
+family and conversion the median and the range (min, max) of these ratios over the seeds.
+Converted once per family (seed 0); the other seeds load their weights into the same modules
+(the conversion keeps the state_dict keys). Error figures are deterministic (one thread), so
+the machine's load does not move them; the load average is recorded with the run time.
+
+Usage::
+
+    python benchmarks/hf_bf16_error.py [--seeds 5] [--families llama gpt2] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import iabn
+from iabn.tools.bench import machine_info, results_folder, set_threads, write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "support"))  # the models' definitions
+import hf_models  # noqa: E402
+
+RESULTS = results_folder(Path(__file__).resolve().parent / "results")
+CONVERSIONS = ("norms", "activations", "both")
+METRICS = ("output", "grad_max", "grad_median", "param_ratio")
+#: a float64 gradient below this fraction of the model's largest is zero in exact arithmetic
+ZERO_GRADIENT = 1e-6
+#: iabn's norm classes, which the ``activations`` conversion puts back to the original's
+NORMS = ("InPlaceLayerNorm", "InPlaceLayerNorm2d", "InPlaceRMSNorm")
+
+
+def batch_of(family: str, seed: int) -> dict:
+    example = hf_models.FAMILIES[family][1]
+    if example is hf_models.ids:
+        return example(torch.bfloat16, False, seed=seed)
+    return example(torch.bfloat16, seed=seed)
+
+
+def main_output(output) -> torch.Tensor:
+    logits = getattr(output, "logits", None)
+    return logits if logits is not None else output.last_hidden_state
+
+
+def convert(model: nn.Module, batch: dict, activations: bool) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' config notes
+        converted, report = iabn.convert(model, example_kwargs=batch, verify=False,
+                                         activations=activations)
+    if report.result != "modules swapped":
+        raise RuntimeError(f"expected swapped modules, got {report.result}")
+    return converted
+
+
+def norms_put_back(both: nn.Module, original: nn.Module) -> nn.Module:
+    """``both`` with each of iabn's norms replaced by a copy of the original's module."""
+    model = copy.deepcopy(both)
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ in NORMS:
+            model.set_submodule(name, copy.deepcopy(original.get_submodule(name)))
+    return model
+
+
+def outputs_and_grads(model: nn.Module, batch: dict, cotangent: torch.Tensor
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.eval()  # no dropout: the same function for every model
+    model.zero_grad()
+    y = main_output(model(**batch))
+    (y * cotangent.to(y.dtype)).sum().backward()
+    return y.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()
+                                 if p.grad is not None}
+
+
+def errors(model: nn.Module, batch: dict, cotangent: torch.Tensor,
+           truth: tuple[torch.Tensor, dict[str, torch.Tensor]]) -> dict:
+    """The output's largest error and each parameter's relative gradient error; parameters
+    whose float64 gradient is below :data:`ZERO_GRADIENT` of the model's largest (zero in
+    exact arithmetic: the attention key biases, which softmax ignores) are left out."""
+    y, grads = outputs_and_grads(model, batch, cotangent)
+    y64, grads64 = truth
+    largest = max(float(g.abs().max()) for g in grads64.values())
+    relative = {}
+    for name, g64 in grads64.items():
+        scale = float(g64.abs().max())
+        if scale > ZERO_GRADIENT * largest:
+            relative[name] = float((grads[name] - g64).abs().max()) / scale
+    return {"output": float((y - y64).abs().max()), "grad_max": max(relative.values()),
+            "grad_median": statistics.median(relative.values()), "per_parameter": relative}
+
+
+def measure(family: str, seeds: int) -> dict:
+    build = hf_models.FAMILIES[family][0]
+    model = build(torch.float32, seed=0).to(torch.bfloat16)
+    batch = batch_of(family, 0)
+    converted = {"norms": convert(model, batch, activations=False),
+                 "both": convert(model, batch, activations=True)}
+    converted["activations"] = norms_put_back(converted["both"], model)
+    per_seed = []
+    for seed in range(seeds):
+        state = build(torch.float32, seed=seed).to(torch.bfloat16).state_dict()
+        batch = batch_of(family, seed)
+        wide = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+        original = copy.deepcopy(model)
+        original.load_state_dict(state)
+        reference = copy.deepcopy(original).double()
+        probe = main_output(reference.eval()(**wide))
+        g = torch.Generator().manual_seed(1000 + seed)
+        cotangent = torch.randn(probe.shape, generator=g).to(torch.bfloat16)
+        truth = outputs_and_grads(reference, wide, cotangent.double())
+        row = {"original": errors(original, batch, cotangent, truth)}
+        for name in CONVERSIONS:
+            converted[name].load_state_dict(state)
+            row[name] = errors(converted[name], batch, cotangent, truth)
+            own = row["original"]["per_parameter"]
+            row[name]["param_ratio"] = statistics.median(
+                error / own[p] for p, error in row[name]["per_parameter"].items())
+        per_seed.append(row)
+    summary = {}
+    for name in CONVERSIONS:
+        summary[name] = {}
+        for metric in METRICS:
+            ratios = [row[name][metric] / row["original"].get(metric, 1.0)
+                      for row in per_seed]
+            summary[name][metric] = {"median": statistics.median(ratios),
+                                     "min": min(ratios), "max": max(ratios)}
+    return {"summary": summary, "seeds": per_seed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--families", nargs="*", default=list(hf_models.FAMILIES),
+                        choices=list(hf_models.FAMILIES), metavar="FAMILY",
+                        help=f"of {', '.join(hf_models.FAMILIES)} (default: all)")
+    parser.add_argument("--json", type=Path, default=None)
+    options = parser.parse_args()
+    set_threads(1)
+    import transformers
+    start = time.perf_counter()
+    rows = {}
+    print(f"ratio to the original's error, median over {options.seeds} seeds [min, max]")
+    print(f"{'family':<11} {'conversion':<12} " + " ".join(f"{m:>21}" for m in METRICS))
+    for family in options.families:
+        rows[family] = measure(family, options.seeds)
+        for name in CONVERSIONS:
+            cells = [rows[family]["summary"][name][m] for m in METRICS]
+            print(f"{family:<11} {name:<12} " + " ".join(
+                f"{c['median']:6.2f} [{c['min']:5.2f}, {c['max']:5.2f}]" for c in cells))
+    seconds = time.perf_counter() - start
+    load = os.getloadavg()
+    print(f"{seconds:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
+          f"(error figures are deterministic; the load moves only the time)")
+    report = {"transformers": transformers.__version__, "seeds": options.seeds,
+              "families": rows, "seconds": seconds, "load_average": load,
+              "machine": machine_info()}
+    write_json(options.json or RESULTS / "hf_bf16_error_cpu.json", report)
+
+
+if __name__ == "__main__":
+    main()
