@@ -53,7 +53,6 @@ import math
 import torch
 from torch import Tensor
 
-from . import scratch
 from .common import LAYER_NORM, LOW_PRECISION, RowConfig, at_most, part_count
 
 _NATIVE_LAYER_NORM = torch.ops.aten.native_layer_norm.default
@@ -62,12 +61,6 @@ _NATIVE_LAYER_NORM_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
 #: ``K`` of the near-zero weight rule (module docstring): a feature whose ``|bias| >= K *
 #: |weight|`` keeps its ``xhat`` columns instead of rebuilding them from the output.
 BIAS_RATIO = 4.0
-#: The relative widening of the interval of possible inputs in :func:`_on_input_grid_`: more
-#: than the float32 roundings there (about 1e-7), far less than a half grid step (2**-11 for
-#: float16, 2**-8 for bfloat16).
-MARGIN = 2.0 ** -16
-#: :mod:`.scratch` slots of :func:`_on_input_grid_`'s temporaries (after the batch norm's)
-_SLOTS = tuple(range(scratch.GRADIENT + 1, scratch.GRADIENT + 8))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -183,25 +176,19 @@ def row_norm_backward(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor
 
 
 def _rebuilt_xhat(y: Tensor, weight: Tensor | None, bias: Tensor | None,
-                  kept: Tensor | None, index: Tensor | None, compute: torch.dtype,
-                  rstd: Tensor | None = None) -> Tensor:
+                  kept: Tensor | None, index: Tensor | None, compute: torch.dtype) -> Tensor:
     """``xhat = (y - b) / w`` as a new ``(rows, D)`` tensor in the compute dtype, written by one
     operation that reads ``y`` once (``addcdiv``: ``-b/w + y/w``; ``div`` without a bias; a
-    copy without a weight), the kept columns put back (``(rows, k)``, a small part). With
-    ``rstd`` (RMS norm, half ``y``), ``xhat`` is then moved onto the input's grid
-    (:func:`_on_input_grid_`)."""
+    copy without a weight), the kept columns put back (``(rows, k)``, a small part)."""
     m, d = y.shape
     xhat = torch.empty((m, d), dtype=compute, device=y.device)
     if weight is None:
-        xhat.copy_(y)
-        return xhat if rstd is None else _on_input_grid_(xhat, y, None, rstd)
+        return xhat.copy_(y)
     w = weight.to(compute)
     if index is not None:  # no division by a zero weight, even in columns replaced below
         w = w.index_fill(0, index, 1.0)
     if bias is None:
         torch.div(y, w, out=xhat)
-        if rstd is not None:
-            _on_input_grid_(xhat, y, w, rstd)
     else:
         b = bias.to(compute)
         if index is not None:  # nor an infinite or NaN bias there
@@ -211,65 +198,6 @@ def _rebuilt_xhat(y: Tensor, weight: Tensor | None, bias: Tensor | None,
         xhat.index_copy_(1, index, kept.to(compute))
     return xhat
 
-
-def _temporary(like: Tensor, slot: int, dtype: torch.dtype | None = None) -> Tensor:
-    """A contiguous temporary of ``like``'s shape in the thread's reused buffer ``slot``
-    (:mod:`.scratch`: a fresh large CPU tensor page-faults in again at every call; measured,
-    fresh temporaries made :func:`_on_input_grid_` 7x the time of the rest of the backward);
-    a new tensor on other devices and while compiling."""
-    dtype = like.dtype if dtype is None else dtype
-    if torch.compiler.is_compiling() or not like.is_cpu:
-        return torch.empty(like.shape, dtype=dtype, device=like.device)
-    return scratch.empty(tuple(like.shape), dtype, slot)
-
-
-def _on_input_grid_(xhat: Tensor, y: Tensor, w: Tensor | None, rstd: Tensor) -> Tensor:
-    """RMS norm of a half input: ``xhat`` (``y / w``, float32) moved, in place, to the input's
-    own values where ``y`` tells them (module docstring, "Half inputs").
-
-    The input ``x = xhat / rstd`` was a value of ``y``'s dtype, and every input in the
-    interval that the rounding interval of ``y`` maps back to (``[y-, y+] / (w rstd)``, ``y-``
-    and ``y+`` halfway to ``y``'s neighbouring values) gives the same ``y``. Of the two grid
-    values on either side of ``y / (w rstd)``, those in that interval are the inputs ``y``
-    leaves possible: the input itself where only one is (about 80 % of the elements with a
-    weight, measured in bfloat16), whose ``xhat = x * rstd`` is then the original's; their mean
-    where both are. :data:`MARGIN` widens the interval by more than the float32 roundings of
-    the forward and of this rebuild, so the input is never left out. Written in arithmetic
-    only (an indicator is ``1 - sign(distance)``): ``where`` and ``nextafter`` run element by
-    element on a CPU, several times the time of these operations."""
-    half, i16 = y.dtype, torch.int16
-    f32 = [_temporary(xhat, slot) for slot in _SLOTS]
-    small = [_temporary(y, slot, i16) for slot in _SLOTS[:2]]
-    x = xhat.div_(rstd)
-    near = small[0].view(half).copy_(x)
-    near32 = f32[0].copy_(near)
-    # the grid value on x's other side: one step up or down in magnitude (the bits' order)
-    side = torch.abs(x, out=f32[1]).sub_(torch.abs(near32, out=f32[2])).sign_()
-    far = small[1].copy_(side).add_(near.view(i16)).view(half)
-    far32 = f32[1].copy_(far)
-    # the ends of y's rounding interval, as inputs: (y + neighbour) / 2 / (w rstd)
-    bits = y.view(i16)
-    ends = []
-    for step, out in ((-1, f32[2]), (1, f32[3])):
-        neighbour = torch.add(bits, step, out=small[0]).view(half)
-        ends.append(out.copy_(neighbour).add_(y).div_(2).div_(rstd))
-        if w is not None:
-            out.div_(w)
-    low = torch.minimum(*ends, out=f32[4])
-    high = torch.maximum(*ends, out=ends[0])
-    margin = torch.abs(x, out=ends[1]).mul_(MARGIN)
-    low.sub_(margin)
-    high.add_(margin)
-    total, count, inside = margin.zero_(), f32[5].zero_(), f32[6]
-    for grid in (near32, far32):
-        # 1 inside [low, high], else 0
-        torch.clamp(grid, low, high, out=inside).sub_(grid).abs_().sign_().neg_().add_(1)
-        total.addcmul_(inside, grid)
-        count.add_(inside)
-    # none inside (a non-finite y only; its feature is kept): the rebuilt value stays
-    none = torch.sign(count, out=inside).neg_().add_(1)
-    total.addcmul_(none, x)
-    return xhat.copy_(total.div_(count.add_(none)).mul_(rstd))
 
 def _grads(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None, rstd: Tensor,
            kept: Tensor | None, index: Tensor | None, kind: str, mask: list[bool],
@@ -289,8 +217,7 @@ def _grads(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None, rs
     7 activation-sized passes of bytes for layer norm, 8 for RMS norm (float32)."""
     compute = _compute_dtype(y.dtype)
     m, d = y.shape
-    on_grid = kind != LAYER_NORM and y.dtype in LOW_PRECISION
-    xhat = _rebuilt_xhat(y, weight, bias, kept, index, compute, rstd if on_grid else None)
+    xhat = _rebuilt_xhat(y, weight, bias, kept, index, compute)
     w = None if weight is None else weight.to(compute)
     b = None if bias is None else bias.to(compute)
     dy = dz.to(compute)

@@ -18,7 +18,6 @@ reuses memory), nor do layouts other than contiguous and channels-last, nor tens
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
@@ -56,19 +55,6 @@ def empty_like(t: Tensor, slot: int) -> Tensor:
         buffer = torch.empty(t.numel(), dtype=t.dtype)
         buffers[key] = buffer
     return buffer.as_strided(t.shape, t.stride())
-
-
-def empty(shape: tuple[int, ...], dtype: torch.dtype, slot: int) -> Tensor:
-    """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype`` in a reused buffer,
-    valid until the next call with the same ``slot`` on this thread (as :func:`empty_like`)."""
-    numel = math.prod(shape)
-    if numel * dtype.itemsize < MIN_BYTES:
-        return torch.empty(shape, dtype=dtype)
-    buffers: dict[tuple[int, torch.dtype], Tensor] = _local.__dict__.setdefault("buffers", {})
-    buffer = buffers.get((slot, dtype))
-    if buffer is None or buffer.numel() < numel:
-        buffer = buffers[(slot, dtype)] = torch.empty(numel, dtype=dtype)
-    return buffer[:numel].view(shape)
 
 
 def release() -> None:
