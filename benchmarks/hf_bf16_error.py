@@ -29,9 +29,20 @@ Converted once per family (seed 0); the other seeds load their weights into the 
 (the conversion keeps the state_dict keys). Error figures are deterministic (one thread), so
 the machine's load does not move them; the load average is recorded with the run time.
 
+``--layers`` adds the cause, one layer at a time: each of the families' norms and activations
+alone in bfloat16 (``ROWS x D`` = 2048 x 768, input ``2 randn + 0.5``, weight ``1 + 0.3 randn``,
+bias ``0.3 randn``, ``randn`` output gradient; 7 seeds), iabn's layer against the original
+module (PyTorch's or Hugging Face's), both against the original in float64: the largest error
+of the input, weight and bias gradients over the largest float64 value, as ratios. For the
+in-place GELU and SiLU also the least largest error that any layer keeping only the bfloat16
+output and the branch bit can guarantee: every input whose output rounds to the same value
+on the same branch is stored alike, so for the worst of them the slope is off by at least half
+the slope's range over that set (computed by bisection in float64).
+
 Usage::
 
-    python benchmarks/hf_bf16_error.py [--seeds 5] [--families llama gpt2] [--json PATH]
+    python benchmarks/hf_bf16_error.py [--seeds 5] [--families llama gpt2] [--layers]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -160,12 +171,149 @@ def measure(family: str, seeds: int) -> dict:
     return {"summary": summary, "seeds": per_seed}
 
 
+# ------------------------------------------------------------------ one layer at a time
+
+ROWS, D, LAYER_SEEDS = 2048, 768, 7
+
+
+def _layer_pair(kind: str, g: torch.Generator) -> tuple[nn.Module, nn.Module]:
+    """``(original, iabn's layer)`` of one kind, with the same random parameters."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+    if kind in ("gelu", "gelu_tanh", "silu"):
+        original = {"gelu": nn.GELU(), "gelu_tanh": nn.GELU(approximate="tanh"),
+                    "silu": nn.SiLU()}[kind]
+        layer = {"gelu": iabn.InPlaceGELU(), "gelu_tanh": iabn.InPlaceGELU(approximate="tanh"),
+                 "silu": iabn.InPlaceSiLU()}[kind]
+        return original, layer
+    if kind == "LayerNorm":
+        original = nn.LayerNorm(D)
+        layer = iabn.InPlaceLayerNorm(D, overwrite_input=False)
+    elif kind == "RMSNorm":
+        original = nn.RMSNorm(D, eps=1e-6)
+        layer = iabn.InPlaceRMSNorm(D, eps=1e-6, overwrite_input=False)
+    else:
+        cls, offset, upcast = {"LlamaRMSNorm": (LlamaRMSNorm, 0.0, "normalise"),
+                               "GemmaRMSNorm": (GemmaRMSNorm, 1.0, "scale"),
+                               "T5LayerNorm": (T5LayerNorm, 0.0, "statistics")}[kind]
+        original = cls(D, eps=1e-6)
+        layer = iabn.InPlaceRMSNorm(D, eps=1e-6, overwrite_input=False, weight_offset=offset,
+                                    upcast=upcast)
+    with torch.no_grad():
+        centre = 0.0 if kind == "GemmaRMSNorm" else 1.0
+        original.weight.copy_(centre + 0.3 * torch.randn(D, generator=g))
+        if getattr(original, "bias", None) is not None:
+            original.bias.copy_(0.3 * torch.randn(D, generator=g))
+    layer.load_state_dict(original.state_dict())
+    return original, layer
+
+
+def _layer_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[torch.Tensor]:
+    x = x.clone().requires_grad_()
+    y = module(x * 1)  # a non-leaf: the in-place layers may overwrite it
+    y.backward(dy.to(y.dtype))
+    grads = [x.grad] + [p.grad for p in module.parameters()]
+    return [g.double() for g in grads]
+
+
+def layer_errors(kind: str) -> dict:
+    """Per gradient (input, weight, bias): iabn's error / the original's, over the seeds."""
+    ratios: list[list[float]] = []
+    for seed in range(LAYER_SEEDS):
+        g = torch.Generator().manual_seed(seed)
+        x = (torch.randn(ROWS, D, generator=g) * 2 + 0.5).to(torch.bfloat16)
+        dy = torch.randn(ROWS, D, generator=g).to(torch.bfloat16)
+        original, layer = _layer_pair(kind, g)
+        truth = _layer_grads(copy.deepcopy(original).double(), x.double(), dy.double())
+        theirs = _layer_grads(original.to(torch.bfloat16), x, dy)
+        ours = _layer_grads(layer.to(torch.bfloat16), x, dy)
+        ratios.append([float((o - t).abs().max()) / float((e - t).abs().max())
+                       for o, e, t in zip(ours, theirs, truth, strict=True)])
+    names = ("input", "weight", "bias")[:len(ratios[0])]
+    return {name: {"median": statistics.median(r[i] for r in ratios),
+                   "min": min(r[i] for r in ratios), "max": max(r[i] for r in ratios)}
+            for i, name in enumerate(names)}
+
+
+def _inverse(phi, z: torch.Tensor, left: torch.Tensor, y_star: float) -> torch.Tensor:
+    """``phi``'s inverse of ``z`` (float64, clamped to the minimum) on each element's branch,
+    by bisection."""
+    low = torch.where(left, -40.0, y_star).to(z.dtype)
+    high = torch.where(left, y_star, 40.0).to(z.dtype)
+    for _ in range(80):
+        middle = (low + high) / 2
+        rising = torch.where(left, phi(middle) > z, phi(middle) < z)  # go right
+        low, high = torch.where(rising, middle, low), torch.where(rising, high, middle)
+    return (low + high) / 2
+
+
+def activation_bound(kind: str) -> dict:
+    """The largest input-gradient error (over the largest float64 value) of PyTorch's module,
+    iabn's layer, and the least that a layer keeping only the output and the bit can
+    guarantee (module docstring); one seed of ``ROWS x D``."""
+    import torch.nn.functional as F
+
+    from iabn.kernels.activations import ACTIVATIONS
+    phi = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"),
+           "silu": F.silu}[kind]
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(ROWS, D, generator=g) * 2 + 0.5).to(torch.bfloat16)
+    dy = torch.randn(ROWS, D, generator=g).to(torch.bfloat16)
+    original, layer = _layer_pair(kind, g)
+    (truth,) = _layer_grads(original.double(), x.double(), dy.double())
+    (theirs,) = _layer_grads(original, x, dy)
+    (ours,) = _layer_grads(layer, x, dy)
+    minimum = ACTIVATIONS[kind].minimum
+    z = phi(x)  # bfloat16, rounded once
+    bits = z.view(torch.int16)
+    # the rounding interval's ends, halfway to the neighbouring bfloat16 values
+    ends = [((bits + step).view(torch.bfloat16).double() + z.double()) / 2 for step in (-1, 1)]
+    left = x.double() < minimum.y_star
+    slopes = []
+    for end in ends:
+        y = _inverse(phi, end.clamp_min(minimum.z_star), left, minimum.y_star)
+        y.requires_grad_()
+        (slope,) = torch.autograd.grad(phi(y).sum(), y)
+        slopes.append(slope)
+    bound = dy.double().abs() * (slopes[0] - slopes[1]).abs() / 2
+    scale = float(truth.abs().max())
+    return {"pytorch": float((theirs - truth).abs().max()) / scale,
+            "iabn": float((ours - truth).abs().max()) / scale,
+            "any_output_only_layer_at_least": float(bound.max()) / scale}
+
+
+LAYER_KINDS = ("LayerNorm", "RMSNorm", "LlamaRMSNorm", "GemmaRMSNorm", "T5LayerNorm", "gelu",
+               "gelu_tanh", "silu")
+
+
+def layers_report() -> dict:
+    print(f"\none layer, {ROWS}x{D} bfloat16: iabn's largest gradient error / the original's, "
+          f"median over {LAYER_SEEDS} seeds [min, max]")
+    rows = {}
+    for kind in LAYER_KINDS:
+        rows[kind] = {"ratios": layer_errors(kind)}
+        print(f"{kind:<13} " + "  ".join(
+            f"{name} {c['median']:5.2f} [{c['min']:4.2f}, {c['max']:4.2f}]"
+            for name, c in rows[kind]["ratios"].items()))
+    print("activations: largest input-gradient error over the largest gradient (seed 0)")
+    for kind in ("gelu", "gelu_tanh", "silu"):
+        bound = activation_bound(kind)
+        rows[kind]["bound"] = bound
+        print(f"{kind:<13} PyTorch {bound['pytorch']:.2e}  iabn {bound['iabn']:.2e}  any "
+              f"output-only layer >= {bound['any_output_only_layer_at_least']:.2e} "
+              f"({bound['any_output_only_layer_at_least'] / bound['pytorch']:.2f}x PyTorch's)")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--families", nargs="*", default=list(hf_models.FAMILIES),
                         choices=list(hf_models.FAMILIES), metavar="FAMILY",
                         help=f"of {', '.join(hf_models.FAMILIES)} (default: all)")
+    parser.add_argument("--layers", action="store_true",
+                        help="also each norm and activation alone (the cause)")
     parser.add_argument("--json", type=Path, default=None)
     options = parser.parse_args()
     set_threads(1)
@@ -180,12 +328,13 @@ def main() -> None:
             cells = [rows[family]["summary"][name][m] for m in METRICS]
             print(f"{family:<11} {name:<12} " + " ".join(
                 f"{c['median']:6.2f} [{c['min']:5.2f}, {c['max']:5.2f}]" for c in cells))
+    layers = layers_report() if options.layers else None
     seconds = time.perf_counter() - start
     load = os.getloadavg()
     print(f"{seconds:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} "
           f"(error figures are deterministic; the load moves only the time)")
     report = {"transformers": transformers.__version__, "seeds": options.seeds,
-              "families": rows, "seconds": seconds, "load_average": load,
+              "families": rows, "layers": layers, "seconds": seconds, "load_average": load,
               "machine": machine_info()}
     write_json(options.json or RESULTS / "hf_bf16_error_cpu.json", report)
 
