@@ -20,6 +20,8 @@ so every error is the arithmetic's, not the weights' rounding. Metrics per model
   gradient); ``grad_max`` and ``grad_median`` are its largest and median value over the
   model's parameters (a parameter whose float64 gradient is below 1e-6 of the model's largest,
   zero in exact arithmetic, is left out: the attention key biases, which softmax ignores);
+- ``saved_bytes``: the bytes the norms' and the full conversion keep for backward over the
+  original's (bfloat16, the report's totals at seed 0's batch);
 - ``param_ratio``: the median over parameters of a parameter's error in the conversion over
   its error in the original (the typical parameter, where ``grad_max`` follows the worst one).
 
@@ -87,14 +89,15 @@ def main_output(output) -> torch.Tensor:
     return logits if logits is not None else output.last_hidden_state
 
 
-def convert(model: nn.Module, batch: dict, activations: bool) -> nn.Module:
+def convert(model: nn.Module, batch: dict, activations: bool) -> tuple[nn.Module, float]:
+    """The converted model and the bytes it keeps for backward over the original's."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' config notes
         converted, report = iabn.convert(model, example_kwargs=batch, verify=False,
                                          activations=activations)
     if report.result != "modules swapped":
         raise RuntimeError(f"expected swapped modules, got {report.result}")
-    return converted
+    return converted, report.saved_after / report.saved_before
 
 
 def norms_put_back(both: nn.Module, original: nn.Module) -> nn.Module:
@@ -137,9 +140,9 @@ def measure(family: str, seeds: int) -> dict:
     build = hf_models.FAMILIES[family][0]
     model = build(torch.float32, seed=0).to(torch.bfloat16)
     batch = batch_of(family, 0)
-    converted = {"norms": convert(model, batch, activations=False),
-                 "both": convert(model, batch, activations=True)}
-    converted["activations"] = norms_put_back(converted["both"], model)
+    (norms, norms_bytes), (both, both_bytes) = (convert(model, batch, activations=False),
+                                                convert(model, batch, activations=True))
+    converted = {"norms": norms, "both": both, "activations": norms_put_back(both, model)}
     per_seed = []
     for seed in range(seeds):
         state = build(torch.float32, seed=seed).to(torch.bfloat16).state_dict()
@@ -168,7 +171,8 @@ def measure(family: str, seeds: int) -> dict:
                       for row in per_seed]
             summary[name][metric] = {"median": statistics.median(ratios),
                                      "min": min(ratios), "max": max(ratios)}
-    return {"summary": summary, "seeds": per_seed}
+    return {"summary": summary, "saved_bytes": {"norms": norms_bytes, "both": both_bytes},
+            "seeds": per_seed}
 
 
 # ------------------------------------------------------------------ one layer at a time
@@ -326,8 +330,10 @@ def main() -> None:
         rows[family] = measure(family, options.seeds)
         for name in CONVERSIONS:
             cells = [rows[family]["summary"][name][m] for m in METRICS]
+            kept = rows[family]["saved_bytes"].get(name)
             print(f"{family:<11} {name:<12} " + " ".join(
-                f"{c['median']:6.2f} [{c['min']:5.2f}, {c['max']:5.2f}]" for c in cells))
+                f"{c['median']:6.2f} [{c['min']:5.2f}, {c['max']:5.2f}]" for c in cells)
+                + ("" if kept is None else f"  bytes {kept:.3f}"))
     layers = layers_report() if options.layers else None
     seconds = time.perf_counter() - start
     load = os.getloadavg()
