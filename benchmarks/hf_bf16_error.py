@@ -22,8 +22,10 @@ so every error is the arithmetic's, not the weights' rounding. Metrics per model
   zero in exact arithmetic, is left out: the attention key biases, which softmax ignores);
 - ``saved_bytes``: the bytes the norms' and the full conversion keep for backward over the
   original's (bfloat16, the report's totals at seed 0's batch);
-- ``param_ratio``: the median over parameters of a parameter's error in the conversion over
-  its error in the original (the typical parameter, where ``grad_max`` follows the worst one).
+- ``rms_median``, ``rms_worst``: per parameter, the root-mean-square error of the conversion's
+  gradient over the original's (steadier than the largest error, which one element sets);
+  their median and largest value over the parameters (the latter: the parameter the
+  conversion moves most).
 
 Each conversion's figures are divided by the original's of the same seed; the report gives per
 family and conversion the median and the range (min, max) of these ratios over the seeds.
@@ -35,7 +37,8 @@ the machine's load does not move them; the load average is recorded with the run
 alone in bfloat16 (``ROWS x D`` = 2048 x 768, input ``2 randn + 0.5``, weight ``1 + 0.3 randn``,
 bias ``0.3 randn``, ``randn`` output gradient; 7 seeds), iabn's layer against the original
 module (PyTorch's or Hugging Face's), both against the original in float64: the largest error
-of the input, weight and bias gradients over the largest float64 value, as ratios. For the
+of the input, weight and bias gradients over the largest float64 value, and their
+root-mean-square error, as ratios. For the
 in-place GELU and SiLU also the least largest error that any layer keeping only the bfloat16
 output and the branch bit can guarantee: every input whose output rounds to the same value
 on the same branch is stored alike, so for the worst of them the slope is off by at least half
@@ -70,7 +73,7 @@ import hf_models  # noqa: E402
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
 CONVERSIONS = ("norms", "activations", "both")
-METRICS = ("output", "grad_max", "grad_median", "param_ratio")
+METRICS = ("output", "grad_max", "grad_median", "rms_median", "rms_worst")
 #: a float64 gradient below this fraction of the model's largest is zero in exact arithmetic
 ZERO_GRADIENT = 1e-6
 #: iabn's norm classes, which the ``activations`` conversion puts back to the original's
@@ -127,13 +130,14 @@ def errors(model: nn.Module, batch: dict, cotangent: torch.Tensor,
     y, grads = outputs_and_grads(model, batch, cotangent)
     y64, grads64 = truth
     largest = max(float(g.abs().max()) for g in grads64.values())
-    relative = {}
+    relative, rms = {}, {}
     for name, g64 in grads64.items():
         scale = float(g64.abs().max())
         if scale > ZERO_GRADIENT * largest:
             relative[name] = float((grads[name] - g64).abs().max()) / scale
+            rms[name] = float((grads[name] - g64).square().mean().sqrt())
     return {"output": float((y - y64).abs().max()), "grad_max": max(relative.values()),
-            "grad_median": statistics.median(relative.values()), "per_parameter": relative}
+            "grad_median": statistics.median(relative.values()), "per_parameter_rms": rms}
 
 
 def measure(family: str, seeds: int) -> dict:
@@ -159,9 +163,10 @@ def measure(family: str, seeds: int) -> dict:
         for name in CONVERSIONS:
             converted[name].load_state_dict(state)
             row[name] = errors(converted[name], batch, cotangent, truth)
-            own = row["original"]["per_parameter"]
-            row[name]["param_ratio"] = statistics.median(
-                error / own[p] for p, error in row[name]["per_parameter"].items())
+            own = row["original"]["per_parameter_rms"]
+            ratios = [error / own[p] for p, error in row[name]["per_parameter_rms"].items()]
+            row[name]["rms_median"] = statistics.median(ratios)
+            row[name]["rms_worst"] = max(ratios)
         per_seed.append(row)
     summary = {}
     for name in CONVERSIONS:
@@ -222,7 +227,8 @@ def _layer_grads(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> list[t
 
 
 def layer_errors(kind: str) -> dict:
-    """Per gradient (input, weight, bias): iabn's error / the original's, over the seeds."""
+    """Per gradient (input, weight, bias): iabn's largest error / the original's, and the same
+    of the root-mean-square errors (``"input rms"``...), over the seeds."""
     ratios: list[list[float]] = []
     for seed in range(LAYER_SEEDS):
         g = torch.Generator().manual_seed(seed)
@@ -232,9 +238,11 @@ def layer_errors(kind: str) -> dict:
         truth = _layer_grads(copy.deepcopy(original).double(), x.double(), dy.double())
         theirs = _layer_grads(original.to(torch.bfloat16), x, dy)
         ours = _layer_grads(layer.to(torch.bfloat16), x, dy)
-        ratios.append([float((o - t).abs().max()) / float((e - t).abs().max())
+        ratios.append([float(norm(o - t)) / float(norm(e - t))
+                       for norm in (lambda d: d.abs().max(), lambda d: d.square().mean().sqrt())
                        for o, e, t in zip(ours, theirs, truth, strict=True)])
-    names = ("input", "weight", "bias")[:len(ratios[0])]
+    names = ("input", "weight", "bias")[:len(ratios[0]) // 2]
+    names = [*names, *(f"{name} rms" for name in names)]
     return {name: {"median": statistics.median(r[i] for r in ratios),
                    "min": min(r[i] for r in ratios), "max": max(r[i] for r in ratios)}
             for i, name in enumerate(names)}
@@ -292,8 +300,8 @@ LAYER_KINDS = ("LayerNorm", "RMSNorm", "LlamaRMSNorm", "GemmaRMSNorm", "T5LayerN
 
 
 def layers_report() -> dict:
-    print(f"\none layer, {ROWS}x{D} bfloat16: iabn's largest gradient error / the original's, "
-          f"median over {LAYER_SEEDS} seeds [min, max]")
+    print(f"\none layer, {ROWS}x{D} bfloat16: iabn's largest (and root-mean-square) gradient "
+          f"error / the original's, median over {LAYER_SEEDS} seeds [min, max]")
     rows = {}
     for kind in LAYER_KINDS:
         rows[kind] = {"ratios": layer_errors(kind)}
@@ -325,14 +333,14 @@ def main() -> None:
     start = time.perf_counter()
     rows = {}
     print(f"ratio to the original's error, median over {options.seeds} seeds [min, max]")
-    print(f"{'family':<11} {'conversion':<12} " + " ".join(f"{m:>21}" for m in METRICS))
+    print(f"{'family':<11} {'conversion':<12} " + " ".join(f"{m:>20}" for m in METRICS))
     for family in options.families:
         rows[family] = measure(family, options.seeds)
         for name in CONVERSIONS:
             cells = [rows[family]["summary"][name][m] for m in METRICS]
             kept = rows[family]["saved_bytes"].get(name)
             print(f"{family:<11} {name:<12} " + " ".join(
-                f"{c['median']:6.2f} [{c['min']:5.2f}, {c['max']:5.2f}]" for c in cells)
+                f"{c['median']:5.2f} [{c['min']:4.2f}, {c['max']:4.2f}]" for c in cells)
                 + ("" if kept is None else f"  bytes {kept:.3f}"))
     layers = layers_report() if options.layers else None
     seconds = time.perf_counter() - start
