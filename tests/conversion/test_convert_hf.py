@@ -47,12 +47,15 @@ def _main_output(output) -> torch.Tensor:
     return logits if logits is not None else output.last_hidden_state
 
 
-def _outputs_and_grads(model, batch):
+def _outputs_and_grads(model, batch, rounded_to=None):
+    """The main output and the parameters' gradients for a random output gradient (rounded
+    to ``rounded_to`` first, so that models of several dtypes get the same one)."""
     model.eval()  # no dropout: the same function for both
     model.zero_grad()
     y = _main_output(model(**batch))
     g = torch.Generator().manual_seed(1)
-    (y * torch.randn(y.shape, generator=g, dtype=y.dtype)).sum().backward()
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64).to(rounded_to or y.dtype)
+    (y * dy.to(y.dtype)).sum().backward()
     return y.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -89,22 +92,35 @@ def test_kept_bytes_equal_a_hand_swap_of_the_classes(family):
     assert abs(plain.saved_after - by_hand.saved_after) <= 0.03 * plain.saved_before
 
 
+def _relative_grad_errors(grads, exact):
+    """Each parameter's largest gradient error over its largest float64 gradient; those below
+    1e-6 of the model's largest, zero in exact arithmetic (the attention key biases, which
+    softmax ignores), left out."""
+    largest = max(float(g.abs().max()) for g in exact.values())
+    return {name: float((grads[name].double() - g).abs().max()) / float(g.abs().max())
+            for name, g in exact.items() if float(g.abs().max()) > 1e-6 * largest}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(hf_models.FAMILIES))
-def test_bfloat16_outputs_are_no_farther_from_float64_than_the_originals(family):
-    """The largest output error from a float64 copy, against the original's: measured 1.00
-    for six families, 1.11 for GPT-2 (its NewGELU rounds each operation of the tanh formula
-    in bfloat16, InPlaceGELU computes F.gelu(approximate="tanh"), which rounds once); bound
-    1.25. The gradients are not bounded here: their largest error is 1.0x to 1.67x the
-    original's (the output-only layers rebuild their inputs from bfloat16 outputs;
-    docs/usage/conversion.md)."""
-    reference = hf_models.FAMILIES[family][0](torch.float64).eval()
-    model = copy.deepcopy(reference).to(torch.bfloat16)
+def test_bfloat16_is_no_farther_from_float64_than_the_original(family):
+    """Against the bfloat16 model's own weights in float64 (so that every error is the
+    arithmetic's): the largest output error and the largest per-parameter gradient error of
+    the converted model over the original's.
+    Measured on this test's data (CPU, torch 2.14.1): outputs 1.00 for six families, 0.86 for
+    GPT-2; gradients 0.13 (ConvNeXt) to 1.05 (Llama, Gemma), at most 1.26 over the 5 seeds of
+    benchmarks/hf_bf16_error.py; bounds 1.25 and 1.5."""
+    model = hf_models.FAMILIES[family][0](torch.float32).to(torch.bfloat16)
+    reference = copy.deepcopy(model).double()
     batch = _batch(family, torch.bfloat16)
     converted, _ = _convert(model, batch)
     wide = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
-    with torch.no_grad():
-        truth = _main_output(reference(**wide))
-        errors = [float((_main_output(m.eval()(**batch)).double() - truth).abs().max())
-                  for m in (model, converted)]
-    assert errors[1] <= 1.25 * errors[0]
+    truth, exact = _outputs_and_grads(reference, wide, torch.bfloat16)
+    errors = []
+    for m in (model, converted):
+        y, grads = _outputs_and_grads(m, batch, torch.bfloat16)
+        errors.append((float((y.double() - truth).abs().max()),
+                       max(_relative_grad_errors(grads, exact).values())))
+    (output, grad), (output_converted, grad_converted) = errors
+    assert output_converted <= 1.25 * output
+    assert grad_converted <= 1.5 * grad

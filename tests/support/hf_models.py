@@ -3,7 +3,8 @@ conversion's tests and ``benchmarks/hf_convert.py``, and the hand swap of their 
 activation classes for PyTorch's that the conversion is measured against.
 
 Each family is ``(build, example)``: ``build(dtype)`` gives the model in training mode,
-``example(dtype)`` the keyword arguments of its forward (``model(**example)``).
+``example(dtype)`` the keyword arguments of its forward (``model(**example)``); both take a
+``seed`` (default 0) for other random weights and batches.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from torch import nn
 HIDDEN, LAYERS, HEADS, VOCAB, TOKENS = 64, 2, 4, 100, 16
 
 
-def ids(dtype: torch.dtype, mask: bool = True) -> dict[str, torch.Tensor]:
+def ids(dtype: torch.dtype, mask: bool = True, seed: int = 0) -> dict[str, torch.Tensor]:
     """A tokenizer's batch: ids and (``mask``) an attention mask of ones. Hugging Face's
     masking reads the mask's values (are they all ones?), so with it the conversion goes
     part by part (docs/usage/conversion.md)."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     batch = {"input_ids": torch.randint(0, VOCAB, (2, TOKENS), generator=g)}
     if mask:
         batch["attention_mask"] = torch.ones(2, TOKENS, dtype=torch.long)
@@ -28,8 +29,8 @@ def ids(dtype: torch.dtype, mask: bool = True) -> dict[str, torch.Tensor]:
 
 
 def _pixels(size: int) -> Callable[[torch.dtype], dict[str, torch.Tensor]]:
-    def example(dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(0)
+    def example(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
         return {"pixel_values": torch.randn(2, 3, size, size, generator=g).to(dtype)}
     return example
 
@@ -39,17 +40,17 @@ def _made(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model.to(dtype).train()
 
 
-def llama(dtype: torch.dtype = torch.float32) -> nn.Module:
+def llama(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return _made(LlamaForCausalLM(LlamaConfig(
         hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=HEADS, vocab_size=VOCAB)), dtype)
 
 
-def gemma(dtype: torch.dtype = torch.float32) -> nn.Module:
+def gemma(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
     from transformers import GemmaConfig, GemmaForCausalLM
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = GemmaForCausalLM(GemmaConfig(
         hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=HEADS, head_dim=HIDDEN // HEADS,
@@ -61,39 +62,39 @@ def gemma(dtype: torch.dtype = torch.float32) -> nn.Module:
     return _made(model, dtype)
 
 
-def gpt2(dtype: torch.dtype = torch.float32) -> nn.Module:
+def gpt2(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return _made(GPT2LMHeadModel(GPT2Config(
         n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, vocab_size=VOCAB, n_positions=64)), dtype)
 
 
-def bert(dtype: torch.dtype = torch.float32) -> nn.Module:
+def bert(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
     from transformers import BertConfig, BertModel
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return _made(BertModel(BertConfig(
         hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         intermediate_size=2 * HIDDEN, vocab_size=VOCAB)), dtype)
 
 
-def vit(dtype: torch.dtype = torch.float32) -> nn.Module:
+def vit(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
     from transformers import ViTConfig, ViTModel
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return _made(ViTModel(ViTConfig(
         hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         intermediate_size=2 * HIDDEN, image_size=32, patch_size=8)), dtype)
 
 
-def convnext(dtype: torch.dtype = torch.float32) -> nn.Module:
+def convnext(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
     from transformers import ConvNextConfig, ConvNextModel
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return _made(ConvNextModel(ConvNextConfig(
         hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 2, 1], image_size=64)), dtype)
 
 
-def t5_encoder(dtype: torch.dtype = torch.float32) -> nn.Module:
+def t5_encoder(dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
     from transformers import T5Config, T5EncoderModel
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return _made(T5EncoderModel(T5Config(
         d_model=HIDDEN, d_ff=2 * HIDDEN, d_kv=HIDDEN // HEADS, num_layers=LAYERS,
         num_heads=HEADS, vocab_size=VOCAB)), dtype)
