@@ -415,6 +415,8 @@ class _Attributing(fx.Interpreter):
     def __init__(self, module: fx.GraphModule) -> None:
         super().__init__(module)
         self.norm_inputs: dict[str, Any] = {}   # node name -> storage key of its input
+        #: those storages, held while the interpreter lives (recording._Recorder says why)
+        self.norm_input_storages: list[Any] = []
         self._modules = dict(module.named_modules())
 
     def run_node(self, n: fx.Node) -> Any:
@@ -423,6 +425,7 @@ class _Attributing(fx.Interpreter):
             first = self.env.get(n.args[0]) if n.args and isinstance(n.args[0], fx.Node) else None
             if isinstance(first, Tensor):
                 self.norm_inputs[n.name] = storage_key(first)
+                self.norm_input_storages.append(first.untyped_storage())
         return super().run_node(n)
 
 

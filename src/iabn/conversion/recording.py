@@ -121,6 +121,10 @@ class _Recorder(TorchFunctionMode):
         self.inside = 0          # > 0 while a leaf module runs: its calls are not recorded
         self.current = ""        # the node running now, for attributing saved tensors
         self.norm_inputs: dict[str, Any] = {}  # norm node name -> storage key of its input
+        #: those storages, held while the recorder lives: a storage key is the storage's
+        #: address, which a storage made after the input's was freed could take, and its
+        #: savers would then count as saving the norm's input
+        self.norm_input_storages: list[Any] = []
         self.reads = 0           # value reads so far (each one, not deduplicated)
         #: for each module called, one entry per call: whether values were read during it
         self.calls: dict[str, list[bool]] = {}
@@ -213,6 +217,7 @@ class _Recorder(TorchFunctionMode):
                 node = self.create("call_module", name, args, kwargs)
                 if is_site_module(m) and args and isinstance(args[0], Tensor):
                     self.norm_inputs[node.name] = storage_key(args[0])
+                    self.norm_input_storages.append(args[0].untyped_storage())
                 before, self.current = self.current, node.name
                 self.inside += 1
                 try:
