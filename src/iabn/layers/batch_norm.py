@@ -166,10 +166,9 @@ class ABN(ValidatedOptions, _NormBase):
         self, input: Tensor, use_batch_stats: bool, running_mean: Tensor | None,
         running_var: Tensor | None, weight: Tensor | None, bias: Tensor | None,
     ) -> None:
-        """Validate a call before anything is written. The full :func:`check_inputs` runs
-        when the call's :func:`input_signature` differs from the last valid one (first call,
-        new shape, ``.to()``, eval/train switch, an option assigned); otherwise only the
-        per-tensor checks."""
+        """Validate a call before anything is written: the full :func:`check_inputs` when its
+        :func:`input_signature` differs from the last valid one (first call, new shape,
+        ``.to()``, eval/train switch, an option assigned), always the per-tensor checks."""
         check_per_call(input, in_place=self._in_place)
         signature = input_signature(input, use_batch_stats, weight, bias, running_mean,
                                     running_var)
