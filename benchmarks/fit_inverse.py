@@ -127,19 +127,6 @@ def fit_left(name: str, degree: int) -> dict:
             "samples": int(z.size), "y_range": [float(y_star - 120), y_star]}
 
 
-def _rational_fit(t, f, m: int, n: int, iterations: int = 12):
-    """``P / Q`` (Chebyshev coefficients, ``Q``'s first 1) minimising ``|P / Q - f|`` by
-    Sanathanan-Koerner iterations (linear least squares, reweighted by the last ``Q``)."""
-    q = np.ones_like(t)
-    for _ in range(iterations):
-        basis = np.hstack([chebyshev.chebvander(t, m),
-                           -f[:, None] * chebyshev.chebvander(t, n)[:, 1:]]) / q[:, None]
-        solution, *_ = np.linalg.lstsq(basis, f / q, rcond=None)
-        p, qc = solution[: m + 1], np.concatenate([[1.0], solution[m + 1:]])
-        q = chebyshev.chebval(t, qc)
-    return p, qc
-
-
 def _horner32(powers, t32):
     acc = np.full_like(t32, np.float32(powers[-1]))
     for a in powers[-2::-1]:
@@ -147,50 +134,93 @@ def _horner32(powers, t32):
     return acc
 
 
-def fit_right(name: str, degree: int) -> dict:
-    """The right branch's slope as ``P(t) / Q(t)``, ``t = 2 s / S - 1``, ``s = sqrt(z - z*)``
-    up to ``S`` (where the slope is 1 to 1e-8; beyond, ``t`` is held at 1)."""
-    f, y_star, z_star = ACTIVATIONS[name]
-    y = y_star + np.geomspace(1e-7, 60, 400_000)
+def _right_samples(f, y_star, z_star, first: float):
+    """``(y, z, slope, s)`` of the right branch from ``first`` above ``y*`` to ``X_R``, beyond
+    which the slope is 1 to 2e-8 (float32 rounds slopes near 1 in steps of 6e-8 and 1.2e-7)."""
+    y = y_star + np.geomspace(first, 60, 400_000)
     z, slope = f(y)
-    x_r = float(y[np.nonzero(np.abs(slope - 1) > 1e-8)[0].max()])
+    x_r = y[np.nonzero(np.abs(slope - 1) > 2e-8)[0].max()]
     keep = y <= x_r
     y, z, slope = y[keep], z[keep], slope[keep]
-    s = np.sqrt(np.maximum(z - z_star, 0))
+    return y, z, slope, np.sqrt(np.maximum(z - z_star, 0))
+
+
+def _fit_piece(s, slope, low: float, high: float, degree: int):
+    """Chebyshev coefficients of ``h = slope / s`` on ``[low, high]`` in ``t = 2 (s - low) /
+    (high - low) - 1``, least squares weighted by ``s`` (the error of ``s h``), and that
+    error's largest value."""
+    m = (s >= low) & (s <= high)
+    t = 2 * (s[m] - low) / (high - low) - 1
+    c = chebyshev.chebfit(t, slope[m] / s[m], degree, w=s[m])
+    return c, float(np.abs(chebyshev.chebval(t, c) * s[m] - slope[m]).max())
+
+
+def _fit_near(s, slope, edge: float, degree: int, c: float):
+    """``h = c + (t - 1) q(t)`` on ``[0, edge]``, ``t = 2 s / edge - 1``: ``q`` (degree
+    ``degree - 1``, Chebyshev least squares weighted by ``s |t - 1|``) so that ``h(edge) = c``
+    exactly, the far piece's value there; the two pieces then add without a choice per
+    element. Returns ``q``'s powers of ``t`` and the largest error of ``s h``."""
+    m = (s > 0) & (s < edge * (1 - 1e-9))
+    t = 2 * s[m] / edge - 1
+    qc = chebyshev.chebfit(t, (slope[m] / s[m] - c) / (t - 1), degree - 1,
+                           w=s[m] * np.abs(t - 1))
+    error = float(np.abs((c + (t - 1) * chebyshev.chebval(t, qc)) * s[m] - slope[m]).max())
+    return [float(a) for a in chebyshev.cheb2poly(qc)], error
+
+
+def right_slope32(z32, z_star, fit):
+    """The right slope as the library evaluates it in float32 (``branch.right_slope``):
+    ``s (far(t_far) + (t_near - 1) q(t_near))`` with each ``t`` held to its piece."""
+    s_max, edge = fit["s_max"], fit["edge"]
+    f32 = np.float32
+    z_hi = f32(z_star)
+    z_lo = f32(z_star - np.float64(z_hi))
+    s = np.sqrt(np.maximum((z32 - z_hi) - z_lo, f32(0))).astype(f32)
+    u = np.minimum(s * f32(2 / edge) - f32(2), f32(0)).astype(f32)  # t_near - 1
+    near = (_horner32(fit["near_q_powers_of_t"], (u + f32(1)).astype(f32)) * u).astype(f32)
+    width = s_max - edge
+    t_far = np.clip(s * f32(2 / width) - f32((s_max + edge) / width), f32(-1), f32(1))
+    h = (_horner32(fit["far_powers_of_t"], t_far.astype(f32)) + near).astype(f32)
+    return (h * np.minimum(s, f32(s_max))).astype(f32)
+
+
+def _fit_right_pieces(s, slope, s_max: float, edge: float, degree: int):
+    far, far_error = _fit_piece(s, slope, edge, s_max, degree)
+    near, near_error = _fit_near(s, slope, edge, degree, float(chebyshev.chebval(-1, far)))
+    return near, [float(a) for a in chebyshev.cheb2poly(far)], max(near_error, far_error)
+
+
+def fit_right_slope(name: str, degree: int) -> dict:
+    """The right branch's slope ``phi'(y) = s h(s)``, ``s = sqrt(z - z*)``, ``h`` two
+    polynomials of ``degree`` split at ``s = E`` (of 0.25, 0.3 .. 0.75 ``S``, the one with the
+    smallest largest error), the near one pinned to the far one's value at ``E``
+    (:func:`_fit_near`); beyond ``S`` the slope is ``S h(S)``, 1 to 2e-8."""
+    f, y_star, z_star = ACTIVATIONS[name]
+    y, _, slope, s = _right_samples(f, y_star, z_star, 1e-5)
     s_max = float(s.max())
-    t = 2 * s / s_max - 1
     by_degree = {}
-    for d in (12, 16, 20, 24):
-        c = chebyshev.chebfit(t, slope, d)
-        by_degree[f"polynomial {d}"] = float(np.abs(chebyshev.chebval(t, c) - slope).max())
-    for d in (8, 10, 12):
-        p, q = _rational_fit(t, slope, d, d)
-        by_degree[f"rational {d}/{d}"] = float(
-            np.abs(chebyshev.chebval(t, p) / chebyshev.chebval(t, q) - slope).max())
-    p, q = _rational_fit(t, slope, degree, degree)
-    grid = np.linspace(-1, 1, 20001)
-    q_min = float(np.abs(chebyshev.chebval(grid, q)).min())
-    numerator, denominator = chebyshev.cheb2poly(p), chebyshev.cheb2poly(q)
-    # float32 as the library evaluates it
-    z32 = z.astype(np.float32)
-    z_hi = np.float32(z_star)
-    z_lo = np.float32(z_star - np.float64(z_hi))
-    above = np.clip((z32 - z_hi) - z_lo, 0, np.float32(s_max * s_max))
-    t32 = np.sqrt(above) * np.float32(2 / s_max) - np.float32(1)
-    slope32 = _horner32(numerator, t32) / _horner32(denominator, t32)
-    # exact slope at the float32 output: y refined by float64 Newton steps on phi, farther
-    # than 0.05 from y* (nearer, the rounding of z moves y by sqrt(eps))
-    far = y > y_star + 0.05
-    yf, target = y[far], z32[far].astype(np.float64)
+    for d in sorted({12, 14, degree}):
+        by_degree[d] = min((_fit_right_pieces(s, slope, s_max, float(e), d)[2], float(e))
+                           for e in np.linspace(0.25, 0.75, 11) * s_max)
+    error, edge = by_degree[degree]
+    near, far, _ = _fit_right_pieces(s, slope, s_max, edge, degree)
+    fit = {"s_max": s_max, "x_r": float(y[-1]), "edge": edge, "degree": degree,
+           "near_q_powers_of_t": near, "far_powers_of_t": far,
+           "error_float64": error,
+           "error_float64_by_degree": {d: e for d, (e, _) in by_degree.items()}}
+    # float32 against the exact slope at the float32 output: y refined by float64 Newton
+    # steps on phi; farther than 0.05 from y* (nearer, the rounding of z moves y by
+    # sqrt(eps), and the slope with it), and beyond X_R up to 60 from y*
+    y = _right_samples(f, y_star, z_star, 0.05)[0]
+    y = np.concatenate([y, y[-1] + np.linspace(0, 60, 10_000)])
+    z32 = f(y)[0].astype(np.float32)
+    target = z32.astype(np.float64)
     for _ in range(4):
-        value, derivative = f(yf)
-        yf = yf - (value - target) / derivative
-    error32 = float(np.abs(slope32[far].astype(np.float64) - f(yf)[1]).max())
-    return {"x_r": x_r, "s_max": s_max, "degree": degree,
-            "numerator_powers_of_t": [float(a) for a in numerator],
-            "denominator_powers_of_t": [float(a) for a in denominator],
-            "denominator_min_on_[-1,1]": q_min, "error_by_form": by_degree,
-            "float32_slope_error_far": error32}
+        value, derivative = f(y)
+        y = y - (value - target) / derivative
+    fit["float32_slope_error_far"] = float(
+        np.abs(right_slope32(z32, z_star, fit).astype(np.float64) - f(y)[1]).max())
+    return fit
 
 
 def fit_right_start(name: str, degree: int) -> dict:
@@ -224,8 +254,8 @@ def fit_right_start(name: str, degree: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--degree", type=int, default=12, help="of the left polynomial")
-    parser.add_argument("--right-degree", type=int, default=12,
-                        help="of the right rational's numerator and denominator")
+    parser.add_argument("--right-degree", type=int, default=16,
+                        help="of the right slope's two polynomials")
     parser.add_argument("--start-degree", type=int, default=16,
                         help="of the right branch's start y(s)")
     parser.add_argument("--json", default=str(RESULTS / "fit_inverse.json"))
@@ -237,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ACTIVATIONS:
         left = fit_left(name, args.degree)
         result["left"][name] = left
-        right = fit_right(name, args.right_degree)
+        right = fit_right_slope(name, args.right_degree)
         result["right"][name] = right
         start = fit_right_start(name, args.start_degree)
         result["right_start"][name] = start
@@ -250,12 +280,12 @@ def main(argv: list[str] | None = None) -> dict:
               f"float32 far {left['float32_slope_error_far']:.2e}")
         print(f"    LEFT_SLOPE[{name!r}] = ({left['v_max']!r}, (")
         print("        " + ", ".join(repr(a) for a in left["powers_of_t"]) + "))")
-        print(f"  right: S={right['s_max']!r} {right['error_by_form']}, float32 far "
-              f"{right['float32_slope_error_far']:.2e}, "
-              f"Q >= {right['denominator_min_on_[-1,1]']:.3f}")
-        print(f"    RIGHT_SLOPE[{name!r}] = ({right['s_max']!r}, (")
-        print("        " + ", ".join(repr(a) for a in right["numerator_powers_of_t"]) + "), (")
-        print("        " + ", ".join(repr(a) for a in right["denominator_powers_of_t"]) + "))")
+        print(f"  right slope: S={right['s_max']!r}, error by degree "
+              f"{right['error_float64_by_degree']}, float32 far "
+              f"{right['float32_slope_error_far']:.2e}")
+        print(f"    RIGHT_SLOPE[{name!r}] = ({right['s_max']!r}, {right['edge']!r}, (")
+        print("        " + ", ".join(repr(a) for a in right["near_q_powers_of_t"]) + "), (")
+        print("        " + ", ".join(repr(a) for a in right["far_powers_of_t"]) + "))")
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return result
 
