@@ -190,3 +190,30 @@ def test_reference_backward_launches_and_bytes(name):
     backward = step.backward
     assert (len(backward.launches), backward.moved / activation,
             backward.peak_bytes / activation) == COUNTS[name]
+
+
+def _both_branches(name):
+    zs, lefts = [], []
+    for left in (True, False):
+        _, z32 = _outputs(name, left)
+        zs.append(z32), lefts.append(torch.full_like(z32, left, dtype=torch.bool))
+    return torch.cat(zs), torch.cat(lefts)
+
+
+@pytest.mark.parametrize("name", BRANCH)
+@pytest.mark.parametrize("extra", [0, 3], ids=["rows-of-8", "not-a-multiple-of-8"])
+def test_compiled_activation_grad_float32(name, extra):
+    """Under the compiler (aot_eager, fullgraph: the traced operations run as traced) both
+    fitted slopes, as rows of eight with a byte of bits each or per element: the same bound
+    as eager (measured, the Horner steps as mul then add: silu 1.69, gelu 1.46, gelu_tanh
+    1.51, mish 1.60 eps, both forms)."""
+    torch._dynamo.reset()
+    z32, left = _both_branches(name)
+    size = z32.numel() // 8 * 8 - 8 + extra
+    z32, left = z32[:size], left[:size]
+    exact = _exact_slope(z32, left, name)
+    grad = torch.compile(lambda z, dz, bits: branch.activation_grad(z, dz, bits, name),
+                         backend="aot_eager", fullgraph=True)
+    got = grad(z32, torch.ones_like(z32), branch.pack_bits(left))
+    error = (got.double() - exact).abs().max().item()
+    assert error <= BOTH_BOUND_EPS[name] * torch.finfo(torch.float32).eps, error

@@ -422,7 +422,14 @@ def pack_bits(mask: Tensor) -> Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = F.pad(flat, (0, pad))
-    return flat.view(-1, 8).mul_(_bit_weights(mask.device)).sum(-1, dtype=torch.uint8)
+    # shifted ORs of the eight columns, elementwise: Inductor vectorises them (its uint8 sum
+    # over rows of 8, the form before, took 201 ms at 8x197x1536 on CPU, this 1.8 ms; eager
+    # 7.5 ms, the sum 9.0 ms, one thread)
+    rows = flat.view(-1, 8)
+    packed = rows[:, 0].clone()
+    for k in range(1, 8):
+        packed = packed.bitwise_or_(rows[:, k].bitwise_left_shift(k))
+    return packed
 
 
 def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
@@ -463,9 +470,20 @@ def _fitted_grad_cpu(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Te
     return dx.view(z.shape)
 
 
+def _fitted_grad_rows(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
+    """The compiler's form for float32 and half ``z`` of ``8 k`` elements: rows of eight, one
+    byte of bits each, so that a row's bits are a broadcast, not a division per element
+    (Inductor, CPU, one thread, 8x197x1536 GELU: 43 ms, 87 ms unpacked per element, under
+    load 3.5)."""
+    rows = z.reshape(-1, 8)
+    left = bits[: rows.shape[0]].unsqueeze(1).bitwise_and(_bit_weights(z.device)).ne(0)
+    slope = fitted_slope(rows.float(), left, activation)
+    return slope.mul_(dz.reshape(-1, 8)).to(z.dtype).view(z.shape)
+
+
 def _activation_grad_whole(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
     compute = compute_dtype(z.dtype)
-    if compute == torch.float32:  # the compiler's (CPU ones go to _fitted_grad_cpu)
+    if compute == torch.float32:  # under the compiler (CPU ones outside go to _fitted_grad_cpu)
         return fitted_slope(z.float(), left, activation).mul_(dz).to(z.dtype)
     y = invert(z.to(compute), left, activation, z.dtype)
     dy = act.ACTIVATIONS[activation].minimum.derivative(y).mul_(dz.to(compute))
@@ -492,6 +510,8 @@ def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
     compiling = torch.compiler.is_compiling()
     if fitted and z.device.type == "cpu" and not compiling:
         return _fitted_grad_cpu(z, dz, bits, activation)
+    if fitted and compiling and z.numel() % 8 == 0:
+        return _fitted_grad_rows(z, dz, bits, activation)
     left = unpack_bits(bits, z.shape)
     count = part_count(z.numel(), 4 * cutting.PIECES) if z.dim() else 1
     if count == 1 or compiling:
