@@ -10,12 +10,18 @@ Newton steps, close to linear in ``y``) the ratio ``R(v) = phi'(y) / phi(y)`` is
 least-squares fit in ``t = 2 v / V - 1`` on samples dense in ``y``, converted to powers of
 ``t`` for Horner's rule, and checked in float32 (numpy, the same operations as the library).
 
-Right branch (``y >= y*``). Its slope as a function of ``s = sqrt(z - z*)`` is recorded, not
-used: a polynomial reaching float32's rounding on all of ``[y*, X_R]`` (beyond ``X_R`` the slope
-is 1 to that rounding) needs a degree above 24, and the rational ``P/Q`` of degree 12/12 that
-does in float64 loses it in float32 (1e-6 .. 5e-6: its denominator comes near 0.04). What is
-used is the inverse ``y(s)`` as a degree-16 polynomial (within 2.2e-5 of ``max(|y|, 1)``), the
-start of one Newton step (``iabn.kernels.branch.RIGHT_START``).
+Right branch (``y >= y*``). Its slope as ``s h(s)``, ``s = sqrt(z - z*)``, ``h`` two
+polynomials of degree 16 split at ``s = E`` (one polynomial reaching float32's rounding on all
+of ``[y*, X_R]`` needs a degree above 24, beyond ``X_R`` the slope is 1 to 2e-8; a 12/12
+rational loses it in float32, its denominator near 0.04): ``iabn.kernels.branch.RIGHT_SLOPE``.
+Also the inverse ``y(s)`` as one degree-16 polynomial (within 2.2e-5 of ``max(|y|, 1)``), the
+start of the Newton step of ``iabn.kernels.branch.RIGHT_START``.
+
+The inverses (recorded, not used). ``y`` on each branch as three pieces of degree 16 that add
+(:func:`fit_pieces`): right ``y = z + r(s)``, left ``y(v)`` down to the smallest float32
+subnormal. Within 1.9e-10 .. 4.4e-9 of ``max(|y|, 1)`` in float64, but evaluated in float32
+(power basis, plain steps) 1.2e-7 .. 2.2e-7 (right) and 2.6e-7 .. 6.5e-7 (left, near ``y*``,
+where Horner's sum cancels): above the rounding of ``y`` that Newton's steps reach.
 
 SciPy and NumPy are used here only, never when the library is imported. Writes
 ``benchmarks/results/fit_inverse.json`` (coefficients, errors by degree, float32 error of the
@@ -23,12 +29,14 @@ chosen fit) and prints the coefficients in the form ``iabn/kernels/branch.py`` h
 
 Usage::
 
-    python benchmarks/fit_inverse.py [--degree 12] [--json benchmarks/results/fit_inverse.json]
+    python benchmarks/fit_inverse.py [--degree 12] [--right-degree 16] [--only-inverse]
+        [--json benchmarks/results/fit_inverse.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import warnings
@@ -251,6 +259,107 @@ def fit_right_start(name: str, degree: int) -> dict:
             "relative_error_float32": float((np.abs(start32 - y) / scale).max())}
 
 
+def fit_pieces(x, target, scale, edges, degree: int) -> tuple[list, float]:
+    """``target(x)`` as a sum of pieces over ``edges``: the first a plain polynomial in
+    ``t = 2 (x - a) / (b - a) - 1`` of its ``[a, b]``, each next one ``(t + 1) q(t)``, 0 at its
+    left end, fitted to what the pieces before leave (Chebyshev least squares weighted by
+    ``1 / scale``); each ``t`` is held to ``[-1, 1]``, so every piece is evaluated on every
+    element and they add, no choice per element. Returns the pieces as
+    ``(a, b, powers of t)`` (a next piece's powers are ``q``'s) and the largest error over
+    ``scale`` in float64."""
+    pieces, rest, error = [], target.astype(np.float64).copy(), 0.0
+    for k, (a, b) in enumerate(itertools.pairwise(edges)):
+        t_all = np.clip(2 * (x - a) / (b - a) - 1, -1, 1)
+        m = (x >= a) & (x <= b)
+        t = t_all[m]
+        if k == 0:
+            c = chebyshev.chebfit(t, rest[m], degree, w=1 / scale[m])
+            value = chebyshev.chebval(t_all, c)
+        else:
+            inner = t > -1 + 1e-12
+            c = chebyshev.chebfit(t[inner], rest[m][inner] / (t[inner] + 1), degree - 1,
+                                  w=(t[inner] + 1) / scale[m][inner])
+            value = (t_all + 1) * chebyshev.chebval(t_all, c)
+        rest = rest - value
+        pieces.append((float(a), float(b), [float(v) for v in chebyshev.cheb2poly(c)]))
+        error = max(error, float((np.abs(rest[m]) / scale[m]).max()))
+    return pieces, float((np.abs(rest) / scale).max())
+
+
+def pieces32(x32, pieces):
+    """:func:`fit_pieces`' sum as the library evaluates it in float32 (plain steps)."""
+    f32 = np.float32
+    total = np.zeros_like(x32)
+    for k, (a, b, powers) in enumerate(pieces):
+        t = np.clip(x32 * f32(2 / (b - a)) - f32((a + b) / (b - a)), f32(-1), f32(1))
+        t = t.astype(f32)
+        value = _horner32(powers, t)
+        if k:
+            value = (value * (t + f32(1))).astype(f32)
+        total = (total + value).astype(f32)
+    return total
+
+
+def _exact_inverse(f, y, z32):
+    """``y`` refined by float64 Newton steps to ``phi(y) = z32`` (float64 of the float32)."""
+    target = z32.astype(np.float64)
+    for _ in range(6):
+        value, derivative = f(y)
+        y = y - (value - target) / derivative
+    return y
+
+
+def fit_inverse(name: str, degree: int, count: int) -> dict:
+    """The inverse on each branch as ``count`` pieces of ``degree`` (:func:`fit_pieces`),
+    errors over ``max(|y|, 1)``. Right: ``y = z + r(s)``, ``s = sqrt(z - z*)``, ``r = y - z``
+    up to where ``|r| <= 1e-8 max(|y|, 1)`` (``z_r``; beyond, ``y = z``). Left: ``y(v)``,
+    ``v = sqrt(log(z* / z))``, down to the smallest float32 subnormal (an output that rounded
+    to 0 is taken as that, as ``branch.invert`` does)."""
+    f, y_star, z_star = ACTIVATIONS[name]
+    z_hi = np.float32(z_star)
+    z_lo = np.float32(z_star - np.float64(z_hi))
+    result = {"degree": degree, "pieces": count}
+    y = y_star + np.geomspace(1e-6, 60, 400_000)
+    z, _ = f(y)
+    scale = np.maximum(np.abs(y), 1)
+    last = np.nonzero(np.abs(y - z) > 1e-8 * scale)[0].max()
+    y, z, scale = y[: last + 1], z[: last + 1], scale[: last + 1]
+    s = np.sqrt(np.maximum(z - z_star, 0))
+    pieces, error = fit_pieces(s, y - z, scale, np.linspace(0, s.max(), count + 1), degree)
+    # float32 against the exact inverse of the float32 output, farther than 0.05 from y*
+    yf = y_star + np.geomspace(0.05, 60, 200_000)
+    z32 = f(yf)[0].astype(np.float32)
+    exact = _exact_inverse(f, yf, z32)
+    s32 = np.sqrt(np.maximum((z32 - z_hi) - z_lo, np.float32(0))).astype(np.float32)
+    got = (z32 + pieces32(s32, pieces)).astype(np.float32)
+    result["right"] = {"z_r": float(z[-1]), "pieces": pieces, "error_float64": error,
+                       "float32_error_far": float((np.abs(got - exact)
+                                                   / np.maximum(np.abs(exact), 1)).max())}
+    y = y_star - np.geomspace(1e-6, 120, 400_000)
+    z, _ = f(y)
+    keep = z <= -float(np.finfo(np.float32).smallest_subnormal) / 2  # past the smallest
+    y, z = y[keep], z[keep]
+    v = np.sqrt(np.log(z_star / z))
+    scale = np.maximum(np.abs(y), 1)
+    pieces, error = fit_pieces(v, y, scale, np.linspace(0, v.max(), count + 1), degree)
+    yf = y_star - np.geomspace(0.05, 120, 200_000)
+    z32 = f(yf)[0].astype(np.float32)
+    yf, z32 = yf[z32 < 0], z32[z32 < 0]
+    exact = _exact_inverse(f, yf, z32)
+    # log(z* / z): log1p((z - z*) / -z) near the minimum, log(-z*) - log(-z) beyond (where
+    # the ratio would overflow for subnormal z)
+    ratio = (((z32 - z_hi) - z_lo) / -z32).astype(np.float32)
+    with np.errstate(over="ignore"):
+        log_ratio = np.where(ratio <= 1, np.log1p(np.minimum(ratio, 1)),
+                             np.float32(np.log(-z_star)) - np.log(-z32)).astype(np.float32)
+    v32 = np.sqrt(np.maximum(log_ratio, 0)).astype(np.float32)
+    got = pieces32(v32, pieces)
+    result["left"] = {"v_max": float(v.max()), "pieces": pieces, "error_float64": error,
+                      "float32_error_far": float((np.abs(got - exact)
+                                                  / np.maximum(np.abs(exact), 1)).max())}
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--degree", type=int, default=12, help="of the left polynomial")
@@ -258,13 +367,30 @@ def main(argv: list[str] | None = None) -> dict:
                         help="of the right slope's two polynomials")
     parser.add_argument("--start-degree", type=int, default=16,
                         help="of the right branch's start y(s)")
+    parser.add_argument("--inverse-degree", type=int, default=16,
+                        help="of each piece of the fitted inverses")
+    parser.add_argument("--inverse-pieces", type=int, default=3,
+                        help="pieces of each branch's fitted inverse")
+    parser.add_argument("--only-inverse", action="store_true",
+                        help="fit the inverses only, into the JSON's other fits")
     parser.add_argument("--json", default=str(RESULTS / "fit_inverse.json"))
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", category=np.exceptions.RankWarning)
     result = {"script": "benchmarks/fit_inverse.py", "z_floor": Z_FLOOR,
               "numpy": np.__version__, "python": platform.python_version(),
-              "left": {}, "right": {}, "right_start": {}}
+              "left": {}, "right": {}, "right_start": {}, "inverse": {}}
+    if args.only_inverse:
+        result = {**json.loads(Path(args.json).read_text()), "inverse": {}}
     for name in ACTIVATIONS:
+        inverse = fit_inverse(name, args.inverse_degree, args.inverse_pieces)
+        result["inverse"][name] = inverse
+        print(f"{name}: inverse, error over max(|y|, 1): right "
+              f"{inverse['right']['error_float64']:.2e} (float32 far "
+              f"{inverse['right']['float32_error_far']:.2e}), left "
+              f"{inverse['left']['error_float64']:.2e} (float32 far "
+              f"{inverse['left']['float32_error_far']:.2e})", flush=True)
+        if args.only_inverse:
+            continue
         left = fit_left(name, args.degree)
         result["left"][name] = left
         right = fit_right_slope(name, args.right_degree)
