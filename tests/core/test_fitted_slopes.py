@@ -237,3 +237,15 @@ def test_fitted_operator_opcheck():
     bits = branch.pack_bits(torch.rand(1001, generator=g) < 0.5)
     torch.library.opcheck(branch._fitted_grad_op, (z, torch.randn(1001, generator=g), bits,
                                                    "gelu"))
+
+
+def test_compiled_pack_bits_equals_eager():
+    """Under the compiler the bits are packed as shifted ORs, eagerly as a weighted row sum:
+    the same bytes (sizes with and without a padded last byte)."""
+    torch._dynamo.reset()
+    packed = torch.compile(branch.pack_bits, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 7, 8, 9, 1001):
+        mask = torch.rand(n, generator=g) < 0.5
+        assert torch.equal(packed(mask), branch.pack_bits(mask))
+        assert torch.equal(branch.unpack_bits(packed(mask), mask.shape), mask)

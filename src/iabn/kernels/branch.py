@@ -422,10 +422,11 @@ def pack_bits(mask: Tensor) -> Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = F.pad(flat, (0, pad))
-    # shifted ORs of the eight columns, elementwise: Inductor vectorises them (its uint8 sum
-    # over rows of 8, the form before, took 201 ms at 8x197x1536 on CPU, this 1.8 ms; eager
-    # 7.5 ms, the sum 9.0 ms, one thread)
     rows = flat.view(-1, 8)
+    if not torch.compiler.is_compiling():  # three launches
+        return rows.mul_(_bit_weights(mask.device)).sum(-1, dtype=torch.uint8)
+    # under the compiler, shifted ORs of the eight columns, which Inductor vectorises (its
+    # uint8 sum over rows of 8 took 201 ms at 8x197x1536 on CPU, one thread; these 1.8 ms)
     packed = rows[:, 0].clone()
     for k in range(1, 8):
         packed = packed.bitwise_or_(rows[:, k].bitwise_left_shift(k))
