@@ -456,13 +456,17 @@ def _bit_table(device: torch.device) -> Tensor:
         torch.arange(256, device=device, dtype=torch.uint8).unsqueeze(1)).ne(0).float()
 
 
+#: :func:`_bit_table` of the CPU, where :func:`_fitted_grad_cpu` runs: made once, on import.
+_CPU_BIT_TABLE = _bit_table(torch.device("cpu"))
+
+
 def _fitted_grad_cpu(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
     """``dx = phi'(y) dz`` from the fitted slopes of both branches on every element, a
     :data:`CHUNK` of the flattened (contiguous) ``z`` at a time: float32 and half ``z`` on a
     CPU outside the compiler."""
     zf, dzf = z.contiguous().view(-1), dz.contiguous().view(-1)
     dx = torch.empty(zf.shape, dtype=z.dtype, device=z.device)
-    table = _bit_table(z.device)
+    table = _CPU_BIT_TABLE
     for a in range(0, zf.numel(), CHUNK):
         b = min(a + CHUNK, zf.numel())
         left = F.embedding(bits[a // 8: (b + 7) // 8].long(), table).view(-1)[: b - a]
