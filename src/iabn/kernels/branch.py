@@ -124,6 +124,73 @@ RIGHT_START = {
 #: Newton steps of the right branch from :data:`RIGHT_START` (float32 compute).
 FITTED_ITERATIONS = 1
 
+#: The right branch's slope as a function of the output, ``phi'(y) = s h(s)``,
+#: ``s = sqrt(z - z*)``: ``(S, E, q_0 .. q_15, f_0 .. f_16)``, ``h = F(t_f) + (t_n - 1) Q(t_n)``
+#: with ``t_n = min(2 s / E - 1, 1)`` (the piece ``s <= E``) and ``t_f`` the same map of
+#: ``[E, S]``, held to ``[-1, 1]``; ``Q`` is fitted with ``h(E) = F(-1)``, so each piece adds
+#: nothing beyond its own (no choice per element); beyond ``S`` the slope is ``S h(S)``, 1 to
+#: 2e-8. Fitted by ``benchmarks/fit_inverse.py`` (Chebyshev least squares of ``h`` weighted by
+#: ``s``, degree 16 each, ``E`` the best of 0.25, 0.3 .. 0.75 ``S``; results in
+#: ``benchmarks/results/fit_inverse.json``): within 3.7e-9 (gelu_tanh) .. 1.5e-8 (mish) of
+#: the slope in float64; evaluated in float32 as here, within 2.0e-7 (gelu, gelu_tanh),
+#: 2.2e-7 (silu, mish) of the exact slope at the float32 output farther than 0.05 from
+#: ``y*`` (slopes up to 1.13, which float32 rounds in steps of 1.2e-7: about two of its
+#: roundings). Used for float32 and half inputs.
+RIGHT_SLOPE = {
+    "silu": (4.581137994720667, 2.2905689973603334, (
+        -0.43115132988968363, -0.025340418320774917, 0.3168209437977962,
+        -0.04606334151578939, -0.0892206649387965, -0.025360618030020744,
+        0.011914599449906065, 0.019707465883762924, 0.011004834129215872,
+        -0.0009286421559867109, -0.007934768120499626, -0.0050356913270150185,
+        0.0018731608318821409, 0.002694583966977666, -4.339003271217143e-05,
+        -0.00047543308262493764), (
+        0.29107871516639866, -0.09724143086001277, 0.033135651689631014,
+        -0.01254626626277661, 0.006314850473062328, -0.00423341418063719,
+        0.0028372595483555467, -0.0014159616771562149, 0.00027498226419770744,
+        0.0002799845434518881, -0.00035767433276219957, 0.00026012742110762113,
+        -0.00011851160328541375, -1.6784602587746022e-05, 5.292614923462017e-05,
+        -1.73119848458976e-05, -7.639512186862266e-07)),
+    "gelu": (2.503495932928648, 1.502097559757189, (
+        -0.4848155011331431, -0.2521118241529329, 0.15393798384805413,
+        0.05884135377754891, 0.03280899302437995, 0.003337019526864583,
+        -0.0034125883375298025, -0.006289801662449827, -0.004066859245726551,
+        -0.0024814983392891623, -0.0014209494940484405, -0.0003234203895675049,
+        0.0011122988695642267, 0.0009335242472930464, 5.052917728807045e-06,
+        -0.00015767502261698229), (
+        0.4997491924174522, -0.1281176314603292, 0.041943045038266444,
+        -0.02758393139383164, 0.02289374300082756, -0.009648751321964962,
+        -0.006246821967643726, 0.01159735989341307, -0.004892740908872435,
+        -0.0032909993117788304, 0.004589265201911156, -0.0007758067314811842,
+        -0.0016700604807139464, 0.0008528626644256117, 0.00023191340737059506,
+        -0.00019883863329655014, 9.637937789578304e-06)),
+    "gelu_tanh": (2.404156162333976, 1.442493697400386, (
+        -0.45101015507848213, -0.2583815917612362, 0.1268558573646281,
+        0.04310400968029449, 0.024496677348829016, 0.002380500628392972,
+        -0.0012594286679395745, -0.0030075095681774905, -0.001778749611377255,
+        -0.0010904254239678527, -0.0004388419576638808, -0.00018622106533010524,
+        0.00015649094927444444, 0.000216312994944453, 7.024897953620059e-05,
+        -1.5617018988377287e-05), (
+        0.5210664522077536, -0.13775189846549513, 0.05495797851379445,
+        -0.041603660117662596, 0.023907340188843485, 0.006278048566005514,
+        -0.020660847192171504, 0.00763213242411185, 0.00838011961625859,
+        -0.0072484888806051565, -0.0015797021533806364, 0.003652104033555202,
+        -0.00042411310257646473, -0.0011172799443603806, 0.0003782752160139108,
+        0.0001629981085812609, -8.30927154448181e-05)),
+    "mish": (3.320761972214642, 1.660380986107321, (
+        -0.4432576653640293, -0.24052424267531744, 0.2570609408977404,
+        0.1070464199535166, -0.020925183749712525, -0.03821012914685932,
+        -0.022470298039350748, -0.006108907361334456, 0.0028957802632126194,
+        0.005845124260682777, 0.005801486099481033, 0.00195827477244081,
+        -0.002509739052388531, -0.0021331251478226357, 0.00023194443322109795,
+        0.0004328174484273841), (
+        0.40157949053213765, -0.13434683893576144, 0.04649504587155502,
+        -0.019226509339760514, 0.011929773898895855, -0.009643180082299833,
+        0.00687625220750576, -0.00288271901012296, -0.0005257254022600476,
+        0.001864311017065843, -0.002125816609318694, 0.0020420972444003416,
+        -0.0004468765818729188, -0.0013115468252294232, 0.0008561514402723833,
+        0.0002102435228132913, -0.00020844572556838112)),
+}
+
 
 def _split(x: float, dtype: torch.dtype) -> tuple[float, float]:
     """``x`` as its value rounded to ``dtype`` plus the rest."""
@@ -181,11 +248,26 @@ def _log1p_(u: Tensor) -> Tensor:
     return w.log2_().mul_(math.log(2)).add_(u)
 
 
+#: The coefficients of :func:`_polynomial_` as 0-d tensors, per ``(powers, device)``.
+_COEFFICIENTS: dict[tuple, list[Tensor]] = {}
+
+
 def _polynomial_(out: Tensor, t: Tensor, powers: tuple[float, ...]) -> Tensor:
-    """``sum_k powers[k] t^k`` by Horner's rule, written into ``out`` (``t``'s shape)."""
+    """``sum_k powers[k] t^k`` by Horner's rule, written into ``out`` (``t``'s shape). Outside
+    the compiler one ``addcmul`` a step with the coefficient as a 0-d tensor (on CPU, one
+    thread: 0.57x the time of ``mul_`` then ``add_``, 16 steps on 2.4M float32); the compiler
+    fuses the plain steps."""
     out.fill_(powers[-1])
-    for a in powers[-2::-1]:
-        out.mul_(t).add_(a)
+    if torch.compiler.is_compiling():
+        for a in powers[-2::-1]:
+            out.mul_(t).add_(a)
+        return out
+    key = (powers, t.device, t.dtype)
+    if key not in _COEFFICIENTS:
+        _COEFFICIENTS[key] = [torch.tensor(a, device=t.device, dtype=t.dtype)
+                              for a in powers[-2::-1]]
+    for a in _COEFFICIENTS[key]:
+        torch.addcmul(a, out, t, out=out)
     return out
 
 
@@ -207,6 +289,30 @@ def left_slope(z: Tensor, activation: str) -> Tensor:
     u = (z - z_hi).sub_(z_lo).div_(z).neg_()
     t = _log1p_(u).clamp_(min=0).sqrt_().mul_(2 / v_max).sub_(1).clamp_(max=1)
     return _polynomial_(u, t, powers).mul_(z)
+
+
+def right_slope(z: Tensor, activation: str) -> Tensor:
+    """``phi'(y)`` of right-branch outputs ``z`` (float32), from :data:`RIGHT_SLOPE`: no
+    Newton step, no ``exp``/``erf``; finite for every finite ``z`` (an output below ``z*``
+    is taken as ``z*``). Four temporaries of ``z``'s size, the result one of them."""
+    s_max, edge, near, far = RIGHT_SLOPE[activation]
+    z_hi, z_lo = SPLIT[activation, z.dtype][:2]
+    s = (z - z_hi).sub_(z_lo).clamp_(min=0).sqrt_()
+    u = s.mul(2 / edge).sub_(2).clamp_(max=0)  # t_n - 1: 0 on the far piece
+    h = _polynomial_(torch.empty_like(s), u + 1, near).mul_(u)
+    width = s_max - edge
+    t = torch.mul(s, 2 / width, out=u).sub_((s_max + edge) / width).clamp_(min=-1, max=1)
+    h.add_(_polynomial_(torch.empty_like(s), t, far))
+    return h.mul_(s.clamp_(max=s_max))
+
+
+def fitted_slope(z: Tensor, left: Tensor, activation: str) -> Tensor:
+    """``phi'(y)`` from ``z`` (float32) and the branch ``left`` names (bool, or float32 0/1:
+    :func:`torch.lerp`'s weight, exact at 0 and 1), both fitted slopes on every element."""
+    right, left_ = right_slope(z, activation), left_slope(z, activation)
+    if left.dtype == torch.bool:
+        return torch.where(left, left_, right)
+    return torch.lerp(right, left_, left)
 
 
 def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype,
@@ -316,7 +422,15 @@ def pack_bits(mask: Tensor) -> Tensor:
     pad = (-flat.numel()) % 8
     if pad:
         flat = F.pad(flat, (0, pad))
-    return flat.view(-1, 8).mul_(_bit_weights(mask.device)).sum(-1, dtype=torch.uint8)
+    rows = flat.view(-1, 8)
+    if not torch.compiler.is_compiling():  # three launches
+        return rows.mul_(_bit_weights(mask.device)).sum(-1, dtype=torch.uint8)
+    # under the compiler, shifted ORs of the eight columns, which Inductor vectorises (its
+    # uint8 sum over rows of 8 took 201 ms at 8x197x1536 on CPU, one thread; these 1.8 ms)
+    packed = rows[:, 0].clone()
+    for k in range(1, 8):
+        packed = packed.bitwise_or_(rows[:, k].bitwise_left_shift(k))
+    return packed
 
 
 def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
@@ -328,27 +442,71 @@ def unpack_bits(packed: Tensor, shape: torch.Size) -> Tensor:
 # ------------------------------------------------------------------ activations without a norm
 
 
+#: Elements per pass of the CPU backward (a multiple of 8: whole bytes of the bits). Its
+#: dozen float32 temporaries of this size stay in a core's cache; each fitted slope is
+#: about 40 ATen operations, each a pass.
+CHUNK = 1 << 16
+
+
+def _bit_table(device: torch.device) -> Tensor:
+    """Row ``b``: the eight bits of the byte ``b`` as float32 0/1, in :func:`pack_bits`'
+    order (a lookup by ``F.embedding`` unpacks a chunk's bits straight to :func:`torch.lerp`'s
+    weights; a bool mask's ``where`` cost 10 passes)."""
+    return _bit_weights(device).unsqueeze(0).bitwise_and(
+        torch.arange(256, device=device, dtype=torch.uint8).unsqueeze(1)).ne(0).float()
+
+
+#: :func:`_bit_table` of the CPU, where :func:`_fitted_grad_cpu` runs: made once, on import.
+_CPU_BIT_TABLE = _bit_table(torch.device("cpu"))
+
+
+def _fitted_grad_cpu(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
+    """``dx = phi'(y) dz`` from the fitted slopes of both branches on every element, a
+    :data:`CHUNK` of the flattened (contiguous) ``z`` at a time: float32 and half ``z`` on a
+    CPU outside the compiler."""
+    zf, dzf = z.contiguous().view(-1), dz.contiguous().view(-1)
+    dx = torch.empty(zf.shape, dtype=z.dtype, device=z.device)
+    table = _CPU_BIT_TABLE
+    for a in range(0, zf.numel(), CHUNK):
+        b = min(a + CHUNK, zf.numel())
+        left = F.embedding(bits[a // 8: (b + 7) // 8].long(), table).view(-1)[: b - a]
+        slope = fitted_slope(zf[a:b].float(), left, activation)
+        dx[a:b] = slope.mul_(dzf[a:b])
+    return dx.view(z.shape)
+
+
+@torch.library.custom_op("iabn::fitted_activation_grad", mutates_args=())
+def _fitted_grad_op(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
+    """:func:`_fitted_grad_cpu` as an operator the compiler calls, not traces: Inductor's one
+    fused loop of both fitted slopes took 2-3x the eager chunks' time on CPU (8x197x1536, one
+    thread: GELU 106 ms against 45 ms; its vector code runs 8 of 16 lanes on rows of eight,
+    and unpacks the bits per element otherwise)."""
+    return _fitted_grad_cpu(z, dz, bits, activation)
+
+
+@_fitted_grad_op.register_fake
+def _(z, dz, bits, activation):
+    return torch.empty(z.shape, dtype=z.dtype, device=z.device)
+
+
+def _fitted_grad_rows(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Tensor:
+    """The compiler's form for float32 and half ``z`` of ``8 k`` elements off the CPU: rows of
+    eight, one byte of bits each, so that a row's bits are a broadcast, not a division per
+    element (Inductor, CPU, one thread, 8x197x1536 GELU: 43 ms, 87 ms unpacked per element,
+    under load 3.5)."""
+    rows = z.reshape(-1, 8)
+    left = bits[: rows.shape[0]].unsqueeze(1).bitwise_and(_bit_weights(z.device)).ne(0)
+    slope = fitted_slope(rows.float(), left, activation)
+    return slope.mul_(dz.reshape(-1, 8)).to(z.dtype).view(z.shape)
+
+
 def _activation_grad_whole(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
     compute = compute_dtype(z.dtype)
-    if compute == torch.float32 and z.device.type == "cpu" and not torch.compiler.is_compiling():
-        return _fitted_left_grad(z, dz, left, activation)
+    if compute == torch.float32:  # under the compiler (CPU ones outside go to _fitted_grad_cpu)
+        return fitted_slope(z.float(), left, activation).mul_(dz).to(z.dtype)
     y = invert(z.to(compute), left, activation, z.dtype)
     dy = act.ACTIVATIONS[activation].minimum.derivative(y).mul_(dz.to(compute))
     return dy.to(z.dtype)
-
-
-def _fitted_left_grad(z: Tensor, dz: Tensor, left: Tensor, activation: str) -> Tensor:
-    """float32 compute on a CPU outside the compiler: :func:`left_slope` on every element
-    (a few multiply-adds; no Newton step), then the right branch's elements overwritten by
-    the Newton steps (:func:`invert` without its left branch) on those elements only (one
-    boolean gather: most elements are on the right)."""
-    z32 = z.to(torch.float32).contiguous()  # a slice of activation_grad is strided
-    slope = left_slope(z32, activation)
-    at = torch.nonzero(~left.reshape(-1)).squeeze(1)
-    y_r = invert(z32.reshape(-1).index_select(0, at), left, activation, z.dtype,
-                 left_branch=False)
-    slope.view(-1).index_copy_(0, at, derivative(y_r, activation))
-    return slope.mul_(dz).to(z.dtype)
 
 
 def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
@@ -357,17 +515,28 @@ def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
     (:meth:`.backend.KernelBackend.activation_grad`); for an invertible activation (``bits``
     ``None``) the registry's ``grad_from_output``, in the compute dtype.
 
-    Newton's temporaries (about 16 tensors of what it inverts, in the compute dtype) are those
-    of one slice along ``z``'s largest dimension: 1/64 of a large activation, as the
-    batch-norm layers' backward (:func:`pieces`); while compiling the whole, which Inductor
-    fuses."""
+    float32 and half ``z``: the fitted slopes (:func:`fitted_slope`). On a CPU a :data:`CHUNK`
+    of the flattened ``z`` at a time (:func:`_fitted_grad_cpu`; under the compiler through the
+    operator :func:`_fitted_grad_op`); elsewhere under the compiler whole, as rows of eight
+    (:func:`_fitted_grad_rows`); elsewhere outside it a slice at a time, as below. float64:
+    Newton's steps (:func:`invert`). A slice is one along ``z``'s largest dimension, 1/64 of
+    a large activation, as the batch-norm layers' backward (:func:`pieces`): Newton's
+    temporaries (about 16 tensors of what it inverts) are a slice's."""
     if bits is None:
         compute = compute_dtype(z.dtype)
         return act.ACTIVATIONS[activation].grad_from_output(
             dz.to(compute), z.to(compute), activation_param).to(z.dtype)
+    fitted = compute_dtype(z.dtype) == torch.float32
+    compiling = torch.compiler.is_compiling()
+    if fitted and z.device.type == "cpu":
+        if compiling:
+            return _fitted_grad_op(z, dz, bits, activation)
+        return _fitted_grad_cpu(z, dz, bits, activation)
+    if fitted and compiling and z.numel() % 8 == 0:
+        return _fitted_grad_rows(z, dz, bits, activation)
     left = unpack_bits(bits, z.shape)
     count = part_count(z.numel(), 4 * cutting.PIECES) if z.dim() else 1
-    if count == 1 or torch.compiler.is_compiling():
+    if count == 1 or compiling:
         return _activation_grad_whole(z, dz, left, activation)
     dim = max(range(z.dim()), key=lambda d: z.shape[d])
     dx = torch.empty_like(z)
@@ -377,4 +546,5 @@ def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
     return dx
 
 
-__all__ = ["activation_grad", "invert", "left_slope", "minimum", "pack_bits", "unpack_bits"]
+__all__ = ["activation_grad", "fitted_slope", "invert", "left_slope", "minimum", "pack_bits",
+           "right_slope", "unpack_bits"]
