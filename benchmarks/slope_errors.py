@@ -49,15 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        # Triton reads the variable when its kernels are defined: start again with it set
-        os.environ["TRITON_INTERPRET"] = "1"
-        os.execv(sys.executable, [sys.executable, *sys.argv])
     from iabn.tools.bench import machine_info, parse_shapes, write_json
-    from iabn.tools.bench.slopes import study
 
-    try:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:  # before the restart below: a usage error costs one start of Python, not two
         shapes = parse_shapes(args.shapes or (GPU_SHAPES if device != "cpu" else CPU_SHAPES))
         dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
         if not all(isinstance(d, torch.dtype) for d in dtypes):
@@ -66,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --shapes takes NxCxHxW,... and --dtypes torch dtype names; got "
               f"{args.shapes!r}, {args.dtypes!r}", file=sys.stderr)
         return 2
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton reads the variable when its kernels are defined: start again with it set
+        os.environ["TRITON_INTERPRET"] = "1"
+        os.execv(sys.executable, [sys.executable, *sys.argv])
+    from iabn.tools.bench.slopes import study
     providers = tuple(args.providers.split(","))
     rows = []
     print(f"{'shape':>16} {'dtype':>8} {'layout':>13} seed  "

@@ -21,7 +21,6 @@ import engine_workers
 
 pytest.importorskip("timm", reason="timm is not installed")
 
-MODELS = [em.convnext_like, pytest.param(em.convnext, marks=pytest.mark.slow), em.vit]
 
 
 def _free_port() -> int:
@@ -34,6 +33,9 @@ def _spawn(cases) -> None:
     mp.spawn(engine_workers.run, args=(2, _free_port(), cases), nprocs=2, join=True)
 
 
+# two spawned gloo ranks (11 s on the quiet 2 cores): the slow run, with the other multi-rank
+# cases; the checkpointing cases below run by default
+@pytest.mark.slow
 def test_fsdp2_and_ddp_give_the_model_s_gradients():
     """A ConvNeXt of torch modules, whose stages start with the norm FSDP2's hook view reaches
     first (the ranks' start is most of this test's cost)."""
@@ -53,8 +55,14 @@ def _checkpointed(model, reentrant: bool):
     return model
 
 
-@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
-@pytest.mark.parametrize("build", MODELS, ids=["convnext_like", "timm_convnext", "timm_vit"])
+# timm's ViT non-reentrant (2.5 s) in the slow run: convnext_like has both checkpoints by default
+@pytest.mark.parametrize(("build", "reentrant"), [
+    (em.convnext_like, True), (em.convnext_like, False),
+    pytest.param(em.convnext, True, marks=pytest.mark.slow),
+    pytest.param(em.convnext, False, marks=pytest.mark.slow),
+    (em.vit, True), pytest.param(em.vit, False, marks=pytest.mark.slow)],
+    ids=["convnext_like-reentrant", "convnext_like-non-reentrant", "timm_convnext-reentrant",
+         "timm_convnext-non-reentrant", "timm_vit-reentrant", "timm_vit-non-reentrant"])
 def test_checkpointed_blocks_give_the_model_s_gradients(build, reentrant):
     model = build()
     x = em.images(model)
