@@ -14,8 +14,9 @@ Right branch (``y >= y*``). Its slope as ``s h(s)``, ``s = sqrt(z - z*)``, ``h``
 polynomials of degree 16 split at ``s = E`` (one polynomial reaching float32's rounding on all
 of ``[y*, X_R]`` needs a degree above 24, beyond ``X_R`` the slope is 1 to 2e-8; a 12/12
 rational loses it in float32, its denominator near 0.04): ``iabn.kernels.branch.RIGHT_SLOPE``.
-Also the inverse ``y(s)`` as one degree-16 polynomial (within 2.2e-5 of ``max(|y|, 1)``), the
-start of the Newton step of ``iabn.kernels.branch.RIGHT_START``.
+Also the inverse ``y(s)`` as one degree-16 polynomial (within 2.2e-5 of ``max(|y|, 1)``), once
+the start of one Newton step in the library's right branch (recorded, no longer used: the
+fitted slopes need no ``y``).
 
 The inverses (recorded, not used). ``y`` on each branch as three pieces of degree 16 that add
 (:func:`fit_pieces`): right ``y = z + r(s)``, left ``y(v)`` down to the smallest float32

@@ -13,23 +13,15 @@ import torch
 
 from iabn.kernels import branch
 
-from helpers import BRANCH, torch_activation, torch_minimum
+from helpers import BRANCH, exact_inverse, torch_activation, torch_minimum
 
 F64 = torch.float64
 
 
 def _exact_slope(z32, left, name):
     """float64 ``phi'(y)`` at the ``y`` with torch's ``phi(y) = z32`` on the given branch."""
-    act, y_star = torch_activation(name), torch_minimum(name)
-    z = z32.double()
-    lo = torch.where(left, torch.full_like(z, -120.0), torch.full_like(z, y_star))
-    hi = torch.where(left, torch.full_like(z, y_star), z.clamp(min=0) * 2 + 1)
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        go_right = torch.where(left, act(mid) > z, act(mid) < z)
-        lo, hi = torch.where(go_right, mid, lo), torch.where(go_right, hi, mid)
-    y = ((lo + hi) / 2).requires_grad_()
-    (slope,) = torch.autograd.grad(act(y).sum(), y)
+    y = exact_inverse(z32, left, name).requires_grad_()
+    (slope,) = torch.autograd.grad(torch_activation(name)(y).sum(), y)
     return slope
 
 

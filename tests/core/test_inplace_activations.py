@@ -17,7 +17,7 @@ from torch import nn
 import iabn
 from iabn import functional as IF
 
-from helpers import torch_minimum
+from helpers import exact_inverse, torch_minimum
 
 F64 = torch.float64
 #: (id, registry name, our layer, torch's module)
@@ -113,23 +113,11 @@ def test_overwrites_its_input_or_leaves_it(name):
 
 # ------------------------------------------------------------------ low precision
 
-def _exact_inverse(z, left, name):
-    """float64 ``y`` with torch's ``phi(y) = z`` on the given branch (200 bisections)."""
-    act, y_star = LAYERS[name][1](), Y_STAR[name]
-    z = z.double()
-    lo = torch.where(left, torch.full_like(z, -60.0), torch.full_like(z, y_star))
-    hi = torch.where(left, torch.full_like(z, y_star), z.clamp(min=0) * 2 + 1)
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        go_right = torch.where(left, act(mid) > z, act(mid) < z)
-        lo, hi = torch.where(go_right, mid, lo), torch.where(go_right, hi, mid)
-    return (lo + hi) / 2
-
 
 def _grad_from_stored_output(z, x, dz, name):
     """The input gradient an exact float64 computation gets from the stored ``z`` and the
     branch of each element: what any method keeping only these can reach."""
-    y = _exact_inverse(z, x.double() < Y_STAR[name], name).requires_grad_()
+    y = exact_inverse(z, x.double() < Y_STAR[name], name, lowest=-60.0).requires_grad_()
     (slope,) = torch.autograd.grad(LAYERS[name][1]()(y).sum(), y)
     return slope * dz.double()
 

@@ -3,6 +3,7 @@ references built from ``torch.nn``."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -94,6 +95,7 @@ def torch_activation(name: str, param: float = 0.0) -> nn.Module:
     return ACTIVATIONS[name].torch_module(param)
 
 
+@functools.cache
 def torch_minimum(name: str) -> float:
     """``y*`` where the derivative of torch's own module of ``name`` vanishes, by float64
     bisection of its sign on [-3, 0] (independent of iabn's constants)."""
@@ -105,6 +107,22 @@ def torch_minimum(name: str) -> float:
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if slope(mid) < 0 else (lo, mid)
     return ((lo + hi) / 2).item()
+
+
+def exact_inverse(z: torch.Tensor, left: torch.Tensor, name: str,
+                  lowest: float = -120.0) -> torch.Tensor:
+    """float64 ``y`` with ``phi(y) = z`` for torch's own module of ``name`` in float64, on the
+    branch ``left`` names (``y < y*``; the left one searched down to ``lowest``): 200
+    bisections, independent of iabn's inversion."""
+    act, y_star = torch_activation(name), torch_minimum(name)
+    z = z.double()
+    lo = torch.where(left, torch.full_like(z, lowest), torch.full_like(z, y_star))
+    hi = torch.where(left, torch.full_like(z, y_star), z.clamp(min=0) * 2 + 1)
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        go_right = torch.where(left, act(mid) > z, act(mid) < z)
+        lo, hi = torch.where(go_right, mid, lo), torch.where(go_right, hi, mid)
+    return (lo + hi) / 2
 
 
 def torch_batchnorm(ndim: int, channels: int, **kw) -> nn.Module:

@@ -88,42 +88,6 @@ LEFT_SLOPE = {
         0.1345264008140457)),
 }
 
-#: The right branch's start for float32 and half inputs: ``y(s)``, ``s = sqrt(z - z*)``, as
-#: ``(S, z_r, a_0 .. a_16)``, ``y = sum_k a_k t^k + max(z - z_r, 0)`` with
-#: ``t = 2 min(s, S) / S - 1``; beyond ``z_r``, ``y = z`` to 2e-8 relative. Fitted by
-#: ``benchmarks/fit_inverse.py`` (Chebyshev least squares, degree 16: within 4.4e-6 (gelu_tanh)
-#: .. 2.2e-5 (mish) of ``max(|y|, 1)`` in float64), so that one Newton step
-#: (:data:`FITTED_ITERATIONS`) reaches what four reached from the plain start (measured in
-#: tests/core/test_fitted_slopes.py).
-RIGHT_START = {
-    "silu": (4.243280009655584, 17.72696069758162, (
-        4.281266488347356, 8.623193844865105, 5.349840065541053, -0.08538186081535326,
-        -2.8083885636566612, 3.200530224242555, 3.9196393148426942, -6.752969121947638,
-        -6.275049416423739, 10.05078215700176, 8.160362534661951, -9.383108651061063,
-        -7.465819548273719, 4.938912801198961, 4.007474310995663, -1.089308621478234,
-        -0.9451385554904267)),
-    "gelu": (2.3791828067871696, 5.49053962063177, (
-        1.3629810942188594, 2.508155667164608, 1.1910377545866366, 1.0218435181396424,
-        0.20828736889589478, -0.7103585278612536, -1.5466749924272578,
-        -0.38745687710197474, 2.629993157916559, 2.4943264537553906,
-        -2.1918067547470326, -3.453734102672479, 0.5950434075761066, 2.193417887807493,
-        0.29001213718476154, -0.5450602094678475, -0.16953074968781986)),
-    "gelu_tanh": (2.2993719962627543, 5.117070826626111, (
-        1.280283318041116, 2.350463390065447, 1.0153503637418428, 0.8765210817952898,
-        0.24562190770832737, -0.2582734223793608, -0.9210730718395879,
-        -1.0528217402696352, 0.5965824892634267, 2.737224015256648, 0.8645556345547734,
-        -3.004333219802872, -1.8814153892295153, 1.6574627507395117, 1.3218510693424697,
-        -0.37148801086181443, -0.33946296572505574)),
-    "mish": (3.085283335480439, 9.210129847176052, (
-        2.119120484060244, 4.480396764691595, 2.7940613135463637, 0.6748948958719004,
-        -2.297754221113649, -0.04048977227411989, 4.5784106415041945,
-        0.3153662434574772, -8.489601773860496, -0.6995160011197428, 11.103436949037938,
-        0.8641770107377357, -9.335957789659778, -0.5270704025342694, 4.449981601118603,
-        0.13352646134940055, -0.9128437560383571)),
-}
-#: Newton steps of the right branch from :data:`RIGHT_START` (float32 compute).
-FITTED_ITERATIONS = 1
-
 #: The right branch's slope as a function of the output, ``phi'(y) = s h(s)``,
 #: ``s = sqrt(z - z*)``: ``(S, E, q_0 .. q_15, f_0 .. f_16)``, ``h = F(t_f) + (t_n - 1) Q(t_n)``
 #: with ``t_n = min(2 s / E - 1, 1)`` (the piece ``s <= E``) and ``t_f`` the same map of
@@ -271,13 +235,6 @@ def _polynomial_(out: Tensor, t: Tensor, powers: tuple[float, ...]) -> Tensor:
     return out
 
 
-def _right_start(z: Tensor, target: Tensor, activation: str) -> Tensor:
-    """:data:`RIGHT_START` at ``s = target = sqrt(z - z*)``."""
-    s_max, z_r, powers = RIGHT_START[activation]
-    t = target.clamp(max=s_max).mul_(2 / s_max).sub_(1)
-    return _polynomial_(torch.empty_like(t), t, powers).add_((z - z_r).clamp_(min=0))
-
-
 def left_slope(z: Tensor, activation: str) -> Tensor:
     """``phi'(y)`` of left-branch outputs ``z`` (float32), from :data:`LEFT_SLOPE`: no Newton
     step, no ``exp``/``erfc``; ``log(z* / z)`` as ``log1p((z - z*) / -z)`` with ``z*`` in two
@@ -315,14 +272,12 @@ def fitted_slope(z: Tensor, left: Tensor, activation: str) -> Tensor:
     return torch.lerp(right, left_, left)
 
 
-def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype,
-           left_branch: bool = True) -> Tensor:
+def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype) -> Tensor:
     """``y`` with ``phi(y) = z`` on the branch ``left`` (``y < y*``) names, in ``z``'s dtype.
 
     ``stored``: the dtype ``z`` was rounded to. A left-branch ``z`` that underflowed to 0 is
     taken as the smallest subnormal of that dtype: ``y`` then is the point below which every
-    output rounds to 0 (docs/design.md: the bound). ``left_branch=False``: every element is
-    on the right branch (``left`` is not read) and the left branch's steps are skipped."""
+    output rounds to 0 (docs/design.md: the bound)."""
     y_star, z_star, c = minimum(activation)
     info = torch.finfo(z.dtype)
     # below this, G and H are dominated by the rounding of z: use their slope at y*
@@ -369,38 +324,29 @@ def invert(z: Tensor, left: Tensor, activation: str, stored: torch.dtype,
     # on CPU: 1.9 of 2.4 s in their backward before). On a GPU a gather needs the host to
     # know the count (a synchronisation), and the compiler wants static shapes: both
     # branches run on every element there and one is chosen per element.
-    split = left_branch and z.device.type == "cpu" and not torch.compiler.is_compiling()
+    split = z.device.type == "cpu" and not torch.compiler.is_compiling()
     right = ~left if split else None
     z_right, z_left = (z[right], z[left]) if split else (z, z)
     # right branch: G(y) = sqrt(phi(y) - z*) = target_r
     target_r = above_minimum(z_right).clamp_(min=0).sqrt_()
-    fitted = not left_branch and z.dtype == torch.float32
-    if fitted:
-        y_r = _right_start(z_right, target_r, activation)
-    else:
-        y_r = torch.maximum(target_r / slope_right + y_star, z_right)
-    if left_branch:
-        # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
-        z_left = z_left.clamp(min=z_star, max=-smallest)
-        target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
-        y_l = y_star - target_l / slope_left
-        if act.ACTIVATIONS[activation].minimum.exponential_tail:
-            y_l = torch.minimum(y_l, y_star - target_l.square())
-    for _ in range(FITTED_ITERATIONS if fitted else ITERATIONS[z.dtype]):
+    y_r = torch.maximum(target_r / slope_right + y_star, z_right)
+    # left branch: H(y) = sqrt(log(z* / phi(y))) = target_l
+    z_left = z_left.clamp(min=z_star, max=-smallest)
+    target_l = log_ratio(z_left, above_minimum(z_left).clamp_(min=0), None).sqrt_()
+    y_l = y_star - target_l / slope_left
+    if act.ACTIVATIONS[activation].minimum.exponential_tail:
+        y_l = torch.minimum(y_l, y_star - target_l.square())
+    for _ in range(ITERATIONS[z.dtype]):
         g = phi_above_minimum(y_r, right=True)[1].clamp_(min=0).sqrt_()
         g_slope = derivative(y_r, activation) / (2 * g).clamp_(min=info.tiny)
         g_slope = torch.where(g > floor, g_slope, slope_right)
         y_r = (y_r - (g - target_r) / g_slope).clamp_(min=y_star)
-        if not left_branch:
-            continue
         f, d = phi_above_minimum(y_l)
         f = f.clamp_(max=-info.tiny)
         h = log_ratio(f, d.clamp_(min=0), _log_neg(y_l, activation)).sqrt_()
         h_slope = _log_neg_derivative(y_l, activation) / (-2 * h).clamp_(max=-info.tiny)
         h_slope = torch.where(h > floor, h_slope, -slope_left)
         y_l = (y_l - (h - target_l) / h_slope).clamp_(max=y_star)
-    if not left_branch:
-        return y_r
     if not split:
         return torch.where(left, y_l, y_r)
     y = torch.empty_like(z)
