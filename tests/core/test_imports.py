@@ -1,15 +1,15 @@
 """The library core needs torch alone: `import iabn` and a training step of its layers work
-where numpy, Pillow, torchvision and the other tools' packages are missing (pyproject.toml
-declares numpy for the tools only in that sense). `import torch` itself imports numpy when it is
-installed, so the check blocks those modules in a fresh interpreter instead of looking at
-sys.modules."""
+where numpy, Numba, Pillow, torchvision and the other tools' packages are missing
+(pyproject.toml declares numpy for the tools and Numba for the CPU loops only in that sense).
+`import torch` itself imports numpy when it is installed, so the check blocks those modules
+in a fresh interpreter instead of looking at sys.modules."""
 
 import subprocess
 import sys
 
 import pytest
 
-TOOLS_ONLY = ("numpy", "PIL", "torchvision", "sklearn", "tensorboard", "timm")
+TOOLS_ONLY = ("numpy", "PIL", "torchvision", "sklearn", "tensorboard", "timm", "numba")
 
 SCRIPT = f"""
 import sys
@@ -23,6 +23,10 @@ import iabn
 layer = iabn.InPlaceABN(4)
 x = torch.randn(3, 4, 5, 5, requires_grad=True)
 layer(x.clone()).sum().backward()
+assert x.grad is not None and torch.isfinite(x.grad).all()
+# an activation with one minimum: Numba's CPU loops missing, ATen's operations instead
+x = torch.randn(3, 40, requires_grad=True)
+iabn.InPlaceGELU()(x * 1).sum().backward()
 assert x.grad is not None and torch.isfinite(x.grad).all()
 print("ok")
 """

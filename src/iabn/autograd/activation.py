@@ -31,7 +31,7 @@ class InPlaceActivationFunction(torch.autograd.Function):
                 overwrite: bool) -> Tensor:
         record = ACTIVATIONS[activation]
         # y < y* in x's dtype, before x is overwritten (as the batch-norm layers' forward)
-        bits = branch.pack_bits(x < record.minimum.y_star) if record.needs_branch else None
+        bits = branch.pack_below(x, record.minimum.y_star) if record.needs_branch else None
         if overwrite:
             record.apply_(x, activation_param)  # torch's own function, in place (no grad mode)
             z = x

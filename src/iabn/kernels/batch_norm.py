@@ -122,7 +122,7 @@ def forward_(
         record.apply_(work, activation_param)
     else:
         if bits is not None:
-            bits.copy_(branch.pack_bits(work < record.minimum.y_star))
+            bits.copy_(branch.pack_below(work, record.minimum.y_star))
         record.minimum.apply_(work)
     if work is not x:
         x.copy_(work)

@@ -13,7 +13,9 @@ allocations (``empty``, ``empty_like``, ``empty_strided``, ``new_empty``,
 ``_unsafe_view``). Every other operator counts, per-channel ones included (``abs`` of a
 ``(C,)`` weight is a kernel on a GPU too). Triton kernels are seen by wrapping each kernel's
 ``run`` (its launch) while a counter is active; each launch is one, and the ATen operators
-Triton's CPU interpreter runs inside a launch to emulate it are not counted.
+Triton's CPU interpreter runs inside a launch to emulate it are not counted. The CPU loops
+compiled by Numba (:mod:`iabn.kernels.cpu_loops`) report each loop they run, one launch that
+reads and writes the tensors it names.
 
 **Bytes.** Only *full-size* tensors count: those with as many elements as the activation
 (``numel``). Per-channel tensors (``(C,)`` statistics, partial sums of ``(P, C)``) are
@@ -66,6 +68,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..kernels import cpu_loops
 
 _aten = torch.ops.aten
 
@@ -142,6 +146,7 @@ class TrafficCounter(TorchDispatchMode):
         _ACTIVE.append(self)
         if len(_ACTIVE) == 1:
             _hook_triton(True)
+            cpu_loops.on_launch = _record_cpu_loop
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -151,6 +156,7 @@ class TrafficCounter(TorchDispatchMode):
             _ACTIVE.remove(self)
             if not _ACTIVE:
                 _hook_triton(False)
+                cpu_loops.on_launch = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -202,6 +208,12 @@ class TrafficCounter(TorchDispatchMode):
         if full:
             self.live_bytes -= nbytes
 
+    def record_loop(self, name: str, reads: list[Tensor], writes: list[Tensor]) -> None:
+        """Record a launch that is not an ATen operator (a CPU loop)."""
+        self.launches.append(Launch(
+            name, self._bytes(_distinct(reads)), self._bytes(_distinct(writes)),
+        ))
+
     def record_triton(self, name: str, reads: list[Tensor], writes: list[Tensor],
                       others: list[Tensor]) -> None:
         """Record a Triton launch (called by the launch hook)."""
@@ -217,6 +229,11 @@ class TrafficCounter(TorchDispatchMode):
 
 
 _ACTIVE: list[TrafficCounter] = []
+
+
+def _record_cpu_loop(name: str, reads: list[Tensor], writes: list[Tensor]) -> None:
+    if _ACTIVE:
+        _ACTIVE[-1].record_loop(name, reads, writes)
 
 
 def _tensors(tree: Any) -> list[Tensor]:

@@ -1,0 +1,174 @@
+"""One-pass CPU loops of the activations with one minimum (``silu``, ``gelu``, ``gelu_tanh``,
+``mish``), compiled by Numba: the backward ``dx = phi'(y) dz`` from the output ``z``, the packed
+branch bits and the fitted slopes of :mod:`.branch`, and the forward's bit packing.
+
+Why by hand: PyTorch has no elementwise kernel that reads ``z``, ``dz`` and the bits once and
+writes ``dx`` once. Composed of ATen operations the fitted slopes are about 80 passes over a
+chunk (``branch._fitted_grad_cpu``: 29 ms at 8x197x1536 float32, one thread, against torch's
+whole GELU backward at about 4 ms); Inductor's fused loop of the same math took 2-3x the
+chunks' time (its vector code unpacks the bits per element). Numba (LLVM) vectorises a plain
+loop over the elements when nothing in it branches, so everything below is written as
+selections: both branches are formed on every element and one is kept.
+
+The math is :mod:`.branch`'s, rearranged for one evaluation per element:
+
+- the right branch's two pieces, ``h = F(-1) + (t - 1) Q(t)`` near the minimum and ``F(t)``
+  beyond, are one Horner evaluation with the coefficients of ``Q`` or ``F`` chosen per
+  element, then that one step more near the minimum;
+- ``log(z* / z)`` on the left branch is ``log1p(u)``, ``u = (z - z*) / -z``, where ``u <= 1``
+  (near the minimum, exact there) and ``log(-z*) - log(-z)`` beyond; both are
+  ``2 atanh(s) = 2 s (1 + s^2/3 + ... + s^12/13)``, with ``s = u / (2 + u)`` (``|s| <= 1/3``)
+  and, for ``log(-z) = e log 2 + log m``, ``s = (m - 1) / (m + 1)`` with ``m`` the mantissa
+  taken to ``[sqrt(1/2), sqrt(2))`` (``|s| <= 0.172``); one division for both. The series'
+  first omitted term is 1.4e-8 of the logarithm.
+
+Numba is optional: without it (or numpy) :mod:`.branch` runs its ATen chunks, the same
+slopes to within float32 rounding (tested). The loops are compiled on first use, once per
+process and dtype (about 2 s), and release the GIL: with ``torch.get_num_threads() > 1`` a
+large tensor is cut into that many ranges run on threads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import Tensor
+
+#: An activation's fitted slopes, as :mod:`.branch` holds them: ``(LEFT_SLOPE[name],
+#: RIGHT_SLOPE[name], (z*_hi, z*_lo))`` (float32's two parts of ``z*``).
+Slopes = tuple
+
+#: Called as ``on_launch(name, reads, writes)`` with the loop's whole tensors before each
+#: loop runs, where set: :mod:`iabn.measure.traffic` counts the loops as launches (they are not
+#: ATen operators, which it sees by itself).
+on_launch = None
+
+#: Elements per thread below which a loop runs on the calling thread alone (a thread's
+#: start costs about 20 us: 2^17 elements of the backward take about 0.3 ms).
+THREAD_GRAIN = 1 << 17
+
+
+@functools.cache
+def available() -> bool:
+    """Whether Numba (and numpy) import: without them :mod:`.branch` runs its ATen form."""
+    try:
+        import numba  # noqa: F401
+        import numpy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def runs_on(*tensors: Tensor) -> bool:
+    """Whether the loops can take ``tensors``: Numba importable, outside the compiler, plain
+    CPU tensors (no subclass, no ``torch.func`` wrapper: their memory is not a numpy array's)."""
+    if not available() or torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or _wrapped(t):
+            return False
+    return True
+
+
+def _wrapped(t: Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+@functools.cache
+def _constants(slopes: Slopes) -> tuple:
+    """The fitted slopes as :func:`.numba_loops.slope` takes them, float32 scalars: the three
+    pieces' coefficients (``a_0 .. a_16``, zeros above a piece's degree: the left branch ``R``,
+    the right branch's ``Q`` near the minimum and ``F`` beyond), then the maps of ``v`` and
+    ``s`` to ``[-1, 1]`` (``2 / V``, ``2 / E``, ``2 / (S - E)``, ``-(S + E) / (S - E)``),
+    ``E``, ``S``, ``z*`` in two parts, ``log(-z*)`` and ``F(-1)``."""
+    import numpy as np
+
+    (v_max, left), (s_max, edge, q, f), (z_hi, z_lo) = slopes
+    f_at_edge = sum(c * (-1) ** k for k, c in enumerate(f))
+    degree = 16
+    pad = lambda c: tuple(c) + (0.0,) * (degree + 1 - len(c))  # noqa: E731
+    # the maps to [-1, 1] made in float64 and rounded once, as branch's ATen form has them
+    width = s_max - edge
+    scalars = (2 / v_max, 2 / edge, 2 / width, -(s_max + edge) / width, edge, s_max, z_hi, z_lo,
+               math.log(-(z_hi + z_lo)), f_at_edge)
+    return (*(tuple(np.float32(c) for c in pad(p)) for p in (left, q, f)),
+            tuple(np.float32(x) for x in scalars))
+
+
+@functools.cache
+def _loops():
+    """:mod:`.numba_loops`, imported on first use (it imports Numba, 0.2-1 s)."""
+    from . import numba_loops
+
+    return numba_loops
+
+
+def _ranges(count: int) -> list[tuple[int, int]]:
+    """``[0, count)`` cut into up to ``torch.get_num_threads()`` ranges of whole bytes of
+    bits (multiples of 8 elements), none under :data:`THREAD_GRAIN`."""
+    if count == 0:
+        return []
+    parts = max(1, min(torch.get_num_threads(), count // THREAD_GRAIN))
+    step = (-(-count // parts) + 7) // 8 * 8
+    return [(a, min(a + step, count)) for a in range(0, count, step)]
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="iabn-cpu-loops")
+
+
+def _run(task, count: int) -> None:
+    ranges = _ranges(count)
+    if len(ranges) <= 1:
+        if ranges:
+            task(*ranges[0])
+        return
+    for future in [_pool(len(ranges)).submit(task, a, b) for a, b in ranges]:
+        future.result()
+
+
+def activation_grad(z: Tensor, dz: Tensor, bits: Tensor, slopes: Slopes) -> Tensor:
+    """``dx = phi'(y) dz`` for a CPU ``z`` of float32 or half (computed in float32), from the
+    packed branch ``bits`` and the activation's fitted ``slopes``: one pass over ``z`` and
+    ``dz``."""
+    backward = _loops().backward
+    constants = _constants(slopes)
+    zf = z.contiguous().view(-1)
+    dzf = dz.contiguous().view(-1)
+    if zf.dtype != torch.float32:
+        zf, dzf = zf.float(), dzf.float()
+    out = torch.empty(zf.shape, dtype=torch.float32)
+    za, dza, ba, oa = zf.numpy(), dzf.numpy(), bits.numpy(), out.numpy()
+
+    def task(a: int, b: int) -> None:
+        backward(za[a:b], dza[a:b], ba[a // 8:(b + 7) // 8], oa[a:b], *constants)
+
+    if on_launch is not None:
+        on_launch("cpu_loops.activation_grad", [zf, dzf, bits], [out])
+    _run(task, zf.numel())
+    return out.to(z.dtype).view(z.shape)
+
+
+def pack_below(x: Tensor, y_star: float) -> Tensor:
+    """:func:`.branch.pack_bits` of ``x < y_star`` for a CPU float32 or float64 ``x``, in one
+    pass."""
+    pack = _loops().pack_below
+    flat = x.detach().contiguous().view(-1)
+    bits = torch.empty((flat.numel() + 7) // 8, dtype=torch.uint8)
+    xa, ba = flat.numpy(), bits.numpy()
+    threshold = xa.dtype.type(y_star)
+
+    def task(a: int, b: int) -> None:
+        pack(xa[a:b], threshold, ba[a // 8:(b + 7) // 8])
+
+    if on_launch is not None:
+        on_launch("cpu_loops.pack_below", [flat], [bits])
+    _run(task, flat.numel())
+    return bits
+
+
+__all__ = ["activation_grad", "available", "pack_below"]

@@ -1,0 +1,134 @@
+"""The loops of :mod:`.cpu_loops`, compiled by Numba (imported only where Numba is
+installed, on first use). Module-level functions, so that Numba's on-disk cache finds them
+again in the next process (a closure's cache key changes with every process: each one
+compiled anew, about 2 s, and added a file). Everything a loop computes is written as
+selections (``a if c else b`` of values already formed): LLVM then vectorises it.
+
+Compiler options: ``fastmath`` limited to :data:`FAST_MATH`; ``error_model="numpy"``: a
+division by zero gives inf, not a check that stops the vectoriser; ``nogil``: the threads of
+:func:`.cpu_loops._run` run at once; ``cache``: compiled once per machine.
+"""
+
+import math
+
+import numba
+import numpy as np
+
+#: LLVM's fast-math flags the loops allow: fused multiply-adds, no NaN, infinity or signed
+#: zero cases (their inputs are clamped finite). Not reassociation: it would fold the two parts
+#: of ``z*`` back into one (``(z - z*_hi) - z*_lo`` to ``z - (z*_hi + z*_lo)``; 2e-5 of error
+#: in the slopes near the minimum, measured), nor approximate reciprocals.
+FAST_MATH = {"contract", "nnan", "ninf", "nsz"}
+
+OPTIONS = {"fastmath": FAST_MATH, "error_model": "numpy", "nogil": True, "cache": True}
+jit = numba.njit(**OPTIONS)
+f32 = np.float32
+
+
+@numba.njit(**OPTIONS, inline="always")
+def slope(z, left, cl, cn, cf, maps):
+    """``phi'(y)`` at the output ``z`` on the branch ``left`` names (float32)."""
+    (scale_left, scale_near, scale_far, shift_far, edge, s_max, z_hi, z_lo, log_star,
+     f_edge) = maps
+    one, two = f32(1.0), f32(2.0)
+    # right branch: s = sqrt(z - z*); left: v = sqrt(log(z* / z))
+    d = (z - z_hi) - z_lo
+    zl = min(max(z, z_hi), f32(-1.1754944e-38))
+    dl = max((zl - z_hi) - z_lo, f32(0.0))
+    near_log = dl <= -zl  # u = dl / -zl <= 1
+    bits = np.float32(-zl).view(np.int32)
+    m = np.int32((bits & 0x7FFFFF) | 0x3F800000).view(np.float32)
+    e = f32((bits >> 23) - 127)
+    big = m > f32(1.4142135)
+    m = f32(0.5) * m if big else m
+    e = e + one if big else e
+    s = (dl if near_log else m - one) / (dl - two * zl if near_log else m + one)
+    s2 = s * s
+    p = f32(1 / 13)
+    p = p * s2 + f32(1 / 11)
+    p = p * s2 + f32(1 / 9)
+    p = p * s2 + f32(1 / 7)
+    p = p * s2 + f32(1 / 5)
+    p = p * s2 + f32(1 / 3)
+    p = p * s2 + one
+    atanh2 = two * s * p
+    log_ratio = atanh2 if near_log else log_star - (atanh2 + e * f32(0.6931471805599453))
+    r = math.sqrt(max(log_ratio if left else d, f32(0.0)))
+    near = r <= edge
+    scale = scale_left if left else (scale_near if near else scale_far)
+    shift = -one if (left or near) else shift_far
+    t = min(max(r * scale + shift, -one), one)
+    # Horner with constant indices (a loop over k indexes the tuples in memory, which
+    # stops the vectoriser); the left branch its own (degree 12), the right branch's
+    # two pieces one, their coefficients chosen per element
+    g = cl[12]
+    g = g * t + cl[11]
+    g = g * t + cl[10]
+    g = g * t + cl[9]
+    g = g * t + cl[8]
+    g = g * t + cl[7]
+    g = g * t + cl[6]
+    g = g * t + cl[5]
+    g = g * t + cl[4]
+    g = g * t + cl[3]
+    g = g * t + cl[2]
+    g = g * t + cl[1]
+    g = g * t + cl[0]
+    h = cn[16] if near else cf[16]
+    h = h * t + (cn[15] if near else cf[15])
+    h = h * t + (cn[14] if near else cf[14])
+    h = h * t + (cn[13] if near else cf[13])
+    h = h * t + (cn[12] if near else cf[12])
+    h = h * t + (cn[11] if near else cf[11])
+    h = h * t + (cn[10] if near else cf[10])
+    h = h * t + (cn[9] if near else cf[9])
+    h = h * t + (cn[8] if near else cf[8])
+    h = h * t + (cn[7] if near else cf[7])
+    h = h * t + (cn[6] if near else cf[6])
+    h = h * t + (cn[5] if near else cf[5])
+    h = h * t + (cn[4] if near else cf[4])
+    h = h * t + (cn[3] if near else cf[3])
+    h = h * t + (cn[2] if near else cf[2])
+    h = h * t + (cn[1] if near else cf[1])
+    h = h * t + (cn[0] if near else cf[0])
+    h = f_edge + (r * scale_near - two) * h if near else h
+    return g * zl if left else h * min(r, s_max)
+
+
+@jit
+def backward(z, dz, bits, out, cl, cn, cf, maps):
+    """``out = phi'(y) dz`` of 1-d ``z`` (float32), ``dz`` and the packed ``bits``, with
+    :func:`slope`'s constants."""
+    # bytes of the bits unpacked eight at a time (one uint64 of 0/1 bytes from a table
+    # of 256) into a chunk's mask, then one vector loop over the chunk
+    table = np.zeros(256, np.uint64)
+    for b in range(256):
+        word = np.uint64(0)
+        for j in range(8):
+            word |= np.uint64((b >> j) & 1) << np.uint64(8 * j)
+        table[b] = word
+    chunk = 4096
+    mask = np.empty(chunk, np.uint8)
+    words = mask.view(np.uint64)
+    n = z.shape[0]
+    for a in range(0, n, chunk):
+        count = min(chunk, n - a)
+        for k in range((count + 7) // 8):
+            words[k] = table[bits[a // 8 + k]]
+        # the chunk's slices indexed from 0: with a + i the index may look negative to
+        # LLVM (Numba wraps negative indices), which made every access a gather
+        zc, dzc, oc = z[a:a + count], dz[a:a + count], out[a:a + count]
+        for i in range(count):
+            oc[i] = slope(zc[i], mask[i] != 0, cl, cn, cf, maps) * dzc[i]
+
+
+@jit
+def pack_below(x, y_star, bits):
+    """Bit ``j`` of byte ``k``: ``x[8 k + j] < y_star`` (``branch.pack_bits``' order), the
+    last byte padded with zeros."""
+    n = x.shape[0]
+    for k in range(bits.shape[0]):
+        byte = 0
+        for j in range(min(8, n - 8 * k)):
+            byte |= np.int32(x[8 * k + j] < y_star) << j
+        bits[k] = byte

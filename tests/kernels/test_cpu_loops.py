@@ -1,0 +1,137 @@
+"""The Numba loops of the activations with one minimum (``iabn.kernels.cpu_loops``): the bit
+packing against torch's comparison, the backward against the float64 slope of torch's own
+activation (``tests/core/test_fitted_slopes.py`` bounds it over both branches and the
+minimum; here the shapes, dtypes, threads and the cases the loops refuse), and their launch
+count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iabn.kernels import branch, cpu_loops
+
+from helpers import BRANCH, exact_inverse, torch_activation
+
+pytestmark = pytest.mark.skipif(not cpu_loops.available(), reason="Numba is not installed")
+
+
+def _step_data(name, n, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * scale
+    z = torch_activation(name)(x).float()
+    left = x < branch.minimum(name)[0]
+    return z, left, torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
+def test_pack_below_equals_torch_comparison(n, dtype):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=g, dtype=dtype)
+    x[::3] = -0.5  # ties with the threshold: not below it
+    got = cpu_loops.pack_below(x, -0.5)
+    assert got.dtype == torch.uint8 and got.numel() == (n + 7) // 8
+    assert torch.equal(got, branch.pack_bits(x < -0.5))
+
+
+def test_pack_below_of_a_strided_tensor_packs_its_logical_order():
+    x = torch.randn(6, 10).t()  # not contiguous
+    assert torch.equal(cpu_loops.pack_below(x, 0.1), branch.pack_bits(x < 0.1))
+
+
+@pytest.mark.parametrize("name", BRANCH)
+def test_backward_against_float64_torch(name):
+    """Random outputs of both branches: within the fitted slopes' bound of the exact slope at
+    the float32 output (tests/core/test_fitted_slopes.py: at most 1.53 eps measured, 2.6
+    asserted there), times |dz|."""
+    z, left, dz = _step_data(name, 4099)
+    y = exact_inverse(z, left, name).requires_grad_()
+    (slope,) = torch.autograd.grad(torch_activation(name)(y).sum(), y)
+    got = cpu_loops.activation_grad(z, dz, branch.pack_bits(left), branch.SLOPES[name])
+    assert got.dtype == torch.float32 and got.shape == z.shape
+    error = ((got.double() - slope * dz.double()).abs() / dz.double().abs().clamp(min=1e-30))
+    assert error.max().item() <= 2.6 * torch.finfo(torch.float32).eps
+
+
+@pytest.mark.parametrize("name", BRANCH)
+def test_threads_give_the_same_bits(name, monkeypatch):
+    """Cut into ranges run on threads (a grain of 64 elements, 2 threads, a length that is not
+    a multiple of 8): bit for bit the single range's result."""
+    z, left, dz = _step_data(name, 1000 + 5)
+    bits = branch.pack_bits(left)
+    whole = cpu_loops.activation_grad(z, dz, bits, branch.SLOPES[name])
+    monkeypatch.setattr(cpu_loops, "THREAD_GRAIN", 64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert len(cpu_loops._ranges(z.numel())) == 2
+        cut = cpu_loops.activation_grad(z, dz, bits, branch.SLOPES[name])
+        packed = cpu_loops.pack_below(z, -0.1)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cut, whole)
+    assert torch.equal(packed, branch.pack_bits(z < -0.1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_outputs_are_computed_in_float32(dtype):
+    z, left, dz = _step_data("gelu", 515)
+    z16, dz16 = z.to(dtype), dz.to(dtype)
+    got = cpu_loops.activation_grad(z16, dz16, branch.pack_bits(left), branch.SLOPES["gelu"])
+    want = cpu_loops.activation_grad(z16.float(), dz16.float(), branch.pack_bits(left),
+                                     branch.SLOPES["gelu"]).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
+
+
+def test_strided_and_shaped_inputs():
+    z, left, dz = _step_data("silu", 6 * 35)
+    bits = branch.pack_bits(left)
+    flat = cpu_loops.activation_grad(z, dz, bits, branch.SLOPES["silu"])
+    # the same logical values, stored transposed: the loop reads them in logical order
+    zt = z.view(6, 35).t().contiguous().t()
+    dzt = dz.view(6, 35).t().contiguous().t()
+    got = cpu_loops.activation_grad(zt, dzt, bits, branch.SLOPES["silu"])
+    assert got.shape == (6, 35) and torch.equal(got.reshape(-1), flat)
+
+
+def test_the_loops_refuse_what_is_not_a_plain_cpu_tensor():
+    x = torch.randn(8)
+    assert cpu_loops.runs_on(x, x)
+    assert not cpu_loops.runs_on(torch.empty(8, device="meta"))
+    assert not cpu_loops.runs_on(torch.nn.Parameter(x))  # a subclass: its own rules
+    seen = []
+    torch.func.vmap(lambda row: seen.append(cpu_loops.runs_on(row)) or row)(x.view(2, 4))
+    assert seen == [False]
+
+
+def test_activation_layer_through_the_loops_and_without_them(monkeypatch):
+    """A training step of InPlaceGELU: the loops' gradient and ATen's chunks' agree within the
+    fitted slopes' bounds (each is bounded against float64 torch in test_fitted_slopes.py)."""
+    import iabn
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 50, 40, generator=g) * 2
+    dz = torch.randn(x.shape, generator=g)
+
+    def grad():
+        leaf = x.clone().requires_grad_()
+        iabn.InPlaceGELU()(leaf * 1).backward(dz)
+        return leaf.grad
+
+    loops = grad()
+    monkeypatch.setattr(cpu_loops, "runs_on", lambda *tensors: False)
+    chunks = grad()
+    error = ((loops - chunks).abs() / dz.abs().clamp(min=1e-30)).max().item()
+    assert error <= 2 * 2.6 * torch.finfo(torch.float32).eps
+
+
+def test_traffic_counts_one_launch_each_way():
+    import iabn
+    from iabn.measure import traffic
+
+    x = torch.randn(4, 33, 48) * 3
+    step = traffic.count_step(iabn.InPlaceSiLU(), x.requires_grad_(), torch.randn(x.shape))
+    assert step.forward.names() == ["cpu_loops.pack_below", "aten.silu_"]
+    assert step.backward.names() == ["cpu_loops.activation_grad"]
+    assert step.backward.moved == 3 * x.numel() * 4  # z, dz read; dx written
