@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import iabn
+from iabn.kernels import cpu_loops
 
 SOURCE = Path(iabn.__file__).parent
 
@@ -28,11 +29,12 @@ ROW = {"layers/layer_norm.py", "layers/checks.py", "autograd/row_norm.py", "auto
 ACTIVATION = {"layers/activation.py", "autograd/activation.py", "autograd/call.py",
               "kernels/activations.py", "kernels/branch.py", "kernels/backends.py",
               "kernels/common.py"}
-#: the branch bits of an activation with one minimum, packed on CPU by a Numba loop
-#: (kernels/cpu_loops.py, entered where Numba is missing too: it says so)
-BITS = {"kernels/cpu_loops.py"}
+#: the CPU loops: the branch bits of an activation with one minimum packed, and its backward,
+#: and the row norms' backward (kernels/cpu_loops.py, entered where Numba is missing too: it
+#: says so; kernels/numba_loops.py, the compiled loops, where it is installed)
+LOOPS = {"kernels/cpu_loops.py"} | ({"kernels/numba_loops.py"} if cpu_loops.available() else set())
 #: batch norm with an activation of one minimum: the branch bits and the inversion, too
-ABN_BRANCH = ABN | {"kernels/branch.py"} | BITS
+ABN_BRANCH = ABN | {"kernels/branch.py"} | LOOPS
 #: batch norm with leaky_relu on a CPU input of scratch.MIN_BYTES or more: the backward's
 #: reused temporaries
 ABN_LARGE = ABN | {"kernels/scratch.py"}
@@ -88,11 +90,11 @@ def test_a_norm_act_step_enters_its_rooms_only(name, make, shape, expected):
 @pytest.mark.parametrize("make", [lambda: iabn.InPlaceLayerNorm(16),
                                   lambda: iabn.InPlaceRMSNorm(16)], ids=["layer", "rms"])
 def test_a_row_norm_step_enters_its_rooms_only(make):
-    assert entered(make(), (4, 5, 16)) == ROW
+    assert entered(make(), (4, 5, 16)) == ROW | LOOPS
 
 
 @pytest.mark.parametrize(("make", "expected"), [
-    (iabn.InPlaceGELU, ACTIVATION | BITS), (iabn.InPlaceSiLU, ACTIVATION | BITS),
-    (iabn.InPlaceMish, ACTIVATION | BITS), (iabn.InPlaceSoftplus, ACTIVATION)])
+    (iabn.InPlaceGELU, ACTIVATION | LOOPS), (iabn.InPlaceSiLU, ACTIVATION | LOOPS),
+    (iabn.InPlaceMish, ACTIVATION | LOOPS), (iabn.InPlaceSoftplus, ACTIVATION)])
 def test_an_activation_step_enters_its_rooms_only(make, expected):
     assert entered(make(), (4, 5, 16)) == expected

@@ -13,13 +13,16 @@ Derivation of the reference backward (``kernels/row_norm._grads``), full-size te
   reads and writes the bracket: 2 A.
 
 Layer norm 7 A, RMS norm 8 A (``nn.LayerNorm``'s one fused operator: 3 A; ``nn.RMSNorm``'s
-composite backward on CPU: 24 A)."""
+composite backward on CPU: 24 A). That is ATen's form; on a CPU with Numba, float32, every
+feature rebuilt, one loop (``kernels/cpu_loops.row_norm_backward``) reads ``y`` and ``dy`` and
+writes ``dx``: 3 A, ``dx`` its only full-size allocation."""
 
 import pytest
 import torch
 from torch import nn
 
 import iabn
+from iabn.kernels import cpu_loops
 from iabn.kernels.backends import use_backend
 from iabn.measure import traffic
 
@@ -45,13 +48,26 @@ def _step(layer, backend="reference"):
 
 @pytest.mark.parametrize("kind, moved", [("layer", 7), ("rms", 8)])
 @pytest.mark.parametrize("overwrite_input", [False, True])
-def test_reference_backward_moves_seven_or_eight_activations(kind, moved, overwrite_input):
+def test_reference_backward_moves_seven_or_eight_activations(kind, moved, overwrite_input,
+                                                              monkeypatch):
+    monkeypatch.setattr(cpu_loops, "runs_on", lambda *tensors: False)  # ATen's operations
     layer = (iabn.InPlaceLayerNorm if kind == "layer" else iabn.InPlaceRMSNorm)(
         SHAPE[-1], overwrite_input=overwrite_input)
     step, a = _step(layer)
     assert step.backward.moved == moved * a, step.backward.names()
     # what the backward allocates at full size: xhat and the bracket (dx)
     assert step.backward.peak_bytes == 2 * a
+
+
+@pytest.mark.skipif(not cpu_loops.available(), reason="Numba is not installed")
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("overwrite_input", [False, True])
+def test_cpu_loop_backward_moves_three_activations(kind, overwrite_input):
+    layer = (iabn.InPlaceLayerNorm if kind == "layer" else iabn.InPlaceRMSNorm)(
+        SHAPE[-1], overwrite_input=overwrite_input)
+    step, a = _step(layer)
+    assert step.backward.moved == 3 * a, step.backward.names()
+    assert step.backward.peak_bytes == a  # dx
 
 
 def test_pytorch_s_layer_norm_moves_three():

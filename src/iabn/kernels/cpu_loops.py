@@ -106,13 +106,13 @@ def _loops():
     return numba_loops
 
 
-def _ranges(count: int) -> list[tuple[int, int]]:
-    """``[0, count)`` cut into up to ``torch.get_num_threads()`` ranges of whole bytes of
-    bits (multiples of 8 elements), none under :data:`THREAD_GRAIN`."""
+def _ranges(count: int, unit: int = 8) -> list[tuple[int, int]]:
+    """``[0, count)`` cut into up to ``torch.get_num_threads()`` ranges of whole units of
+    ``unit`` elements (whole bytes of bits; whole rows), none under :data:`THREAD_GRAIN`."""
     if count == 0:
         return []
     parts = max(1, min(torch.get_num_threads(), count // THREAD_GRAIN))
-    step = (-(-count // parts) + 7) // 8 * 8
+    step = (-(-count // parts) + unit - 1) // unit * unit
     return [(a, min(a + step, count)) for a in range(0, count, step)]
 
 
@@ -122,12 +122,17 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 
 def _run(task, count: int) -> None:
-    ranges = _ranges(count)
+    _run_ranges(task, _ranges(count))
+
+
+def _run_ranges(task, ranges: list[tuple]) -> None:
+    """``task(*r)`` for each ``r`` of ``ranges``: on the calling thread where there is one,
+    else one each on the pool's threads."""
     if len(ranges) <= 1:
         if ranges:
             task(*ranges[0])
         return
-    for future in [_pool(len(ranges)).submit(task, a, b) for a, b in ranges]:
+    for future in [_pool(len(ranges)).submit(task, *r) for r in ranges]:
         future.result()
 
 
@@ -171,4 +176,35 @@ def pack_below(x: Tensor, y_star: float) -> Tensor:
     return bits
 
 
-__all__ = ["activation_grad", "available", "pack_below"]
+def row_norm_backward(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
+                      rstd: Tensor, layer: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dw, db)`` of the output-only layer (``layer``) or RMS norm from its float32
+    output rows ``y`` and ``dz`` (``(rows, D)``), ``rstd`` (``(rows, 1)``) and the flat
+    ``(D,)`` weight and bias (``None``: 1 and 0), every feature rebuilt from ``y``: one loop
+    that reads each row of ``y`` and ``dz`` from memory once and writes ``dx`` (3 passes of
+    bytes; ATen's operations make 7). The parameter gradients are summed in float64 and
+    returned in float32."""
+    loop = _loops().row_norm_backward
+    m, d = y.shape
+    y, dz = y.contiguous(), dz.contiguous()
+    w = (torch.ones(d) if weight is None else weight.detach().float()).contiguous()
+    shift = torch.zeros(d) if bias is None else (-bias.detach().float() / w).contiguous()
+    r = rstd.detach().float().reshape(m).contiguous()
+    dx = torch.empty((m, d), dtype=torch.float32)
+    ranges = _ranges(m * d, unit=max(d, 1))  # whole rows
+    # each range's own float64 sums of dz xhat and dz, added at the end
+    partial = torch.zeros((max(len(ranges), 1), 2, d), dtype=torch.float64)
+    ya, dza, wa, sa, ra, dxa, pa = (t.numpy() for t in (y, dz, w, shift, r, dx, partial))
+
+    def task(part: int, a: int, b: int) -> None:
+        rows = slice(a // d, b // d)
+        loop(ya[rows], dza[rows], wa, sa, ra[rows], layer, dxa[rows], pa[part, 0], pa[part, 1])
+
+    if on_launch is not None:
+        on_launch("cpu_loops.row_norm_backward", [y, dz], [dx])
+    _run_ranges(task, [(k, a, b) for k, (a, b) in enumerate(ranges)])
+    total = partial.sum(0).float()
+    return dx, total[0], total[1]
+
+
+__all__ = ["activation_grad", "available", "pack_below", "row_norm_backward"]

@@ -132,3 +132,37 @@ def pack_below(x, y_star, bits):
         for j in range(min(8, n - 8 * k)):
             byte |= np.int32(x[8 * k + j] < y_star) << j
         bits[k] = byte
+
+
+#: The row norms' loop also sums (a row's two means, the weight and bias gradients), which LLVM
+#: vectorises only where it may reorder the additions: the flags above plus reassociation
+#: (the loop has no split constant for it to fold).
+SUM_OPTIONS = {**OPTIONS, "fastmath": FAST_MATH | {"reassoc"}}
+
+
+@numba.njit(**SUM_OPTIONS)
+def row_norm_backward(y, dz, w, shift, rstd, layer, dx, dw, db):
+    """The output-only row norm's backward for rows ``y`` and ``dz`` (``(m, D)`` float32):
+    ``xhat = y / w + shift`` (``shift = -b / w``), ``dxhat = w dz``; per row
+    ``dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))`` (layer norm; an RMS norm,
+    ``layer`` false, subtracts no ``mean(dxhat)``), written to ``dx``; ``dw += sum dz xhat``
+    and ``db += sum dz`` over the rows (float64 ``(D,)``). Each row is read from memory once:
+    its second sweep finds it in cache."""
+    m, d = y.shape
+    for i in range(m):
+        yi, dzi, dxi = y[i], dz[i], dx[i]
+        s1 = f32(0.0)
+        s2 = f32(0.0)
+        for j in range(d):
+            xhat = yi[j] / w[j] + shift[j]
+            g = dzi[j] * w[j]
+            s1 += g
+            s2 += g * xhat
+            dw[j] += np.float64(dzi[j] * xhat)
+            db[j] += np.float64(dzi[j])
+        mean1 = s1 / f32(d) if layer else f32(0.0)
+        mean2 = s2 / f32(d)
+        r = rstd[i]
+        for j in range(d):
+            xhat = yi[j] / w[j] + shift[j]
+            dxi[j] = r * (dzi[j] * w[j] - mean1 - xhat * mean2)

@@ -53,6 +53,7 @@ import math
 import torch
 from torch import Tensor
 
+from . import cpu_loops
 from .common import LAYER_NORM, LOW_PRECISION, RowConfig, at_most, part_count
 
 _NATIVE_LAYER_NORM = torch.ops.aten.native_layer_norm.default
@@ -163,7 +164,10 @@ def row_norm_backward(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor
     y2, dz2 = v.reshape(m, d), dv.reshape(m, d)
     w = None if weight is None else weight.detach().reshape(d)
     b = None if bias is None else bias.detach().reshape(d)
-    if y.dtype in LOW_PRECISION and not torch.compiler.is_compiling():
+    if (y.dtype == torch.float32 and index is None and d
+            and cpu_loops.runs_on(y2, dz2, rstd)):
+        dx, dw, db = cpu_loops.row_norm_backward(y2, dz2, w, b, rstd, kind == LAYER_NORM)
+    elif y.dtype in LOW_PRECISION and not torch.compiler.is_compiling():
         dx, dw, db = _grads_in_parts(y2, dz2, w, b, rstd, kept, index, kind, output_mask)
     else:
         dx, dw, db = _grads(y2, dz2, w, b, rstd, kept, index, kind, output_mask)
