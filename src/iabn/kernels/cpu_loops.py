@@ -65,7 +65,7 @@ def available() -> bool:
 def runs_on(*tensors: Tensor) -> bool:
     """Whether the loops can take ``tensors``: Numba importable, outside the compiler, plain
     CPU tensors (no subclass, no ``torch.func`` wrapper: their memory is not a numpy array's)."""
-    if not available() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not available():  # the compiler reads no cache
         return False
     for t in tensors:
         if type(t) is not torch.Tensor or t.device.type != "cpu" or _wrapped(t):
