@@ -27,7 +27,12 @@ Usage::
 
     python benchmarks/transformer_step.py [--device cpu|cuda] [--models vit_small,...]
         [--modes eager,compile] [--dtypes float32,bfloat16] [--batch N] [--repeats 15]
-        [--warmup 3] [--threads N] [--quick] [--json PATH]
+        [--warmup 3] [--threads N] [--capture-dynamic-shapes] [--quick] [--json PATH]
+
+``--capture-dynamic-shapes``: compile with ``torch._dynamo.config.capture_dynamic_output_shape_ops
+= True``, under which Dynamo traces the output-only layer norms' count of kept features
+(``nonzero``) instead of breaking the graph there (docs/limits.md: without it a converted
+ConvNeXt-T broke into 42 graphs and hit Dynamo's recompile limit).
 
 ``--quick``: tiny settings for a smoke test (ViT-S at 32x32 with depth 2, the decoder with
 2 blocks of dim 64, batch 2, eager, 2 repeats).
@@ -181,9 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--capture-dynamic-shapes", action="store_true")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.capture_dynamic_shapes:
+        torch._dynamo.config.capture_dynamic_output_shape_ops = True
     models = _list(parser, args.models, MODELS, "models")
     modes = _list(parser, args.modes, MODES, "modes")
     dtypes = _list(parser, args.dtypes, DTYPES, "dtypes")
@@ -200,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"machine": machine_info(device), "device": str(device), "threads": threads,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "repeats": args.repeats, "warmup": args.warmup, "quick": args.quick,
+              "capture_dynamic_output_shape_ops": args.capture_dynamic_shapes,
               "target_ratio": TARGET, "cells": []}
     for name in models:
         for mode in modes:

@@ -136,9 +136,10 @@ def convert(
         progress: called with a line of text at each stage (e.g. ``print``).
         activations: also replace the GELU, SiLU and Mish modules and function calls that
             no norm absorbed (``False``: they stay, with that reason). Their backward
-            works from the output and a bit (fitted slopes; Newton steps in float64): forward
-            and backward take 2-5x PyTorch's on a CPU (docs/limits.md); the norms'
-            replacements cost little time.
+            works from the output and a bit (fitted slopes, on a CPU one Numba loop; Newton
+            steps in float64): forward and backward take 0.9-2x PyTorch's on a CPU, 2-5x
+            where Numba is missing (docs/limits.md); the norms' replacements cost little
+            time.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r}: use one of {', '.join(map(repr, POLICIES))} "
