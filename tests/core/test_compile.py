@@ -139,6 +139,25 @@ def test_compile_has_no_graph_breaks(channels_last, dtype):
         assert explanation.graph_count == 1
 
 
+@pytest.mark.parametrize("capture", [False, True], ids=["default", "capture"])
+def test_output_only_layer_norm_graph_breaks_unless_shapes_are_captured(capture):
+    """The layer norm counts its kept features (``nonzero``, a shape that depends on the
+    weights): by default Dynamo breaks the graph there (docs/limits.md says so), with
+    ``capture_dynamic_output_shape_ops`` it is one graph with no break."""
+    model = nn.Sequential(nn.Linear(16, 16), iabn.InPlaceLayerNorm(16), nn.GELU(),
+                          iabn.InPlaceLayerNorm(16, overwrite_input=False), nn.Linear(16, 4))
+    x = torch.randn(2, 5, 16)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=capture):
+        explanation = torch._dynamo.explain(model)(x)
+    if capture:
+        assert explanation.graph_break_count == 0, explanation.break_reasons
+        assert explanation.graph_count == 1
+    else:
+        assert explanation.graph_break_count >= 2
+        assert all("nonzero" in str(reason.reason) for reason in explanation.break_reasons)
+
+
 def _inductor_graphs(model, x, dtype):
     """One forward and backward of ``torch.compile(model, fullgraph=True)`` through Inductor's
     own pipeline up to code generation (its decompositions, joint-graph passes and min-cut
