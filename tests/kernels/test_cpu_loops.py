@@ -203,3 +203,20 @@ def test_row_norm_backward_threads_and_counts(monkeypatch):
     moving = [launch.name for launch in step.backward.launches if launch.read or launch.written]
     assert moving == ["cpu_loops.row_norm_backward"]
     assert step.backward.moved == 3 * x.numel() * 4
+
+
+def test_tensors_that_require_grad_are_read_too():
+    """Saved outputs of a step may still say ``requires_grad``; the loops read their values
+    (numpy refuses such tensors unless detached)."""
+    z, left, dz = _step_data("silu", 64)
+    want = cpu_loops.activation_grad(z, dz, branch.pack_bits(left), branch.SLOPES["silu"])
+    got = cpu_loops.activation_grad(z.clone().requires_grad_(), dz.clone().requires_grad_(),
+                                    branch.pack_bits(left), branch.SLOPES["silu"])
+    assert torch.equal(got, want)
+    x = torch.randn(65, requires_grad=True)
+    assert torch.equal(cpu_loops.pack_below(x, 0.0), branch.pack_bits(x.detach() < 0))
+    rows, grads = torch.randn(4, 8), torch.randn(4, 8)
+    args = (None, None, torch.ones(4, 1), True)
+    want = cpu_loops.row_norm_backward(rows, grads, *args)
+    got = cpu_loops.row_norm_backward(rows.clone().requires_grad_(), grads, *args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

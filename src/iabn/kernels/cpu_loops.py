@@ -142,8 +142,8 @@ def activation_grad(z: Tensor, dz: Tensor, bits: Tensor, slopes: Slopes) -> Tens
     ``dz``."""
     backward = _loops().backward
     constants = _constants(slopes)
-    zf = z.contiguous().view(-1)
-    dzf = dz.contiguous().view(-1)
+    zf = z.detach().contiguous().view(-1)  # numpy() refuses a tensor that requires grad
+    dzf = dz.detach().contiguous().view(-1)
     if zf.dtype != torch.float32:
         zf, dzf = zf.float(), dzf.float()
     out = torch.empty(zf.shape, dtype=torch.float32)
@@ -186,7 +186,7 @@ def row_norm_backward(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor
     returned in float32."""
     loop = _loops().row_norm_backward
     m, d = y.shape
-    y, dz = y.contiguous(), dz.contiguous()
+    y, dz = y.detach().contiguous(), dz.detach().contiguous()
     w = (torch.ones(d) if weight is None else weight.detach().float()).contiguous()
     shift = torch.zeros(d) if bias is None else (-bias.detach().float() / w).contiguous()
     r = rstd.detach().float().reshape(m).contiguous()
