@@ -125,13 +125,26 @@ def backward(z, dz, bits, out, cl, cn, cf, maps):
 @jit
 def pack_below(x, y_star, bits):
     """Bit ``j`` of byte ``k``: ``x[8 k + j] < y_star`` (``branch.pack_bits``' order), the
-    last byte padded with zeros."""
+    last byte padded with zeros. A chunk's comparisons as 0/1 bytes first (a vector loop),
+    then each eight of them, one ``uint64``, to one byte by a multiply: ``0x0102040810204080``
+    moves bit ``8 j`` to bit ``56 + j`` (no carries: each sum of shifted bits has distinct
+    positions). 0.13 ms at 8x197x1536 float32, one thread, where eight shifts a byte took
+    0.8-1.2 ms."""
+    chunk = 4096
+    mask = np.empty(chunk, np.uint8)
+    words = mask.view(np.uint64)
+    magic = np.uint64(0x0102040810204080)
     n = x.shape[0]
-    for k in range(bits.shape[0]):
-        byte = 0
-        for j in range(min(8, n - 8 * k)):
-            byte |= np.int32(x[8 * k + j] < y_star) << j
-        bits[k] = byte
+    for a in range(0, n, chunk):
+        count = min(chunk, n - a)
+        xc = x[a:a + count]
+        for i in range(count):
+            mask[i] = np.uint8(1) if xc[i] < y_star else np.uint8(0)
+        for i in range(count, (count + 7) // 8 * 8):  # the last byte's padding
+            mask[i] = np.uint8(0)
+        bc = bits[a // 8:(a + count + 7) // 8]
+        for k in range(bc.shape[0]):
+            bc[k] = np.uint8((words[k] * magic) >> np.uint64(56))
 
 
 #: The row norms' loop also sums (a row's two means, the weight and bias gradients), which LLVM
