@@ -126,13 +126,13 @@ def _run(task, count: int) -> None:
 
 
 def _run_ranges(task, ranges: list[tuple]) -> None:
-    """``task(*r)`` for each ``r`` of ``ranges``: on the calling thread where there is one,
-    else one each on the pool's threads."""
-    if len(ranges) <= 1:
-        if ranges:
-            task(*ranges[0])
+    """``task(*r)`` for each ``r`` of ``ranges``: the first on the calling thread, the others
+    one each on the pool's threads."""
+    if not ranges:
         return
-    for future in [_pool(len(ranges)).submit(task, *r) for r in ranges]:
+    futures = [_pool(len(ranges) - 1).submit(task, *r) for r in ranges[1:]]
+    task(*ranges[0])
+    for future in futures:
         future.result()
 
 
