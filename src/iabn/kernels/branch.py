@@ -476,9 +476,10 @@ def activation_grad(z: Tensor, dz: Tensor, bits: Tensor | None, activation: str,
     (:meth:`.backend.KernelBackend.activation_grad`); for an invertible activation (``bits``
     ``None``) the registry's ``grad_from_output``, in the compute dtype.
 
-    float32 and half ``z``: the fitted slopes (:func:`fitted_slope`). On a CPU a :data:`CHUNK`
-    of the flattened ``z`` at a time (:func:`_fitted_grad_cpu`; under the compiler through the
-    operator :func:`_fitted_grad_op`); elsewhere under the compiler whole, as rows of eight
+    float32 and half ``z``: the fitted slopes (:func:`fitted_slope`). On a CPU one Numba loop
+    (:mod:`.cpu_loops`), or where Numba is missing a :data:`CHUNK` of the flattened ``z`` at a
+    time (:func:`_fitted_grad_cpu`; under the compiler either through the operator
+    :func:`_fitted_grad_op`); elsewhere under the compiler whole, as rows of eight
     (:func:`_fitted_grad_rows`); elsewhere outside it a slice at a time, as below. float64:
     Newton's steps (:func:`invert`). A slice is one along ``z``'s largest dimension, 1/64 of
     a large activation, as the batch-norm layers' backward (:func:`pieces`): Newton's
