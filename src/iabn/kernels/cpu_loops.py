@@ -1,6 +1,8 @@
-"""One-pass CPU loops of the activations with one minimum (``silu``, ``gelu``, ``gelu_tanh``,
-``mish``), compiled by Numba: the backward ``dx = phi'(y) dz`` from the output ``z``, the packed
-branch bits and the fitted slopes of :mod:`.branch`, and the forward's bit packing.
+"""One-pass CPU loops, compiled by Numba (:mod:`.numba_loops`), and what calls them: for the
+activations with one minimum (``silu``, ``gelu``, ``gelu_tanh``, ``mish``) the backward
+``dx = phi'(y) dz`` from the output ``z``, the packed branch bits and the fitted slopes of
+:mod:`.branch`, and the forward's bit packing; for the output-only layer and RMS norms the
+backward (:mod:`.row_norm`'s math, each row read from memory once).
 
 Why by hand: PyTorch has no elementwise kernel that reads ``z``, ``dz`` and the bits once and
 writes ``dx`` once. Composed of ATen operations the fitted slopes are about 80 passes over a
@@ -22,10 +24,11 @@ The math is :mod:`.branch`'s, rearranged for one evaluation per element:
   taken to ``[sqrt(1/2), sqrt(2))`` (``|s| <= 0.172``); one division for both. The series'
   first omitted term is 1.4e-8 of the logarithm.
 
-Numba is optional: without it (or numpy) :mod:`.branch` runs its ATen chunks, the same
-slopes to within float32 rounding (tested). The loops are compiled on first use, once per
-process and dtype (about 2 s), and release the GIL: with ``torch.get_num_threads() > 1`` a
-large tensor is cut into that many ranges run on threads.
+Numba is optional: without it (or numpy) :mod:`.branch` and :mod:`.row_norm` run their ATen
+forms, the same values to within float32 rounding (tested). The loops are compiled on first
+use into Numba's on-disk cache, once per machine and dtype (about 2.5 s; a later process
+imports and loads them in about 0.5 s), and release the GIL: with ``torch.get_num_threads() >
+1`` a large tensor is cut into that many ranges run on threads.
 """
 
 from __future__ import annotations
