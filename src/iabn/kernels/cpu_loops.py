@@ -179,6 +179,44 @@ def pack_below(x: Tensor, y_star: float) -> Tensor:
     return bits
 
 
+@functools.cache
+def _inverse_constants(inverse: tuple, z_star: float) -> tuple:
+    """A fitted inverse (:data:`.fitted_inverse.INVERSE`) as :func:`.numba_loops.invert_and_slope`
+    takes it: per branch the three pieces' powers (padded to 17) and their maps to ``t``."""
+    def branch_constants(pieces):
+        powers = [tuple(p) + (0.0,) * (17 - len(p)) for _, _, p in pieces]
+        maps = tuple(v for a, b, _ in pieces for v in (2 / (b - a), -(a + b) / (b - a)))
+        return (*powers, maps)
+
+    right, left = inverse
+    return (branch_constants(right), branch_constants(left), float(z_star),
+            math.log(-z_star), float(torch.finfo(torch.float32).tiny
+                                     * torch.finfo(torch.float32).eps))
+
+
+def invert_and_slope(z: Tensor, dz: Tensor, bits: Tensor, slopes: Slopes, inverse: tuple,
+                     z_star: float) -> tuple[Tensor, Tensor]:
+    """``(y, dy)`` of a float32 CPU ``z`` on the branches its ``bits`` name: ``y`` the fitted
+    ``inverse`` evaluated in float64, ``dy = phi'(y) dz`` from the fitted ``slopes``; one pass,
+    both float32 and ``z``'s shape."""
+    loop = _loops().invert_and_slope
+    constants = _constants(slopes)
+    extra = _inverse_constants(inverse, z_star)
+    zf = z.detach().contiguous().view(-1)
+    dzf = dz.detach().float().contiguous().view(-1)
+    y = torch.empty(zf.shape, dtype=torch.float32)
+    dy = torch.empty(zf.shape, dtype=torch.float32)
+    za, dza, ba, ya, dya = (t.numpy() for t in (zf, dzf, bits, y, dy))
+
+    def task(a: int, b: int) -> None:
+        loop(za[a:b], dza[a:b], ba[a // 8:(b + 7) // 8], ya[a:b], dya[a:b], *constants, *extra)
+
+    if on_launch is not None:
+        on_launch("cpu_loops.invert_and_slope", [zf, dzf, bits], [y, dy])
+    _run(task, zf.numel())
+    return y.view(z.shape), dy.view(z.shape)
+
+
 def row_norm_backward(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
                       rstd: Tensor, layer: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dw, db)`` of the output-only layer (``layer``) or RMS norm from its float32
@@ -210,4 +248,5 @@ def row_norm_backward(y: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor
     return dx, total[0], total[1]
 
 
-__all__ = ["activation_grad", "available", "pack_below", "row_norm_backward"]
+__all__ = ["activation_grad", "available", "invert_and_slope", "pack_below",
+           "row_norm_backward"]

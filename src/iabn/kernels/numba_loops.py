@@ -147,6 +147,121 @@ def pack_below(x, y_star, bits):
             bc[k] = np.uint8((words[k] * magic) >> np.uint64(56))
 
 
+# ------------------------------------------------------------ the fitted inverses (float64)
+
+
+@numba.njit(**OPTIONS, inline="always")
+def horner17(t, c):
+    """``sum_k c[k] t^k``, ``k = 0 .. 16`` (constant indices: the vectoriser needs them)."""
+    h = c[16]
+    h = h * t + c[15]
+    h = h * t + c[14]
+    h = h * t + c[13]
+    h = h * t + c[12]
+    h = h * t + c[11]
+    h = h * t + c[10]
+    h = h * t + c[9]
+    h = h * t + c[8]
+    h = h * t + c[7]
+    h = h * t + c[6]
+    h = h * t + c[5]
+    h = h * t + c[4]
+    h = h * t + c[3]
+    h = h * t + c[2]
+    h = h * t + c[1]
+    h = h * t + c[0]
+    return h
+
+
+@numba.njit(**OPTIONS, inline="always")
+def three_pieces(x, c0, c1, c2, maps):
+    """``fitted_inverse``'s sum of three pieces at ``x``; ``maps``: each piece's ``t = x scale
+    + shift`` as ``(scale_0, shift_0, scale_1, shift_1, scale_2, shift_2)``."""
+    one = 1.0
+    t = min(max(x * maps[0] + maps[1], -one), one)
+    total = horner17(t, c0)
+    t = min(max(x * maps[2] + maps[3], -one), one)
+    total += (t + one) * horner17(t, c1)
+    t = min(max(x * maps[4] + maps[5], -one), one)
+    return total + (t + one) * horner17(t, c2)
+
+
+@numba.njit(**OPTIONS, inline="always")
+def log_ratio64(z, z_star, log_star):
+    """``log(z* / z)`` for ``z* <= z < 0`` in float64, as the float32 slope's: ``2 atanh(s)``
+    with ``s = d / (d - 2 z)``, ``d = z - z*``, where ``d <= -z`` (exact near the minimum),
+    else ``log(-z*) - log(-z)`` with ``log(-z)`` from the exponent and mantissa of ``-z``;
+    the series to ``s^32 / 33`` (its first omitted term: 2e-17 of the logarithm)."""
+    one, two = 1.0, 2.0
+    d = max(z - z_star, 0.0)
+    near = d <= -z
+    bits = np.float64(-z).view(np.int64)
+    m = np.int64((bits & 0xFFFFFFFFFFFFF) | 0x3FF0000000000000).view(np.float64)
+    e = np.float64((bits >> 52) - 1023)
+    big = m > 1.4142135623730951
+    m = 0.5 * m if big else m
+    e = e + one if big else e
+    s = (d if near else m - one) / (d - two * z if near else m + one)
+    s2 = s * s
+    p = 1.0 / 33.0
+    p = p * s2 + 1.0 / 31.0
+    p = p * s2 + 1.0 / 29.0
+    p = p * s2 + 1.0 / 27.0
+    p = p * s2 + 1.0 / 25.0
+    p = p * s2 + 1.0 / 23.0
+    p = p * s2 + 1.0 / 21.0
+    p = p * s2 + 1.0 / 19.0
+    p = p * s2 + 1.0 / 17.0
+    p = p * s2 + 1.0 / 15.0
+    p = p * s2 + 1.0 / 13.0
+    p = p * s2 + 1.0 / 11.0
+    p = p * s2 + 1.0 / 9.0
+    p = p * s2 + 1.0 / 7.0
+    p = p * s2 + 1.0 / 5.0
+    p = p * s2 + 1.0 / 3.0
+    p = p * s2 + 1.0
+    atanh2 = two * s * p
+    return atanh2 if near else log_star - (atanh2 + e * 0.6931471805599453)
+
+
+@jit
+def invert_and_slope(z, dz, bits, y, dy, cl, cn, cf, maps, right, left, z_star, log_star,
+                     smallest):
+    """``y`` (the fitted inverse, evaluated in float64, rounded to ``y``'s dtype) and
+    ``dy = phi'(y) dz`` (the fitted slope, float32) of 1-d ``z`` (float32) and the packed
+    ``bits``: the batch-norm layers' recovery in one pass. ``right``, ``left``: each
+    branch's three pieces' coefficients and maps (:func:`three_pieces`); a left output of 0
+    is taken as ``-smallest`` (``branch.invert``'s rule)."""
+    rc0, rc1, rc2, rmaps = right
+    lc0, lc1, lc2, lmaps = left
+    table = np.zeros(256, np.uint64)
+    for b in range(256):
+        word = np.uint64(0)
+        for j in range(8):
+            word |= np.uint64((b >> j) & 1) << np.uint64(8 * j)
+        table[b] = word
+    chunk = 4096
+    mask = np.empty(chunk, np.uint8)
+    words = mask.view(np.uint64)
+    n = z.shape[0]
+    for a in range(0, n, chunk):
+        count = min(chunk, n - a)
+        for k in range((count + 7) // 8):
+            words[k] = table[bits[a // 8 + k]]
+        zc, dzc, yc, dyc = z[a:a + count], dz[a:a + count], y[a:a + count], dy[a:a + count]
+        for i in range(count):
+            zi = zc[i]
+            on_left = mask[i] != 0
+            dyc[i] = slope(zi, on_left, cl, cn, cf, maps) * dzc[i]
+            z64 = np.float64(zi)
+            y_right = z64 + three_pieces(math.sqrt(max(z64 - z_star, 0.0)), rc0, rc1, rc2,
+                                         rmaps)
+            zl = min(max(z64, z_star), -smallest)
+            v = math.sqrt(max(log_ratio64(zl, z_star, log_star), 0.0))
+            y_left = three_pieces(v, lc0, lc1, lc2, lmaps)
+            yc[i] = y_left if on_left else y_right
+
+
 #: The row norms' loop also sums (a row's two means, the weight and bias gradients), which LLVM
 #: vectorises only where it may reorder the additions: the flags above plus reassociation
 #: (the loop has no split constant for it to fold).

@@ -1,0 +1,97 @@
+"""The fitted inverses (``iabn.kernels.fitted_inverse``) and the batch-norm layers' one-pass
+recovery on CPU (``cpu_loops.invert_and_slope``): the tables are the fitting script's recorded
+values, the recovered ``y`` is within float32's rounding of the exact inverse of the stored
+output, and a layer's gradients through it are no worse than through Newton's steps, both
+against float64 torch."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import iabn
+from iabn.kernels import branch, cpu_loops
+from iabn.kernels.fitted_inverse import INVERSE
+
+from helpers import BRANCH, exact_inverse, torch_activation
+
+ROOT = Path(__file__).resolve().parents[2]
+needs_numba = pytest.mark.skipif(not cpu_loops.available(), reason="Numba is not installed")
+
+
+def test_tables_are_the_recorded_fit():
+    recorded = json.loads((ROOT / "benchmarks/results/fit_inverse.json").read_text())["inverse"]
+    assert set(recorded) == set(INVERSE)
+    for name, (right, left) in INVERSE.items():
+        for side, pieces in (("right", right), ("left", left)):
+            assert [(a, b, list(p)) for a, b, p in pieces] == \
+                [tuple(piece) for piece in recorded[name][side]["pieces"]]
+
+
+@needs_numba
+@pytest.mark.parametrize("name", BRANCH)
+def test_recovered_y_within_rounding_of_the_exact_inverse(name):
+    """Both branches, the tails and 1e-9 .. 0.1 from y*: measured within 5.9e-8 .. 6.0e-8 of
+    ``max(|y|, 1)``, the rounding of ``y`` to float32 (the float32 Newton steps: 3.8e-7 ..
+    4.0e-7); asserted 9e-8. ``dy`` with ``dz = 1`` is the fitted slope: measured within 1.36
+    .. 1.55 eps of the exact slope farther than 0.05 from y*, asserted 2.4 eps."""
+    y_star = branch.minimum(name)[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(20000, generator=g, dtype=torch.float64) * 3,
+                   torch.linspace(-40, 30, 5000, dtype=torch.float64),
+                   y_star + torch.logspace(-9, -1, 200, dtype=torch.float64),
+                   y_star - torch.logspace(-9, -1, 200, dtype=torch.float64)])
+    z = torch_activation(name)(x).float()
+    left = x < y_star
+    y, dy = cpu_loops.invert_and_slope(z, torch.ones_like(z), branch.pack_bits(left),
+                                       branch.SLOPES[name], INVERSE[name],
+                                       branch.minimum(name)[1])
+    exact = exact_inverse(z, left, name)
+    # an output that underflowed to 0 has no one inverse (branch.invert takes the smallest
+    # subnormal, the helper another point of the interval); below -5.5 torch's float64 GELU,
+    # 0.5 y (1 + erf(y / sqrt 2)), cancels (1e-16 of 1 + erf, which is 4e-8 there), so its
+    # bisection is no reference
+    kept = (z != 0) & ((x > -5.5) | (name not in ("gelu", "gelu_tanh")))
+    error = ((y.double() - exact) / exact.abs().clamp(min=1))[kept].abs().max().item()
+    assert error <= 9e-8, error
+    leaf = exact.clone().requires_grad_()
+    (slope,) = torch.autograd.grad(torch_activation(name)(leaf).sum(), leaf)
+    far = ((x - y_star).abs() > 0.05) & kept
+    slope_error = (dy.double() - slope)[far].abs().max().item()
+    assert slope_error <= 2.4 * torch.finfo(torch.float32).eps, slope_error
+
+
+@needs_numba
+@pytest.mark.parametrize("name", BRANCH)
+def test_layer_gradients_no_worse_than_newton(name, monkeypatch):
+    """InPlaceABN with the activation, training, float32: the input, weight and bias
+    gradients through the loop and through Newton's steps (the loop refused), each against
+    float64 nn.BatchNorm2d + torch's activation; the loop's error at most 1.5x Newton's."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 6, 9, 9, generator=g) * 2
+    dz = torch.randn(x.shape, generator=g)
+    weight, bias = torch.rand(6, generator=g) + 0.5, torch.randn(6, generator=g) * 0.3
+
+    def ours():
+        layer = iabn.InPlaceABN(6, activation=name)
+        with torch.no_grad():
+            layer.weight.copy_(weight), layer.bias.copy_(bias)
+        leaf = x.clone().requires_grad_()
+        layer(leaf * 1).backward(dz)
+        return leaf.grad, layer.weight.grad, layer.bias.grad
+
+    loop = ours()
+    monkeypatch.setattr(cpu_loops, "runs_on", lambda *tensors: False)
+    newton = ours()
+    bn = nn.BatchNorm2d(6).double()
+    with torch.no_grad():
+        bn.weight.copy_(weight), bn.bias.copy_(bias)
+    leaf = x.double().requires_grad_()
+    torch_activation(name)(bn(leaf)).backward(dz.double())
+    for a, b, truth in zip(loop, newton, (leaf.grad, bn.weight.grad, bn.bias.grad),
+                           strict=True):
+        loop_error = (a.double() - truth).abs().max().item()
+        newton_error = (b.double() - truth).abs().max().item()
+        assert loop_error <= 1.5 * newton_error + 1e-12, (loop_error, newton_error)
