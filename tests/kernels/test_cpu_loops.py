@@ -42,9 +42,10 @@ def test_pack_below_of_a_strided_tensor_packs_its_logical_order():
 
 @pytest.mark.parametrize("name", BRANCH)
 def test_backward_against_float64_torch(name):
-    """Random outputs of both branches: within the fitted slopes' bound of the exact slope at
-    the float32 output (tests/core/test_fitted_slopes.py: at most 1.53 eps measured, 2.6
-    asserted there), times |dz|."""
+    """Random outputs of both branches: ``dx`` within 2.6 eps of ``|dz|`` times the exact
+    slope at the float32 output (measured on this data: 1.75 silu, 1.38 gelu, 1.58
+    gelu_tanh, 1.53 mish, the slope's error and the product's rounding; asserted 1.5x the
+    largest)."""
     z, left, dz = _step_data(name, 4099)
     y = exact_inverse(z, left, name).requires_grad_()
     (slope,) = torch.autograd.grad(torch_activation(name)(y).sum(), y)

@@ -25,6 +25,24 @@ jit = numba.njit(**OPTIONS)
 f32 = np.float32
 
 
+#: Elements per chunk of the loops that unpack the bits: a chunk's mask (4 KiB) and slices
+#: stay in a core's cache.
+CHUNK = 4096
+#: Byte ``b`` of the bits as eight 0/1 bytes, one ``uint64`` (little-endian: element ``j`` of
+#: the byte is byte ``j`` of the word). A module-level array: Numba compiles it in.
+BYTE_MASKS = np.array([sum(((b >> j) & 1) << (8 * j) for j in range(8)) for b in range(256)],
+                      dtype=np.uint64)
+
+
+@numba.njit(**OPTIONS, inline="always")
+def unpack_chunk(bits, a, count, mask):
+    """``mask[i] = 1`` where element ``a + i`` of the packed ``bits`` is set, for ``i <
+    count`` (``a`` a multiple of 8), eight elements per table lookup."""
+    words = mask.view(np.uint64)
+    for k in range((count + 7) // 8):
+        words[k] = BYTE_MASKS[bits[a // 8 + k]]
+
+
 @numba.njit(**OPTIONS, inline="always")
 def slope(z, left, cl, cn, cf, maps):
     """``phi'(y)`` at the output ``z`` on the branch ``left`` names (float32)."""
@@ -99,22 +117,12 @@ def slope(z, left, cl, cn, cf, maps):
 def backward(z, dz, bits, out, cl, cn, cf, maps):
     """``out = phi'(y) dz`` of 1-d ``z`` (float32), ``dz`` and the packed ``bits``, with
     :func:`slope`'s constants."""
-    # bytes of the bits unpacked eight at a time (one uint64 of 0/1 bytes from a table
-    # of 256) into a chunk's mask, then one vector loop over the chunk
-    table = np.zeros(256, np.uint64)
-    for b in range(256):
-        word = np.uint64(0)
-        for j in range(8):
-            word |= np.uint64((b >> j) & 1) << np.uint64(8 * j)
-        table[b] = word
-    chunk = 4096
-    mask = np.empty(chunk, np.uint8)
-    words = mask.view(np.uint64)
+    # a chunk's bits unpacked to a mask of 0/1 bytes, then one vector loop over the chunk
+    mask = np.empty(CHUNK, np.uint8)
     n = z.shape[0]
-    for a in range(0, n, chunk):
-        count = min(chunk, n - a)
-        for k in range((count + 7) // 8):
-            words[k] = table[bits[a // 8 + k]]
+    for a in range(0, n, CHUNK):
+        count = min(CHUNK, n - a)
+        unpack_chunk(bits, a, count, mask)
         # the chunk's slices indexed from 0: with a + i the index may look negative to
         # LLVM (Numba wraps negative indices), which made every access a gather
         zc, dzc, oc = z[a:a + count], dz[a:a + count], out[a:a + count]
@@ -130,13 +138,12 @@ def pack_below(x, y_star, bits):
     moves bit ``8 j`` to bit ``56 + j`` (no carries: each sum of shifted bits has distinct
     positions). 0.13 ms at 8x197x1536 float32, one thread, where eight shifts a byte took
     0.8-1.2 ms."""
-    chunk = 4096
-    mask = np.empty(chunk, np.uint8)
+    mask = np.empty(CHUNK, np.uint8)
     words = mask.view(np.uint64)
     magic = np.uint64(0x0102040810204080)
     n = x.shape[0]
-    for a in range(0, n, chunk):
-        count = min(chunk, n - a)
+    for a in range(0, n, CHUNK):
+        count = min(CHUNK, n - a)
         xc = x[a:a + count]
         for i in range(count):
             mask[i] = np.uint8(1) if xc[i] < y_star else np.uint8(0)
@@ -234,20 +241,11 @@ def invert_and_slope(z, dz, bits, y, dy, cl, cn, cf, maps, right, left, z_star, 
     is taken as ``-smallest`` (``branch.invert``'s rule)."""
     rc0, rc1, rc2, rmaps = right
     lc0, lc1, lc2, lmaps = left
-    table = np.zeros(256, np.uint64)
-    for b in range(256):
-        word = np.uint64(0)
-        for j in range(8):
-            word |= np.uint64((b >> j) & 1) << np.uint64(8 * j)
-        table[b] = word
-    chunk = 4096
-    mask = np.empty(chunk, np.uint8)
-    words = mask.view(np.uint64)
+    mask = np.empty(CHUNK, np.uint8)
     n = z.shape[0]
-    for a in range(0, n, chunk):
-        count = min(chunk, n - a)
-        for k in range((count + 7) // 8):
-            words[k] = table[bits[a // 8 + k]]
+    for a in range(0, n, CHUNK):
+        count = min(CHUNK, n - a)
+        unpack_chunk(bits, a, count, mask)
         zc, dzc, yc, dyc = z[a:a + count], dz[a:a + count], y[a:a + count], dy[a:a + count]
         for i in range(count):
             zi = zc[i]
