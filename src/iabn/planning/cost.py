@@ -8,7 +8,9 @@ allocations count no bytes). An operation's predicted time is a roofline:
 
     t = overhead + max(flops / compute rate, bytes / bandwidth)
 
-with the device's rates measured by a short calibration (a square matrix product; the
+(or, for the products and the elementwise transcendental functions, :data:`COMPUTE_BOUND`,
+the call's time measured on the device: :func:`product_seconds`) with the device's rates
+measured by a short calibration (a square matrix product; the
 memory-bound operations of a convolutional network's layer, batch norm in training, ReLU in
 place and a residual addition, whose bytes are counted as above; a tiny operation repeated;
 the fastest of a few runs each), once per process for each device, dtype and CPU thread
@@ -39,9 +41,8 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import flop_registry
 
-from .selective import is_expansion, is_product
+from .selective import is_expansion, is_product, product_flops
 
 REST = -1  # operations outside every unit
 
@@ -68,9 +69,23 @@ class DeviceSpeed:
     #: the same for a selectively recomputed run, whose operations also run under a Python
     #: dispatch mode in forward and in the recomputation
     selective_overhead_s: float = 0.0
+    #: whether a product with a recorded call (:class:`ProductCall`) takes its measured time
+    #: on this device (:func:`product_seconds`) instead of the roofline's; :func:`calibrate`
+    #: sets it, a speed made by hand (fixed figures, for a decision that must not follow the
+    #: wall clock) leaves it off
+    measures_products: bool = False
 
     def seconds(self, flops: float, nbytes: float) -> float:
         return self.op_overhead_s + max(flops / self.flops_per_s, nbytes / self.bytes_per_s)
+
+    def op_seconds(self, op: Op) -> float:
+        """One counted operation's predicted time: a product's measured time where this speed
+        measures products and the product could run here, else the roofline."""
+        if self.measures_products and op.call is not None:
+            measured = product_seconds(op.call, self)
+            if measured is not None:
+                return measured
+        return self.seconds(op.flops, op.bytes)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -139,7 +154,7 @@ def calibrate(device: torch.device | str, dtype: torch.dtype = torch.float32) ->
         pcie = src.numel() * 4 / _best_seconds(
             lambda: host.copy_(src, non_blocking=True), device, 5)
     speed = DeviceSpeed(str(device), _device_name(device), str(dtype).removeprefix("torch."),
-                        threads, flops, bandwidth, overhead, pcie)
+                        threads, flops, bandwidth, overhead, pcie, measures_products=True)
     speed = replace(speed, **_recompute_overheads(speed, device, dtype))
     _SPEEDS[key] = speed
     return speed
@@ -197,15 +212,119 @@ def _memory_bound_rate(device: torch.device, dtype: torch.dtype) -> float:
     return nbytes / _best_seconds(layer, device, 10)
 
 
+class _TensorSpec(NamedTuple):
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _frozen(value: Any) -> Any:
+    """``value`` (an argument of an ATen operation) hashable: tensors as their shape, strides
+    and dtype, lists as tuples."""
+    if isinstance(value, Tensor):
+        return _TensorSpec(tuple(value.shape), tuple(value.stride()), value.dtype)
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    return value
+
+
+def _random_like(spec: _TensorSpec, device: torch.device) -> Tensor:
+    """A tensor of ``spec``'s shape, strides and dtype on ``device``, its storage filled with
+    normal values (floating point) or zeros: uninitialised memory may hold NaNs or denormals,
+    which would time a slower path (expanded strides share one storage element)."""
+    size = 0 if 0 in spec.shape else 1 + sum(
+        (n - 1) * st for n, st in zip(spec.shape, spec.stride, strict=True))
+    base = torch.zeros(size, dtype=spec.dtype, device=device)
+    if spec.dtype.is_floating_point:
+        base.normal_()
+    return base.as_strided(spec.shape, spec.stride)
+
+
+class ProductCall(NamedTuple):
+    """One product (or :data:`COMPUTE_BOUND` operation) as the count saw it (the operation
+    and its arguments, tensors as their shape, strides and dtype): what
+    :func:`product_seconds` runs again on a real device."""
+
+    func: Any
+    args: tuple
+    kwargs: tuple  # (name, value) pairs
+
+    @classmethod
+    def of(cls, func: Any, args: tuple, kwargs: dict) -> ProductCall | None:
+        call = cls(func, _frozen(args), tuple(sorted((k, _frozen(v)) for k, v in kwargs.items())))
+        try:
+            hash(call)
+        except TypeError:  # an argument that cannot be a key: the roofline times it
+            return None
+        return call
+
+    def run_on(self, device: torch.device) -> Callable[[], Any]:
+        """The call on ``device`` with random inputs of the recorded layouts."""
+        def build(value: Any) -> Any:
+            if isinstance(value, _TensorSpec):
+                return _random_like(value, device)
+            if isinstance(value, tuple):
+                return [build(v) for v in value]
+            return value
+
+        args = tuple(build(a) for a in self.args)
+        kwargs = {k: build(v) for k, v in self.kwargs}
+        return lambda: self.func(*args, **kwargs)
+
+
+#: Elementwise operations that evaluate a transcendental function: compute-bound on a CPU,
+#: where the roofline, counting their bytes only, predicted a fraction of their time (ViT-S/16,
+#: batch 2, one thread: GELU's forward and backward 12 ms against 25 ms measured). Timed as
+#: the products are.
+COMPUTE_BOUND = frozenset(
+    getattr(torch.ops.aten, name) for name in (
+        "gelu", "gelu_backward", "silu", "silu_backward", "mish", "mish_backward", "sigmoid",
+        "sigmoid_backward", "tanh", "tanh_backward", "exp", "erf", "log", "_softmax",
+        "_softmax_backward_data", "_log_softmax", "_log_softmax_backward_data")
+    if hasattr(torch.ops.aten, name))
+#: ``(device, device name, threads, call) -> seconds`` (``None``: it did not run there).
+_PRODUCT_SECONDS: dict[tuple, float | None] = {}
+#: Calls of a product per timed run (on CUDA a run's launches queue behind each other, as a
+#: model's do; one call alone between synchronisations would also time the launch latency).
+PRODUCT_CALLS = 3
+
+
+def product_seconds(call: ProductCall, speed: DeviceSpeed) -> float | None:
+    """The measured time of one product on ``speed``'s device: ``call`` run again with random
+    inputs of its recorded shapes, strides and dtypes, :data:`PRODUCT_CALLS` calls a run, the
+    fastest of 5 runs (as the calibration's rates), once per process for each distinct call.
+    ``None`` where it cannot run there (out of memory, an unsupported layout): the roofline
+    times it. Why measured: a roofline's single rate misses how a matrix product's speed
+    follows its shape (timm's ViT-S/16, batch 2, one CPU thread: its products took 24 % longer
+    than the 384x384 calibration product's rate predicted)."""
+    device = torch.device(speed.device)
+    key = (str(device), speed.name, speed.threads, call)
+    if key not in _PRODUCT_SECONDS:
+        try:
+            with torch.no_grad():
+                run = call.run_on(device)
+
+                def calls() -> None:
+                    for _ in range(PRODUCT_CALLS):
+                        run()
+
+                _PRODUCT_SECONDS[key] = _best_seconds(calls, device, 5) / PRODUCT_CALLS
+        except (RuntimeError, TypeError, ValueError, NotImplementedError):
+            _PRODUCT_SECONDS[key] = None
+    return _PRODUCT_SECONDS[key]
+
+
 class Op(NamedTuple):
     """One counted operation. ``product``: it has a FLOP formula (selective recomputation
     keeps its output, :mod:`.selective`); ``expansion``: a product whose output is larger than
-    its input (lean selective recomputation runs it again)."""
+    its input (lean selective recomputation runs it again); ``call``: the call of a product
+    or of a :data:`COMPUTE_BOUND` operation, to time it (:func:`product_seconds`)."""
 
     flops: float
     bytes: int
     product: bool
     expansion: bool = False
+    call: ProductCall | None = None
 
 
 @dataclass
@@ -234,7 +353,7 @@ class OpCount:
     def seconds(self, speed: DeviceSpeed,
                 which: Callable[[Op], bool] = lambda op: True) -> float:
         """Predicted time of the operations (those ``which`` picks)."""
-        return sum(speed.seconds(op.flops, op.bytes) for op in self.ops if which(op))
+        return sum(speed.op_seconds(op) for op in self.ops if which(op))
 
     def recompute_seconds(self, speed: DeviceSpeed, compiled: bool = False) -> float:
         """Predicted extra time of recomputing these (forward) operations in backward."""
@@ -271,14 +390,16 @@ class OpCounter(TorchDispatchMode):
         if func.is_view:
             return out
         product = is_product(func)
-        flops = (float(flop_registry[func._overloadpacket](*args, **kwargs, out_val=out))
-                 if product else 0.0)
+        flops = product_flops(func, args, kwargs, out) if product else 0.0
         nbytes = 0 if func in _ALLOCATIONS else sum(
             t.numel() * t.element_size()
             for t in tree_leaves((args, kwargs, out)) if isinstance(t, Tensor))
         self.counts[self.owner()].ops.append(
-            Op(flops, nbytes, product, product and is_expansion(func, args)))
+            Op(flops, nbytes, product, product and is_expansion(func, args),
+               ProductCall.of(func, args, kwargs)
+               if product or func._overloadpacket in COMPUTE_BOUND else None))
         return out
 
 
-__all__ = ["REST", "DeviceSpeed", "Op", "OpCount", "OpCounter", "calibrate"]
+__all__ = ["REST", "DeviceSpeed", "Op", "OpCount", "OpCounter", "ProductCall", "calibrate",
+           "product_seconds"]
