@@ -21,6 +21,28 @@ def resnet50_group_norm(num_classes: int = 1000) -> nn.Module:
                                        norm_layer=lambda c: nn.GroupNorm(32, c))
 
 
+class _ResBlock(nn.Module):
+    """A diffusion UNet's residual block (as in DDPM's and Stable Diffusion's UNets, without
+    the time embedding): ``x + conv(SiLU(GN(conv(SiLU(GN(x))))))``."""
+
+    def __init__(self, channels: int, groups: int = 32) -> None:
+        super().__init__()
+        self.norm1, self.act1 = nn.GroupNorm(groups, channels), nn.SiLU()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm2, self.act2 = nn.GroupNorm(groups, channels), nn.SiLU()
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return x + self.conv2(self.act2(self.norm2(self.conv1(self.act1(self.norm1(x))))))
+
+
+def diffusion_resblocks(channels: int = 128, blocks: int = 4) -> nn.Module:
+    """A stem convolution and ``blocks`` diffusion-UNet residual blocks (GroupNorm(32) +
+    SiLU before each convolution) at one resolution."""
+    return nn.Sequential(nn.Conv2d(3, channels, 3, padding=1),
+                         *[_ResBlock(channels) for _ in range(blocks)])
+
+
 def _smp(architecture: str, **kwargs) -> nn.Module:
     """A segmentation_models_pytorch model with a ResNet-18 encoder, random weights (nothing
     is downloaded). Its package is not a dependency of iabn: ``pip install

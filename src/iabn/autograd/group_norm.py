@@ -20,15 +20,16 @@ from .call import grad_mask, layer_call, overwritable, refuse_double_backward
 
 class InPlaceGroupNormFunction(torch.autograd.Function):
     """Autograd of :class:`iabn.InPlaceGroupNormAct`: the output is ``x`` itself, saved as
-    ``z``, with ``rstd`` of shape ``(N, G)``."""
+    ``z``, with ``rstd`` of shape ``(N, G)`` and, for an activation with one minimum (SiLU,
+    GELU, Mish), its packed branch bits (``ceil(numel / 8)`` bytes)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor | None, bias: Tensor | None,  # type: ignore[override]
                 config: GroupConfig) -> Tensor:
         kernels = backend_or_reference(x)
-        rstd = kernels.group_norm_forward_(x, weight, bias, config)
+        rstd, bits = kernels.group_norm_forward_(x, weight, bias, config)
         ctx.mark_dirty(x)
-        ctx.save_for_backward(x, weight, bias, rstd)
+        ctx.save_for_backward(x, weight, bias, rstd, bits)
         ctx.config, ctx.kernels = config, kernels
         return x
 
@@ -36,9 +37,9 @@ class InPlaceGroupNormFunction(torch.autograd.Function):
     def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, ...]:
         if torch.is_grad_enabled():
             refuse_double_backward("InPlaceGroupNormAct", "iabn.GroupNormAct")
-        z, weight, bias, rstd = ctx.saved_tensors
+        z, weight, bias, rstd, bits = ctx.saved_tensors
         dx, dweight, dbias = ctx.kernels.group_norm_backward(
-            z, dz, weight, bias, rstd, ctx.config, grad_mask(ctx, weight, bias))
+            z, dz, weight, bias, rstd, ctx.config, grad_mask(ctx, weight, bias), bits)
         return dx, dweight, dbias, None
 
 

@@ -112,9 +112,6 @@ def decide(norm: nn.Module, sites: list[Site], policy: str,
     if name == "relu":
         return fallback("relu is not invertible (policy='leaky_relu' swaps it for "
                         f"LeakyReLU({RELU_SLOPE}) and goes in place)")
-    if registry.ACTIVATIONS[name].needs_branch and type(norm) is nn.GroupNorm:
-        return fallback(f"{found.written_as} is not invertible: it needs the branch bit that "
-                        f"only the batch-norm layers keep (not the group-norm layers)")
     if not _usable(name, param, in_place=True, branch=True):
         return fallback(f"{found.written_as} with parameter {param} is not invertible")
     small = _small_weights(norm)

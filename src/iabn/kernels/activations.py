@@ -648,9 +648,9 @@ def check_activation(activation: str, activation_param: float, *, in_place: bool
     """Raise a ``ValueError`` naming the fix when ``activation`` cannot be used.
 
     ``branch``: the in-place layer keeps a branch bit (``iabn.InPlaceABN``,
-    ``iabn.InPlaceABNSync``, ``iabn.ABNSync`` and their functionals), so it takes the
-    activations with one minimum; the other in-place layers (group norm, BNActConv's in-place
-    strategies) invert from the output alone and refuse them.
+    ``iabn.InPlaceABNSync``, ``iabn.ABNSync``, ``iabn.InPlaceGroupNormAct`` and their
+    functionals), so it takes the activations with one minimum; the other in-place layers
+    (BNActConv's in-place strategies) invert from the output alone and refuse them.
 
     ``activation_param`` is the activation's :class:`Parameter` (``leaky_relu``'s negative
     slope, ``elu``'s alpha) and must then be a finite number > 0 so that the function is
@@ -664,10 +664,10 @@ def check_activation(activation: str, activation_param: float, *, in_place: bool
     if in_place and not branch and record is not None and record.needs_branch:
         raise ValueError(
             f"activation={activation!r} is not invertible, and this layer recovers its input "
-            f"from its output alone: only the batch-norm layers (iabn.InPlaceABN, "
-            f"iabn.InPlaceABNSync, iabn.ABNSync and their functionals) keep the branch bit "
-            f"{activation} needs; "
-            f"use the not-in-place layer (iabn.ABN, iabn.GroupNormAct) or an invertible "
+            f"from its output alone: only the norm layers (iabn.InPlaceABN, "
+            f"iabn.InPlaceABNSync, iabn.ABNSync, iabn.InPlaceGroupNormAct and their "
+            f"functionals) keep the branch bit {activation} needs; "
+            f"use one of them, the not-in-place iabn.ABN, or an invertible "
             f"activation ({', '.join(map(repr, INVERTIBLE_ACTIVATIONS))})"
         )
     if activation == RELU and in_place:

@@ -83,16 +83,19 @@ class KernelBackend(Protocol):
         ...
 
     def group_norm_forward_(self, x: Tensor, weight: Tensor | None, bias: Tensor | None,
-                            config: GroupConfig) -> Tensor:
+                            config: GroupConfig) -> tuple[Tensor, Tensor | None]:
         """Overwrite ``x`` (``(N, C, *)``) with ``phi(g * xhat + beta)`` normalised over each
-        sample's groups; return ``rstd``, shape ``(N, G)``."""
+        sample's groups; return ``(rstd, bits)``: ``rstd`` of shape ``(N, G)`` and, for an
+        activation with one minimum, the bit ``y < y*`` of every element in ``x``'s logical
+        order (:func:`.branch.pack_bits`' layout; ``None`` for an invertible activation)."""
         ...
 
     def group_norm_backward(self, z: Tensor, dz: Tensor, weight: Tensor | None,
                             bias: Tensor | None, rstd: Tensor, config: GroupConfig,
-                            output_mask: list[bool],
+                            output_mask: list[bool], bits: Tensor | None = None,
                             ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-        """``(dx, dweight, dbias)`` from the output ``z`` and ``rstd``."""
+        """``(dx, dweight, dbias)`` from the output ``z``, ``rstd`` and the forward's
+        ``bits``."""
         ...
 
     def row_norm_forward(self, x: Tensor, weight: Tensor | None, bias: Tensor | None,

@@ -17,19 +17,18 @@ the paper's reference).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from . import activations as act
-from . import branch, cpu_loops, scratch
-from . import common as cutting
+from . import branch, scratch
 from .common import (
     BATCH_NORM_BACKWARD,
     LOW_PRECISION,
     LayerConfig,
+    RecoverPiece,
     cast,
     channel_view,
     compute_dtype,
@@ -43,7 +42,6 @@ from .common import (
     running_invstd,
     stat_dtype,
 )
-from .fitted_inverse import INVERSE
 
 
 def full_dtype(dtype: torch.dtype, activation: str, variant: int) -> torch.dtype:
@@ -222,11 +220,6 @@ def grads_from_y(
     return finish_grads(dx, dg, dbeta, z, weight, bias, gamma_mode, output_mask)
 
 
-#: ``recover_piece(at, with_y) -> (y, dy)``: a piece's ``y`` (``None`` unless ``with_y``) and
-#: ``dy`` in the compute dtype, for the index tuple ``at`` of :func:`pieces`.
-RecoverPiece = Callable[[tuple, bool], tuple["Tensor | None", Tensor]]
-
-
 def backward_in_pieces(
     z: Tensor,
     dz: Tensor,
@@ -369,7 +362,7 @@ class Recovered(NamedTuple):
     """What :func:`input_grad` needs of a half-precision backward: ``z``, whose float32 ``y``
     and ``dy`` it recomputes piece by piece with ``recover_piece`` (``index`` and
     ``recover_piece`` as :func:`grads_over_pieces` takes them: from :func:`recovery`, or for
-    an activation with a branch bit from :func:`_branch_recovery`)."""
+    an activation with a branch bit from :func:`.branch.recovery`)."""
 
     z: Tensor
     index: list[tuple]
@@ -385,7 +378,7 @@ def local_sums(
     :func:`recover`), valid until the next backward on this thread; for half
     inputs, whose ``y`` and ``dy`` are float32, :class:`Recovered` (nothing full-size in float32
     is kept across the all-reduce, or made). With ``bits``, ``y`` is recovered from ``z`` and
-    its branch bits (:func:`_branch_recovery`), the same way."""
+    its branch bits (:func:`.branch.recovery`), the same way."""
     if bits is not None and z.numel():
         return _branch_local_sums(z, dz, bias, scale, config, bits)
     if bits is not None:  # nothing to invert: the identity's empty (y, dy) and zero sums
@@ -432,65 +425,16 @@ def input_grad(
 # .branch, then the same gradients as the invertible activations'.
 
 
-def _branch_recovery(z: Tensor, bits: Tensor, dz: Tensor, activation: str) -> tuple[
-    list[tuple], RecoverPiece
-]:
-    """``(index, recover_piece)``: :func:`pieces` of ``z``, its branch bits and ``dz``, and
-    the function that gives a piece's ``y`` (:func:`.branch.invert`) and ``dy = phi'(y) dz``
-    in the compute dtype, as :func:`grads_over_pieces` and :func:`sums_over_pieces` take
-    them."""
-    compute = compute_dtype(z.dtype)
-    derivative = act.ACTIVATIONS[activation].minimum.derivative
-    # Newton's temporaries (at their peak 16.25 float32 tensors of what it inverts, measured
-    # with iabn.measure.traffic) are a piece's, not the activation's: 1/64 of it for large
-    # activations
-    (zv, dzv, leftv), index = pieces(z, dz, branch.unpack_bits(bits, z.shape),
-                                     parts=4 * cutting.PIECES)
-
-    def recover_piece(at: tuple, with_y: bool) -> tuple[Tensor, Tensor]:
-        y = branch.invert(zv[at].to(compute), leftv[at], activation, z.dtype)
-        return y, derivative(y).mul_(dzv[at].to(compute))
-
-    return index, recover_piece
-
-
-def _recover_whole(z: Tensor, bits: Tensor, dz: Tensor, activation: str
-                   ) -> tuple[Tensor, Tensor]:
-    """``(y, dy)`` of the whole of ``z`` (float32, or float64): on a CPU for float32 the one
-    loop of :func:`.cpu_loops.invert_and_slope` (the fitted inverse in float64 and the fitted
-    slope: within 6e-8 of ``max(|y|, 1)`` of the exact inverse of the stored output, where
-    the float32 Newton steps reach 5.4e-7; 17 ms at 8x64x56x56 against about 200 ms, one
-    thread), else Newton's steps a piece at a time."""
-    if z.dtype == torch.float32 and cpu_loops.runs_on(z, dz, bits):
-        return cpu_loops.invert_and_slope(z, dz, bits, branch.SLOPES[activation],
-                                          INVERSE[activation], branch.MINIMA[activation][1])
-    index, recover_piece = _branch_recovery(z, bits, dz, activation)
-    return _recover_all(z, index, recover_piece)
-
-
-def _recover_all(z: Tensor, index: list[tuple],
-                 recover_piece: RecoverPiece) -> tuple[Tensor, Tensor]:
-    """``(y, dy)`` of the whole of ``z`` (whose dtype is its compute dtype), a piece at a
-    time."""
-    y, dy = torch.empty_like(z), torch.empty_like(z)
-    (yv, dyv), _ = pieces(y, dy)
-    for at in index:
-        y_piece, dy_piece = recover_piece(at, True)
-        yv[at].copy_(y_piece)
-        dyv[at].copy_(dy_piece)
-    return y, dy
-
-
 def _branch_backward(
     z: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None, invstd: Tensor,
     g: Tensor, config: LayerConfig, output_mask: list[bool], bits: Tensor,
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     compute = compute_dtype(z.dtype)
     if compute != z.dtype:  # half inputs: nothing of the activation's size in float32
-        index, recover_piece = _branch_recovery(z, bits, dz, config.activation)
+        index, recover_piece = branch.recovery(z, bits, dz, config.activation)
         return grads_over_pieces(z, weight, bias, invstd, g, config, output_mask, index,
                                  recover_piece)
-    y, dy = _recover_whole(z, bits, dz, config.activation)
+    y, dy = branch.recover(z, bits, dz, config.activation)
     g = g.to(compute)
     beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
     return grads_from_y(y, dy, g, beta, invstd, z, weight, bias, config, output_mask)
@@ -506,10 +450,10 @@ def _branch_local_sums(
     as in :func:`backward`)."""
     compute = compute_dtype(z.dtype)
     if compute != z.dtype:
-        index, recover_piece = _branch_recovery(z, bits, dz, config.activation)
+        index, recover_piece = branch.recovery(z, bits, dz, config.activation)
         sums = sums_over_pieces(index, recover_piece, scale, bias, compute)
         return Recovered(z, index, recover_piece), sums
-    y, dy = _recover_whole(z, bits, dz, config.activation)
+    y, dy = branch.recover(z, bits, dz, config.activation)
     g = scale.to(compute)
     beta = bias.to(compute) if bias is not None else torch.zeros_like(g)
     return (y, dy), sums_from_y(y, dy, g, beta)

@@ -12,6 +12,7 @@ from here, so no backend reaches into another one's private helpers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -276,6 +277,11 @@ PIECES = 16
 #: again, which a layer of few elements would pay for little memory, so a tensor of fewer
 #: than ``PIECES * MIN_PIECE`` elements is cut into fewer parts (one below twice this).
 MIN_PIECE = 1 << 20
+
+
+#: ``recover_piece(at, with_y) -> (y, dy)``: a piece's ``y`` (``None`` unless ``with_y``) and
+#: ``dy`` in the compute dtype, for the index tuple ``at`` of :func:`pieces`.
+RecoverPiece = Callable[[tuple, bool], tuple["Tensor | None", Tensor]]
 
 
 def pieces(*tensors: Tensor, parts: int = PIECES) -> tuple[list[Tensor], list[tuple]]:

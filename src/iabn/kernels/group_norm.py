@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from . import activations as act
+from . import branch
 from .common import (
     LOW_PRECISION,
     GroupConfig,
@@ -70,8 +71,11 @@ def _per_channel(t: Tensor, x: Tensor) -> Tensor:
 
 
 def group_norm_forward_(x: Tensor, weight: Tensor | None, bias: Tensor | None,
-                        config: GroupConfig) -> Tensor:
-    """Overwrite ``x`` with ``phi(g * xhat + beta)``; return ``rstd``, shape ``(N, G)``.
+                        config: GroupConfig) -> tuple[Tensor, Tensor | None]:
+    """Overwrite ``x`` with ``phi(g * xhat + beta)``; return ``(rstd, bits)``: ``rstd`` of
+    shape ``(N, G)`` and, for an activation with one minimum, the bit ``y < y*`` of every
+    element in ``x``'s logical order (:func:`.branch.pack_below`; ``None`` for an invertible
+    activation).
 
     ATen's kernel writes a new tensor, which is copied into ``x`` and freed: one
     activation-sized temporary during forward, nothing kept."""
@@ -80,15 +84,19 @@ def group_norm_forward_(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     scale = None if weight is None else effective_scale(weight.detach(), eps, gamma_mode)
     source = x.contiguous(memory_format=_layout(x))
     out, _, rstd = _NATIVE_GROUP_NORM(source, scale, bias, n, c, hxw, num_groups, eps)
+    record = act.ACTIVATIONS[activation]
+    bits = branch.pack_below(out, record.minimum.y_star) if record.needs_branch else None
     act.apply_(out, activation, activation_param)
     x.copy_(out)
-    return rstd
+    return rstd, bits
 
 
 def group_norm_backward(z: Tensor, dz: Tensor, weight: Tensor | None, bias: Tensor | None,
                         rstd: Tensor, config: GroupConfig, output_mask: list[bool],
+                        bits: Tensor | None = None,
                         ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """``(dx, dweight, dbias)`` from the output ``z`` and ``rstd`` ``(N, G)``, ``None`` where
+    """``(dx, dweight, dbias)`` from the output ``z``, ``rstd`` ``(N, G)`` and, for an
+    activation with one minimum, the forward's branch ``bits``; ``None`` where
     ``output_mask`` does not ask for it."""
     num_groups, eps, activation, activation_param, gamma_mode = config
     scale = None if weight is None else effective_scale(weight.detach(), eps, gamma_mode)
@@ -96,9 +104,9 @@ def group_norm_backward(z: Tensor, dz: Tensor, weight: Tensor | None, bias: Tens
     options = (num_groups, activation, activation_param, output_mask)
     if z.dtype in LOW_PRECISION and not torch.compiler.is_compiling():
         # in float32, a part at a time (Inductor fuses the casts into its kernels)
-        dx, dscale, dbias = _grads_in_parts(z, dz, scale, bias, rstd, *options)
+        dx, dscale, dbias = _grads_in_parts(z, dz, scale, bias, rstd, *options, bits=bits)
     else:
-        dx, dscale, dbias = _grads(z, dz, scale, bias, rstd, *options)
+        dx, dscale, dbias = _grads(z, dz, scale, bias, rstd, *options, bits=bits)
     dweight = None
     if output_mask[1] and dscale is not None:
         dweight = gamma_grad(dscale, weight.detach(), gamma_mode).to(weight.dtype)
@@ -108,16 +116,22 @@ def group_norm_backward(z: Tensor, dz: Tensor, weight: Tensor | None, bias: Tens
 
 def _grads(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | None, rstd: Tensor,
            num_groups: int, activation: str, activation_param: float, mask: list[bool],
+           bits: Tensor | None = None,
            ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """``(dx, dscale, dbias)`` of the layer from its output ``z`` (``(N, C, *)``, the
-    ``num_groups`` groups of its channels) and ``rstd`` ``(N, G)``; computed in float32 for
-    half inputs, ``dx`` in ``z``'s dtype. See the module docstring for the math."""
+    ``num_groups`` groups of its channels), ``rstd`` ``(N, G)`` and the branch ``bits`` of an
+    activation with one minimum; computed in float32 for half inputs, ``dx`` in ``z``'s
+    dtype. See the module docstring for the math."""
     compute = torch.float32 if z.dtype in LOW_PRECISION else z.dtype
     layout = _layout(z)
     zc = z.to(compute).contiguous(memory_format=layout)
     dzc = dz.to(compute).contiguous(memory_format=layout)
-    dy = act.grad_from_output(dzc, zc, activation, activation_param)
-    y = act.invert(zc, activation, activation_param)
+    if bits is not None:  # y from z and its bit (the batch-norm layers' recovery)
+        y, dy = branch.recover(zc, bits, dzc, activation)
+        y, dy = y.contiguous(memory_format=layout), dy.contiguous(memory_format=layout)
+    else:
+        dy = act.grad_from_output(dzc, zc, activation, activation_param)
+        y = act.invert(zc, activation, activation_param)
     # xhat = (y - beta) / g; a new tensor (invert returns z itself for identity)
     xhat = y - _per_channel(bias.to(compute), zc) if bias is not None else y.clone()
     if scale is not None:
@@ -140,7 +154,8 @@ def _grads(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | None, rst
 
 def _grads_in_parts(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | None,
                     rstd: Tensor, num_groups: int, activation: str, activation_param: float,
-                    mask: list[bool]) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+                    mask: list[bool], bits: Tensor | None = None,
+                    ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """:func:`_grads` for half inputs without a float32 tensor of the whole activation: each
     (sample, group) is normalised on its own, so the backward splits exactly into parts of
     whole samples (``N >= PIECES``) or of whole groups of one sample; ``dx`` is written part by
@@ -158,12 +173,15 @@ def _grads_in_parts(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | 
     dx = torch.empty_like(z) if mask[0] else None
     sums = [torch.zeros(c, dtype=torch.float32, device=z.device) if want else None
             for want in mask[1:]]
+    # a part's bits packed again from the whole's, in the part's own logical order
+    left = branch.unpack_bits(bits, z.shape) if bits is not None else None
     for samples, g0, g1 in parts:
         channels = slice(g0 * per, g1 * per)
         at = (samples, channels)
         part = _grads(z[at], dz[at], None if scale is None else scale[channels],
                       None if bias is None else bias[channels], rstd[samples, g0:g1],
-                      g1 - g0, activation, activation_param, mask)
+                      g1 - g0, activation, activation_param, mask,
+                      None if left is None else branch.pack_bits(left[at]))
         if dx is not None:
             dx[at].copy_(part[0])
         for total, value in zip(sums, part[1:], strict=True):

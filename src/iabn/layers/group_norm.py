@@ -129,8 +129,9 @@ class GroupNormAct(ValidatedOptions, nn.Module):
         bias: bool = True,
     ) -> None:
         check_groups(num_groups, num_channels)
+        # the in-place layer keeps the branch bit an activation with one minimum needs
         check_options(activation, activation_param, gamma_mode, in_place=self._needs_inverse,
-                      eps=eps)
+                      eps=eps, branch=True)
         check_flag("bias", bias)
         super().__init__()
         factory = {"device": device, "dtype": dtype}
@@ -160,7 +161,8 @@ class GroupNormAct(ValidatedOptions, nn.Module):
     def _check_assigned(self, options: dict[str, Any], name: str) -> None:
         check_groups(options["num_groups"], options["num_channels"])
         check_options(options["activation"], options["activation_param"],
-                      options["gamma_mode"], in_place=self._needs_inverse, eps=options["eps"])
+                      options["gamma_mode"], in_place=self._needs_inverse, eps=options["eps"],
+                      branch=True)
 
     def reset_parameters(self) -> None:
         if self.affine:
@@ -211,7 +213,10 @@ class InPlaceGroupNormAct(OverwriteInputOption, GroupNormAct):
     ``rstd`` of shape ``(N, G)`` for backward.
 
     Same arguments as :class:`GroupNormAct`; ``activation`` must be invertible
-    (``"leaky_relu"``, ``"elu"`` or ``"identity"``). The returned tensor *is* the input tensor,
+    (``"leaky_relu"``, ``"elu"``, ``"softplus"`` or ``"identity"``) or have one minimum
+    (``"silu"``, ``"gelu"``, ``"gelu_tanh"``, ``"mish"``: the layer then also keeps one bit
+    per element, which side of the minimum the pre-activation was on, as
+    :class:`iabn.InPlaceABN` does). The returned tensor *is* the input tensor,
     so the input must not be needed elsewhere afterwards: the README's in-place contract, with
     the checks of :class:`iabn.InPlaceABN` (a leaf that requires grad, an inference tensor or
     one whose elements share memory is refused; ``iabn.debug.poison_overwritten`` finds later
