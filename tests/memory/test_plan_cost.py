@@ -103,3 +103,20 @@ def test_calibrate_measures_products_and_counting_on_meta_times_on_the_real_devi
     assert seconds > 0
     assert [(key[0], key[-1].func, value) for key, value in cost._PRODUCT_SECONDS.items()] == [
         ("cpu", aten.mm.default, seconds)]
+
+
+def test_a_long_call_is_timed_twice_not_eighteen_times(monkeypatch):
+    calls = []
+    monkeypatch.setattr(cost, "_PRODUCT_SECONDS", {})
+    monkeypatch.setattr(cost, "LONG_CALL_S", 0.0)  # every call is long
+    monkeypatch.setattr(cost, "_best_seconds", lambda *a: pytest.fail("the short calls' scheme"))
+    spec = cost._TensorSpec
+
+    def counted_mm(x, y):
+        calls.append(1)
+        return torch.mm(x, y)
+
+    call = ProductCall(counted_mm, (spec((16, 8), (8, 1), torch.float32),
+                                    spec((8, 4), (4, 1), torch.float32)), ())
+    seconds = cost.product_seconds(call, _speed(True))
+    assert seconds > 0 and len(calls) == 2
