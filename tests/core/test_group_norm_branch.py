@@ -194,3 +194,16 @@ def test_convert_takes_group_norm_with_silu_in_place():
     before = saved_tensor_bytes(model, leaf, exclude=list(model.parameters()))
     after = saved_tensor_bytes(converted, leaf, exclude=list(converted.parameters()))
     assert after < before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16], ids=str)
+def test_an_empty_batch_gives_an_empty_output_and_zero_parameter_gradients(dtype):
+    """As nn.GroupNorm: an empty output, zero parameter gradients (the recovery has nothing
+    to cut into pieces)."""
+    layer = iabn.InPlaceGroupNormAct(2, 4, activation="silu").to(dtype)
+    x = torch.randn(3, 4, 10, dtype=dtype, requires_grad=True)
+    out = layer((x * 1)[:0])
+    out.sum().backward()
+    assert out.shape == (0, 4, 10)
+    assert torch.equal(layer.weight.grad, torch.zeros(4, dtype=dtype))
+    assert torch.equal(layer.bias.grad, torch.zeros(4, dtype=dtype))

@@ -8,8 +8,10 @@ the effective scale ``g_c = scale(weight_c)`` (:mod:`.common`) and ``beta_c = bi
     xhat = (x - mean) * rstd,   y = g_c * xhat + beta_c,   z = phi(y)
 
 Forward overwrites ``x`` with ``z`` and returns ``rstd`` (shape ``(N, G)``; ``mean`` is not
-needed). Backward recovers ``y = phi^-1(z)``, ``dy = phi'(y) * dz`` (from ``z``, as
-:mod:`.activations` does) and ``xhat = (y - beta_c) / g_c``, then::
+needed) and, for an activation with one minimum (SiLU, GELU, Mish), the packed bit
+``y < y*`` of every element. Backward recovers ``y = phi^-1(z)``, ``dy = phi'(y) * dz`` (from
+``z``, as :mod:`.activations` does, or from ``z`` and the bit, :func:`.branch.recover`) and
+``xhat = (y - beta_c) / g_c``, then::
 
     dbeta_c = sum_{n, s} dy                 dg_c = sum_{n, s} dy * xhat
     dx = rstd * (dxhat - mean_D(dxhat) - xhat * mean_D(dxhat * xhat)),   dxhat = g_c * dy
