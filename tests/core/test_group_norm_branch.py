@@ -189,7 +189,10 @@ def test_convert_takes_group_norm_with_silu_in_place():
     converted, report = iabn.convert(copy.deepcopy(model), x)
     assert [type(converted[i]) for i in (1, 4)] == [iabn.InPlaceGroupNormAct] * 2
     assert [converted[i].activation for i in (1, 4)] == ["silu", "gelu"]
-    assert report.max_difference_train <= 1e-13
+    # 0 measured here; float64 GELU may round differently in place on another vector code
+    # path, up to 2.2e-15 measured for the batch-norm layers (test_branch_activation.py's
+    # conversion test): its bound, 3.4e-15
+    assert report.max_difference_train <= 3.4e-15 and report.max_difference_eval <= 3.4e-15
     leaf = x.clone().requires_grad_()
     before = saved_tensor_bytes(model, leaf, exclude=list(model.parameters()))
     after = saved_tensor_bytes(converted, leaf, exclude=list(converted.parameters()))

@@ -535,8 +535,9 @@ def recover(z: Tensor, bits: Tensor, dz: Tensor, activation: str) -> tuple[Tenso
     """``(y, dy)`` of the whole of ``z`` (``(N, C, *)``, float32 or float64; ``y`` and ``dy``
     in its shape): on a CPU for float32 the one loop of :func:`.cpu_loops.invert_and_slope`
     (the fitted inverse in float64 and the fitted slope: within 6e-8 of ``max(|y|, 1)`` of the
-    exact inverse of the stored output, where the float32 Newton steps reach 5.4e-7; 17 ms at
-    8x64x56x56 against about 200 ms, one thread), else Newton's steps a piece at a time."""
+    exact inverse of the stored output, where the float32 Newton steps reach 3.8e-7 to
+    4.0e-7; 17.5 ms at 8x64x56x56 against about 200 ms, one thread; docs/design.md), else
+    Newton's steps a piece at a time."""
     if not z.numel():  # an empty batch: nothing to cut into pieces
         return torch.empty_like(z), torch.empty_like(z)
     if z.dtype == torch.float32 and cpu_loops.runs_on(z, dz, bits):
@@ -544,7 +545,7 @@ def recover(z: Tensor, bits: Tensor, dz: Tensor, activation: str) -> tuple[Tenso
                                           MINIMA[activation][1])
     index, recover_piece = recovery(z, bits, dz, activation)
     y, dy = torch.empty_like(z), torch.empty_like(z)
-    (yv, dyv), _ = cutting.pieces(y, dy)
+    (yv, dyv), _ = cutting.pieces(y, dy)  # the (N, C, L) views that recovery's index cuts
     for at in index:
         y_piece, dy_piece = recover_piece(at, True)
         yv[at].copy_(y_piece)

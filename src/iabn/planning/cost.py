@@ -94,22 +94,22 @@ class DeviceSpeed:
 _SPEEDS: dict[tuple, DeviceSpeed] = {}
 
 
-def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
-    """The fastest of ``repeats`` runs: the device's speed, least disturbed by other work
-    on the machine."""
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
+def _seconds_once(fn: Callable[[], Any], device: torch.device) -> float:
+    """One run of ``fn``, timed to its end on the device (CUDA: synchronised)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
     fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _best_seconds(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` runs after one untimed: the device's speed, least disturbed
+    by other work on the machine."""
+    _seconds_once(fn, device)
+    return min(_seconds_once(fn, device) for _ in range(repeats))
 
 
 def _device_name(device: torch.device) -> str:
@@ -291,16 +291,6 @@ PRODUCT_CALLS = 3
 #: kept: its launch and host costs are a small part of it, and the 18 runs of the short calls'
 #: scheme would add seconds a call to a plan (a large convolution's backward on a CPU).
 LONG_CALL_S = 0.01
-
-
-def _seconds_once(fn: Callable[[], Any], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def product_seconds(call: ProductCall, speed: DeviceSpeed) -> float | None:

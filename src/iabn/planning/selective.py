@@ -80,20 +80,25 @@ def _cpu_attention_formulas() -> dict:
     return formulas
 
 
-#: ATen operation (overload packet) -> its FLOP formula (tensors in, a count out):
-#: ``torch.utils.flop_counter``'s registry and the CPU attention's.
-PRODUCT_FLOPS = {**flop_registry, **_cpu_attention_formulas()}
+#: ATen operation (overload packet) -> its FLOP formula (tensors in, a count out), for the
+#: operations ``torch.utils.flop_counter``'s registry lacks. The registry itself is read at
+#: each call, not copied: a formula registered later (``register_flop_formula``) counts too.
+EXTRA_FLOPS = _cpu_attention_formulas()
 
 
 def is_product(func: Any) -> bool:
     """Whether an ATen operation is one whose output selective recomputation keeps: one that
-    has a FLOP formula (:data:`PRODUCT_FLOPS`: convolutions, matrix products, attention)."""
-    return func._overloadpacket in PRODUCT_FLOPS
+    has a FLOP formula (``torch.utils.flop_counter``'s or :data:`EXTRA_FLOPS`: convolutions,
+    matrix products, attention)."""
+    packet = func._overloadpacket
+    return packet in flop_registry or packet in EXTRA_FLOPS
 
 
 def product_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> float:
     """The FLOPs of one call of a product (:func:`is_product`)."""
-    return float(PRODUCT_FLOPS[func._overloadpacket](*args, **kwargs, out_val=out))
+    packet = func._overloadpacket
+    formula = flop_registry[packet] if packet in flop_registry else EXTRA_FLOPS[packet]
+    return float(formula(*args, **kwargs, out_val=out))
 
 
 # The products whose output size the lean rule reads from their arguments (attention is not
@@ -376,5 +381,5 @@ def selectively_recomputed(run: Callable[..., Any], *args: Any, lean: bool = Fal
     return _Hold.apply(memory, out, *memory.hand_over())
 
 
-__all__ = ["PRODUCT_FLOPS", "compiled_selectively", "is_expansion", "is_product", "product_flops",
+__all__ = ["EXTRA_FLOPS", "compiled_selectively", "is_expansion", "is_product", "product_flops",
            "selectively_recomputed"]
