@@ -5,6 +5,9 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+import torch
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "activation_speed.py"
 
 
@@ -27,3 +30,29 @@ def test_tiny_run_writes_a_row_per_activation(tmp_path):
         assert low <= row["ratio_median"] <= high
         assert len(row["loadavg_before"]) == 3
     assert saved["shape"] == [2, 3, 8] and saved["machine"]["torch_version"]
+
+
+def test_norm_layers_and_the_left_share(tmp_path):
+    """A norm layer's row, and the share of inputs on the left branch: that of torch's norm's
+    output for a norm layer (silu's y* = -1.278: about 10 % of a normal sample), of ``scale *
+    randn`` for an activation (P(3 Z < -1.278) = P(Z < -0.426) = 0.335)."""
+    out = tmp_path / "speed.json"
+    rows = _script().main(["--shape", "4,32,16,16", "--repeats", "3", "--names",
+                           "abn_silu,gn_silu,silu", "--json", str(out)])
+    assert [row["name"] for row in rows] == ["abn_silu", "gn_silu", "silu"]
+    normal = torch.distributions.Normal(0.0, 1.0)
+    for row, want in zip(rows, (normal.cdf(torch.tensor(-1.2785)).item(),) * 2 +
+                         (normal.cdf(torch.tensor(-1.2785 / 3)).item(),), strict=True):
+        # 8192 samples: the share's standard error is below 0.006
+        assert abs(row["left_share"] - want) < 0.03, (row, want)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--names", "relu"], "unknown layer 'relu'"),
+    (["--names", "gn_silu", "--shape", "2,30,4,4"], "multiple of 32"),
+    (["--names", "abn_silu", "--shape", "2,8,4"], "4-d shape")])
+def test_user_errors_exit_2_naming_the_argument(args, message, capsys):
+    with pytest.raises(SystemExit) as stop:
+        _script().main(args)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err

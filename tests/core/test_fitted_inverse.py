@@ -31,12 +31,16 @@ def test_tables_are_the_recorded_fit():
 
 
 @needs_numba
+@pytest.mark.parametrize("split", [-1.0, 2.0], ids=["both-branches", "left-gathered"])
 @pytest.mark.parametrize("name", BRANCH)
-def test_recovered_y_within_rounding_of_the_exact_inverse(name):
+def test_recovered_y_within_rounding_of_the_exact_inverse(name, split, monkeypatch):
     """Both branches, the tails and 1e-9 .. 0.1 from y*: measured within 5.9e-8 .. 6.0e-8 of
     ``max(|y|, 1)``, the rounding of ``y`` to float32 (the float32 Newton steps: 3.8e-7 ..
     4.0e-7); asserted 9e-8. ``dy`` with ``dz = 1`` is the fitted slope: measured within 1.36
-    .. 1.55 eps of the exact slope farther than 0.05 from y*, asserted 2.4 eps."""
+    .. 1.55 eps of the exact slope farther than 0.05 from y*, asserted 2.4 eps. Every chunk
+    of the loop one way: both branches formed on every element, or the right one on every
+    element and the left one on the left elements gathered (``cpu_loops.SPLIT``)."""
+    monkeypatch.setitem(cpu_loops.SPLIT, "invert_and_slope", split)
     y_star = branch.minimum(name)[0]
     g = torch.Generator().manual_seed(0)
     x = torch.cat([torch.randn(20000, generator=g, dtype=torch.float64) * 3,

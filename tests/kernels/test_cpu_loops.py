@@ -10,10 +10,14 @@ import pytest
 import torch
 
 from iabn.kernels import branch, cpu_loops
+from iabn.kernels.fitted_inverse import INVERSE
 
 from helpers import BRANCH, exact_inverse, torch_activation
 
 pytestmark = pytest.mark.skipif(not cpu_loops.available(), reason="Numba is not installed")
+if cpu_loops.available():
+    from iabn.kernels import numba_loops
+THREADS = torch.get_num_threads()
 
 
 def _step_data(name, n, seed=0, scale=3.0):
@@ -40,12 +44,15 @@ def test_pack_below_of_a_strided_tensor_packs_its_logical_order():
     assert torch.equal(cpu_loops.pack_below(x, 0.1), branch.pack_bits(x < 0.1))
 
 
+@pytest.mark.parametrize("split", [-1.0, 2.0], ids=["both-branches", "left-gathered"])
 @pytest.mark.parametrize("name", BRANCH)
-def test_backward_against_float64_torch(name):
+def test_backward_against_float64_torch(name, split, monkeypatch):
     """Random outputs of both branches: ``dx`` within 2.6 eps of ``|dz|`` times the exact
     slope at the float32 output (measured on this data: 1.75 silu, 1.38 gelu, 1.58
     gelu_tanh, 1.53 mish, the slope's error and the product's rounding; asserted 1.5x the
-    largest)."""
+    largest). Every chunk one way: both branches on every element, or the left branch on
+    the left elements gathered (``cpu_loops.SPLIT``)."""
+    monkeypatch.setitem(cpu_loops.SPLIT, "activation_grad", split)
     z, left, dz = _step_data(name, 4099)
     y = exact_inverse(z, left, name).requires_grad_()
     (slope,) = torch.autograd.grad(torch_activation(name)(y).sum(), y)
@@ -73,6 +80,53 @@ def test_threads_give_the_same_bits(name, monkeypatch):
         torch.set_num_threads(threads)
     assert torch.equal(cut, whole)
     assert torch.equal(packed, branch.pack_bits(z < -0.1))
+
+
+def _mixed_chunks(name, chunks, tail, seed=0):
+    """Outputs of ``chunks`` whole chunks of the loops and ``tail`` elements more, the chunks'
+    shares of left-branch elements rising from none to all: each chunk takes its own way."""
+    g = torch.Generator().manual_seed(seed)
+    y_star = branch.minimum(name)[0]
+    n = chunks * numba_loops.CHUNK + tail
+    share = torch.linspace(0, 1, chunks + 1, dtype=torch.float64).repeat_interleave(
+        numba_loops.CHUNK)[:n]
+    left = torch.rand(n, generator=g, dtype=torch.float64) < share
+    distance = torch.rand(n, generator=g, dtype=torch.float64) * 6 + 1e-6
+    x = torch.where(left, y_star - distance, y_star + distance)
+    return torch_activation(name)(x).float(), x < y_star, torch.randn(n, generator=g)
+
+
+@pytest.mark.parametrize("name", BRANCH)
+def test_both_ways_of_a_chunk_give_the_same_bits(name, monkeypatch):
+    """Chunks with 0 % .. 100 % left elements, a tail that is not a whole word of bits, and
+    ranges cut over two threads (not starting on a word): the gradient and the recovered
+    ``y`` bit for bit the same whichever way each chunk goes (both branches on every element,
+    or the left elements gathered, computed and scattered back)."""
+    z, left, dz = _mixed_chunks(name, chunks=5, tail=77)
+    bits = branch.pack_bits(left)
+    inverse = (branch.SLOPES[name], INVERSE[name], branch.minimum(name)[1])
+    results = []
+    for split in (-1.0, 2.0, None):  # every chunk one way, the other way, as measured
+        if split is not None:
+            monkeypatch.setitem(cpu_loops.SPLIT, "activation_grad", split)
+            monkeypatch.setitem(cpu_loops.SPLIT, "invert_and_slope", split)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(cpu_loops, "THREAD_GRAIN", 1000)
+            torch.set_num_threads(2)
+        try:
+            grad = cpu_loops.activation_grad(z, dz, bits, branch.SLOPES[name])
+            y, dy = cpu_loops.invert_and_slope(z, dz, bits, *inverse)
+        finally:
+            torch.set_num_threads(THREADS)
+        results.append((grad, y, dy))
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other, strict=True))
+    # and the values are the activation's: the gradient against float64 torch
+    exact = exact_inverse(z, left, name).requires_grad_()
+    (slope,) = torch.autograd.grad(torch_activation(name)(exact).sum(), exact)
+    error = (results[0][0].double() - slope * dz.double()).abs() / dz.double().abs()
+    assert error.max().item() <= 2.6 * torch.finfo(torch.float32).eps
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

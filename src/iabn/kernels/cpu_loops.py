@@ -10,7 +10,9 @@ chunk (``branch._fitted_grad_cpu``: 29 ms at 8x197x1536 float32, one thread, aga
 whole GELU backward at about 4 ms); Inductor's fused loop of the same math took 2-3x the
 chunks' time (its vector code unpacks the bits per element). Numba (LLVM) vectorises a plain
 loop over the elements when nothing in it branches, so everything below is written as
-selections: both branches are formed on every element and one is kept.
+selections: both branches are formed on every element and one is kept, except that a chunk
+with few left-branch elements (:data:`SPLIT`) forms the right branch on every element and the
+left branch on its left elements alone, gathered into a buffer.
 
 The math is :mod:`.branch`'s, rearranged for one evaluation per element:
 
@@ -53,6 +55,14 @@ on_launch = None
 #: to the pool and waiting for it took 81 us (median, the 2-core VM); 2^17 elements of the
 #: activations' backward take about 0.3 ms.
 THREAD_GRAIN = 1 << 17
+
+#: A chunk of the loops whose left-branch elements are at most this fraction of it takes the
+#: right branch on every element, then the left branch on its left elements alone (gathered
+#: and scattered back, about 20 scalar instructions per element); a chunk with more forms
+#: both branches on every element. Where the two cost the same, measured (2-core VM, one
+#: thread): the activations' backward 0.38-0.40 (silu, gelu at 8x197x1536), the recovery with
+#: its float64 inverse 0.6 (8x64x56x56); docs/design.md has the figures.
+SPLIT = {"activation_grad": 0.375, "invert_and_slope": 0.6}
 
 
 @functools.cache
@@ -154,7 +164,8 @@ def activation_grad(z: Tensor, dz: Tensor, bits: Tensor, slopes: Slopes) -> Tens
     za, dza, ba, oa = zf.numpy(), dzf.numpy(), bits.numpy(), out.numpy()
 
     def task(a: int, b: int) -> None:
-        backward(za[a:b], dza[a:b], ba[a // 8:(b + 7) // 8], oa[a:b], *constants)
+        backward(za[a:b], dza[a:b], ba[a // 8:(b + 7) // 8], oa[a:b], *constants,
+                 SPLIT["activation_grad"])
 
     if on_launch is not None:
         on_launch("cpu_loops.activation_grad", [zf, dzf, bits], [out])
@@ -210,7 +221,8 @@ def invert_and_slope(z: Tensor, dz: Tensor, bits: Tensor, slopes: Slopes, invers
     za, dza, ba, ya, dya = (t.numpy() for t in (zf, dzf, bits, y, dy))
 
     def task(a: int, b: int) -> None:
-        loop(za[a:b], dza[a:b], ba[a // 8:(b + 7) // 8], ya[a:b], dya[a:b], *constants, *extra)
+        loop(za[a:b], dza[a:b], ba[a // 8:(b + 7) // 8], ya[a:b], dya[a:b], *constants, *extra,
+             SPLIT["invert_and_slope"])
 
     if on_launch is not None:
         on_launch("cpu_loops.invert_and_slope", [zf, dzf, bits], [y, dy])

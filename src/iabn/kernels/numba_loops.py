@@ -13,6 +13,7 @@ import math
 
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros  # LLVM's cttz (no public name)
 
 #: LLVM's fast-math flags the loops allow: fused multiply-adds, no NaN, infinity or signed
 #: zero cases (their inputs are clamped finite). Not reassociation: it would fold the two parts
@@ -41,6 +42,59 @@ def unpack_chunk(bits, a, count, mask):
     words = mask.view(np.uint64)
     for k in range((count + 7) // 8):
         words[k] = BYTE_MASKS[bits[a // 8 + k]]
+
+
+@numba.njit(**OPTIONS, inline="always")
+def bit_word(bits, w):
+    """Bytes ``8 w .. 8 w + 7`` of the packed ``bits`` as one ``uint64``: element ``64 w + j``
+    is bit ``j``. Assembled byte by byte: a range's bits need not start on a word."""
+    word = np.uint64(0)
+    for b in range(8):
+        word |= np.uint64(bits[8 * w + b]) << np.uint64(8 * b)
+    return word
+
+
+@numba.njit(**OPTIONS, inline="always")
+def count_set(bits, a, end):
+    """How many of elements ``a .. end - 1`` (``a`` a multiple of 64) have their bit set: a
+    word's population count in a few shifts and masks (LLVM makes them one instruction)."""
+    k = np.int64(0)
+    for w in range(a // 64, end // 64):
+        x = bit_word(bits, w)
+        x = x - ((x >> np.uint64(1)) & np.uint64(0x5555555555555555))
+        x = (x & np.uint64(0x3333333333333333)) + ((x >> np.uint64(2))
+                                                   & np.uint64(0x3333333333333333))
+        x = (x + (x >> np.uint64(4))) & np.uint64(0x0F0F0F0F0F0F0F0F)
+        k += np.int64((x * np.uint64(0x0101010101010101)) >> np.uint64(56))
+    for p in range(max(end // 64 * 64, a), end):
+        k += np.int64((bits[p // 8] >> (p % 8)) & 1)
+    return k
+
+
+@numba.njit(**OPTIONS, inline="always")
+def gather_set(bits, a, end, z, dz, index, zb, dzb):
+    """For each element ``p`` of ``a .. end - 1`` (``a`` a multiple of 64) whose bit is set, in
+    order: ``index[k] = p - a``, ``zb[k] = z[p - a]``, ``dzb[k] = dz[p - a]`` (``z``, ``dz``
+    the chunk's); returns ``k``. One step per set bit (its word's lowest set bit cleared each
+    time), none for a word without one."""
+    k = 0
+    for w in range(a // 64, end // 64):
+        word = bit_word(bits, w)
+        base = w * 64 - a
+        while word != 0:
+            p = base + np.int64(trailing_zeros(word))
+            index[k] = p
+            zb[k] = z[p]
+            dzb[k] = dz[p]
+            k += 1
+            word &= word - np.uint64(1)
+    for p in range(max(end // 64 * 64, a), end):
+        if (bits[p // 8] >> (p % 8)) & 1:
+            index[k] = p - a
+            zb[k] = z[p - a]
+            dzb[k] = dz[p - a]
+            k += 1
+    return k
 
 
 @numba.njit(**OPTIONS, inline="always")
@@ -114,20 +168,35 @@ def slope(z, left, cl, cn, cf, maps):
 
 
 @jit
-def backward(z, dz, bits, out, cl, cn, cf, maps):
+def backward(z, dz, bits, out, cl, cn, cf, maps, split):
     """``out = phi'(y) dz`` of 1-d ``z`` (float32), ``dz`` and the packed ``bits``, with
-    :func:`slope`'s constants."""
-    # a chunk's bits unpacked to a mask of 0/1 bytes, then one vector loop over the chunk
+    :func:`slope`'s constants. A chunk whose left-branch elements are at most ``split`` of it
+    runs the right branch's vector loop over all its elements, then the left branch's over
+    its left elements alone, gathered into a buffer and scattered back (the left branch costs
+    about twice the right: its logarithm, division and square root); any other chunk forms
+    both branches on every element and keeps one, by its bits unpacked to a mask."""
     mask = np.empty(CHUNK, np.uint8)
+    index = np.empty(CHUNK, np.int64)
+    zb = np.empty(CHUNK, np.float32)
+    gb = np.empty(CHUNK, np.float32)
     n = z.shape[0]
     for a in range(0, n, CHUNK):
         count = min(CHUNK, n - a)
-        unpack_chunk(bits, a, count, mask)
         # the chunk's slices indexed from 0: with a + i the index may look negative to
         # LLVM (Numba wraps negative indices), which made every access a gather
         zc, dzc, oc = z[a:a + count], dz[a:a + count], out[a:a + count]
+        if count_set(bits, a, a + count) > split * count:
+            unpack_chunk(bits, a, count, mask)
+            for i in range(count):
+                oc[i] = slope(zc[i], mask[i] != 0, cl, cn, cf, maps) * dzc[i]
+            continue
         for i in range(count):
-            oc[i] = slope(zc[i], mask[i] != 0, cl, cn, cf, maps) * dzc[i]
+            oc[i] = slope(zc[i], False, cl, cn, cf, maps) * dzc[i]
+        k = gather_set(bits, a, a + count, zc, dzc, index, zb, gb)
+        for j in range(k):
+            gb[j] = slope(zb[j], True, cl, cn, cf, maps) * gb[j]
+        for j in range(k):
+            oc[index[j]] = gb[j]
 
 
 @jit
@@ -231,33 +300,64 @@ def log_ratio64(z, z_star, log_star):
     return atanh2 if near else log_star - (atanh2 + e * 0.6931471805599453)
 
 
+@numba.njit(**OPTIONS, inline="always")
+def right_inverse(z, right, z_star):
+    """The right branch's fitted inverse at the float32 output ``z``, in float64."""
+    c0, c1, c2, maps = right
+    z64 = np.float64(z)
+    return z64 + three_pieces(math.sqrt(max(z64 - z_star, 0.0)), c0, c1, c2, maps)
+
+
+@numba.njit(**OPTIONS, inline="always")
+def left_inverse(z, left, z_star, log_star, smallest):
+    """The left branch's fitted inverse at ``z``, in float64; an output of 0 is taken as
+    ``-smallest`` (``branch.invert``'s rule)."""
+    c0, c1, c2, maps = left
+    zl = min(max(np.float64(z), z_star), -smallest)
+    return three_pieces(math.sqrt(max(log_ratio64(zl, z_star, log_star), 0.0)), c0, c1, c2,
+                        maps)
+
+
 @jit
 def invert_and_slope(z, dz, bits, y, dy, cl, cn, cf, maps, right, left, z_star, log_star,
-                     smallest):
+                     smallest, split):
     """``y`` (the fitted inverse, evaluated in float64, rounded to ``y``'s dtype) and
     ``dy = phi'(y) dz`` (the fitted slope, float32) of 1-d ``z`` (float32) and the packed
     ``bits``: the batch-norm layers' recovery in one pass. ``right``, ``left``: each
-    branch's three pieces' coefficients and maps (:func:`three_pieces`); a left output of 0
-    is taken as ``-smallest`` (``branch.invert``'s rule)."""
-    rc0, rc1, rc2, rmaps = right
-    lc0, lc1, lc2, lmaps = left
+    branch's three pieces' coefficients and maps (:func:`three_pieces`). The chunks are cut
+    between the branches as :func:`backward`'s, by ``split`` (here the left branch costs
+    about four times the right: its logarithm's series of 17 terms in float64)."""
     mask = np.empty(CHUNK, np.uint8)
+    index = np.empty(CHUNK, np.int64)
+    zb = np.empty(CHUNK, np.float32)
+    yb = np.empty(CHUNK, np.float32)
+    gb = np.empty(CHUNK, np.float32)
     n = z.shape[0]
     for a in range(0, n, CHUNK):
         count = min(CHUNK, n - a)
-        unpack_chunk(bits, a, count, mask)
         zc, dzc, yc, dyc = z[a:a + count], dz[a:a + count], y[a:a + count], dy[a:a + count]
+        if count_set(bits, a, a + count) > split * count:
+            unpack_chunk(bits, a, count, mask)
+            for i in range(count):
+                zi = zc[i]
+                on_left = mask[i] != 0
+                dyc[i] = slope(zi, on_left, cl, cn, cf, maps) * dzc[i]
+                y_left = left_inverse(zi, left, z_star, log_star, smallest)
+                y_right = right_inverse(zi, right, z_star)
+                yc[i] = y_left if on_left else y_right
+            continue
         for i in range(count):
             zi = zc[i]
-            on_left = mask[i] != 0
-            dyc[i] = slope(zi, on_left, cl, cn, cf, maps) * dzc[i]
-            z64 = np.float64(zi)
-            y_right = z64 + three_pieces(math.sqrt(max(z64 - z_star, 0.0)), rc0, rc1, rc2,
-                                         rmaps)
-            zl = min(max(z64, z_star), -smallest)
-            v = math.sqrt(max(log_ratio64(zl, z_star, log_star), 0.0))
-            y_left = three_pieces(v, lc0, lc1, lc2, lmaps)
-            yc[i] = y_left if on_left else y_right
+            dyc[i] = slope(zi, False, cl, cn, cf, maps) * dzc[i]
+            yc[i] = right_inverse(zi, right, z_star)
+        k = gather_set(bits, a, a + count, zc, dzc, index, zb, gb)
+        for j in range(k):
+            yb[j] = left_inverse(zb[j], left, z_star, log_star, smallest)
+            gb[j] = slope(zb[j], True, cl, cn, cf, maps) * gb[j]
+        for j in range(k):
+            p = index[j]
+            yc[p] = yb[j]
+            dyc[p] = gb[j]
 
 
 #: The row norms' loop also sums (a row's two means, the weight and bias gradients), which LLVM
