@@ -68,14 +68,16 @@ def test_recovered_y_within_rounding_of_the_exact_inverse(name, split, monkeypat
 
 
 @needs_numba
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", BRANCH)
-def test_layer_gradients_no_worse_than_newton(name, monkeypatch):
-    """InPlaceABN with the activation, training, float32: the input, weight and bias
-    gradients through the loop and through Newton's steps (the loop refused), each against
-    float64 nn.BatchNorm2d + torch's activation; the loop's error at most 1.5x Newton's."""
+def test_layer_gradients_no_worse_than_newton(name, dtype, monkeypatch):
+    """InPlaceABN with the activation, training: the input, weight and bias gradients
+    through the loop and through Newton's steps (the loop refused), each against float64
+    nn.BatchNorm2d + torch's activation at the same inputs; the loop's error at most 1.5x
+    Newton's. Half inputs run the loop a piece at a time, in float32."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(4, 6, 9, 9, generator=g) * 2
-    dz = torch.randn(x.shape, generator=g)
+    x = (torch.randn(4, 6, 9, 9, generator=g) * 2).to(dtype)
+    dz = torch.randn(x.shape, generator=g).to(dtype)
     weight, bias = torch.rand(6, generator=g) + 0.5, torch.randn(6, generator=g) * 0.3
 
     def ours():
@@ -99,3 +101,24 @@ def test_layer_gradients_no_worse_than_newton(name, monkeypatch):
         loop_error = (a.double() - truth).abs().max().item()
         newton_error = (b.double() - truth).abs().max().item()
         assert loop_error <= 1.5 * newton_error + 1e-12, (loop_error, newton_error)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs_run_the_loop_on_each_piece(dtype, monkeypatch):
+    """InPlaceABN SiLU with half inputs cut into pieces (MIN_PIECE 1 at this shape): the
+    backward runs the loop on every piece in both of its passes (the sums, then dx) and makes
+    no float32 tensor of the activation's size."""
+    from iabn.kernels import common
+    from iabn.measure import traffic
+
+    monkeypatch.setattr(common, "MIN_PIECE", 1)
+    x = torch.randn(8, 4, 6, 5).to(dtype)
+    layer = iabn.InPlaceABN(4, activation="silu")
+    step = traffic.count_step(layer, x.requires_grad_(), torch.randn(x.shape).to(dtype))
+    loops = [launch for launch in step.backward.launches
+             if launch.name == "cpu_loops.invert_and_slope"]
+    pieces = len(common.pieces(x, parts=4 * common.PIECES)[1])
+    assert pieces > 1 and len(loops) == 2 * pieces
+    assert all(t.dtype != torch.float32 or t.numel() < x.numel()
+               for t in step.backward.allocations)

@@ -516,15 +516,22 @@ def recovery(z: Tensor, bits: Tensor, dz: Tensor, activation: str
              ) -> tuple[list[tuple], RecoverPiece]:
     """``(index, recover_piece)`` for the norm layers' backward: :func:`.common.pieces` of
     ``z`` (``(N, C, *)``), its branch bits and ``dz``, and the function that gives a piece's
-    ``y`` (:func:`invert`) and ``dy = phi'(y) dz`` in the compute dtype."""
+    ``y`` and ``dy = phi'(y) dz`` in the compute dtype: for half inputs on a CPU the loop of
+    :func:`.cpu_loops.invert_and_slope` on the piece in float32 (its bits packed again),
+    else Newton's steps (:func:`invert`)."""
     compute = compute_dtype(z.dtype)
     # Newton's temporaries (at their peak 16.25 float32 tensors of what it inverts, measured
     # with iabn.measure.traffic) are a piece's, not the activation's: 1/64 of it for large
     # activations
     (zv, dzv, leftv), index = cutting.pieces(z, dz, unpack_bits(bits, z.shape),
                                              parts=4 * cutting.PIECES)
+    loop = compute == torch.float32 and cpu_loops.runs_on(z, dz, bits)
 
     def recover_piece(at: tuple, with_y: bool) -> tuple[Tensor, Tensor]:
+        if loop:
+            return cpu_loops.invert_and_slope(
+                zv[at].to(compute), dzv[at].to(compute), pack_bits(leftv[at]),
+                SLOPES[activation], INVERSE[activation], MINIMA[activation][1])
         y = invert(zv[at].to(compute), leftv[at], activation, z.dtype)
         return y, derivative(y, activation).mul_(dzv[at].to(compute))
 
