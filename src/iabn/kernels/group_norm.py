@@ -134,8 +134,14 @@ def _grads(z: Tensor, dz: Tensor, scale: Tensor | None, bias: Tensor | None, rst
     else:
         dy = act.grad_from_output(dzc, zc, activation, activation_param)
         y = act.invert(zc, activation, activation_param)
-    # xhat = (y - beta) / g; a new tensor (invert returns z itself for identity)
-    xhat = y - _per_channel(bias.to(compute), zc) if bias is not None else y.clone()
+    # xhat = (y - beta) / g; in place where y is the recovery's own tensor, else a new one
+    # (invert returns z itself for identity)
+    owned = bits is not None
+    if bias is not None:
+        bias_c = _per_channel(bias.to(compute), zc)
+        xhat = y.sub_(bias_c) if owned else y - bias_c
+    else:
+        xhat = y if owned else y.clone()
     if scale is not None:
         scale = scale.to(compute)
         xhat.div_(_per_channel(scale, zc))
