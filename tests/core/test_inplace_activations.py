@@ -470,3 +470,59 @@ def test_inplace_abn_takes_gelu_tanh(training):
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=1e-14)
     for a, b in zip(ours[1:], ref[1:], strict=True):
         assert (a - b).abs().max() <= 1e-10 * b.abs().max()
+
+
+def _graph_names(tensor):
+    """The names of the autograd nodes ``tensor``'s graph reaches."""
+    names, seen, stack = [], set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_a_view_of_its_whole_base_is_overwritten_through_the_base(name, dtype):
+    """A linear layer's 3-d output is a view of its 2-d product: the layer overwrites that
+    base in the view's place, so autograd records no ``CopySlices`` (whose backward copies
+    the gradient into a tensor of the base's size and back), and the gradients are those of
+    the same layer on a tensor that is no view, bit for bit (float64 and float32); a view of
+    part of a base (a slice) still takes ``CopySlices``, with the same gradients too."""
+    x, dz = _values((3, 5, 8), name, dtype=dtype)
+    lin = nn.Linear(8, 16).to(dtype)
+    layer = LAYERS[name][0]()
+    dz = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), dtype=dtype)
+
+    def grads(view_of_whole: bool):
+        leaf = x.clone().requires_grad_()
+        pre = lin(leaf)
+        if not view_of_whole:
+            pre = pre.clone()  # no view
+        assert pre._is_view() == view_of_whole
+        out = layer(pre)
+        assert out.shape == (3, 5, 16) and out.data_ptr() == pre.data_ptr()
+        names = _graph_names(out)
+        out.backward(dz)
+        return names, [leaf.grad, lin.weight.grad.clone(), lin.bias.grad.clone()]
+
+    lin.zero_grad()
+    names, through_base = grads(True)
+    assert "CopySlices" not in names and "InPlaceActivationFunctionBackward" in names
+    lin.zero_grad()
+    _, plain = grads(False)
+    for a, b in zip(through_base, plain, strict=True):
+        assert torch.equal(a, b)
+    # a slice of a base: CopySlices, the same gradient as on a copy (the layer's own; the
+    # linear layer's sums its rows in another order on the base's layout)
+    part = lin(x.clone().requires_grad_())[:, 1:]
+    out = layer(part)
+    assert "CopySlices" in _graph_names(out)
+    (through_slices,) = torch.autograd.grad(out, part, dz[:, 1:])
+    copy = lin(x.clone().requires_grad_())[:, 1:].clone()
+    (on_copy,) = torch.autograd.grad(LAYERS[name][0]()(copy), copy, dz[:, 1:])
+    assert torch.equal(through_slices, on_copy)

@@ -19,16 +19,19 @@ from torch import Tensor
 from ..kernels import branch
 from ..kernels.activations import ACTIVATIONS
 from ..kernels.backends import backend_or_reference
-from .call import layer_call, overwritable, refuse_double_backward
+from .call import layer_call, overwritable, refuse_double_backward, whole_base
 
 
 class InPlaceActivationFunction(torch.autograd.Function):
     """Keeps the output ``z`` and, for an activation with one minimum, the packed branch bits
-    (``ceil(numel / 8)`` bytes); ``overwrite``: ``z`` is written into ``x`` (marked dirty)."""
+    (``ceil(numel / 8)`` bytes); ``overwrite``: ``z`` is written into ``x`` (marked dirty).
+    ``shape``: the shape ``z`` is kept in (``x``, a view's base overwritten in the view's
+    place, keeps it in the view's: a checkpoint's recomputation must keep what its first
+    forward kept, which computed the view output-only)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, activation: str, activation_param: Any,  # type: ignore[override]
-                overwrite: bool) -> Tensor:
+                overwrite: bool, shape: torch.Size | None = None) -> Tensor:
         record = ACTIVATIONS[activation]
         # y < y* in x's dtype, before x is overwritten (as the batch-norm layers' forward)
         bits = branch.pack_below(x, record.minimum.y_star) if record.needs_branch else None
@@ -38,20 +41,23 @@ class InPlaceActivationFunction(torch.autograd.Function):
             ctx.mark_dirty(x)
         else:
             z = record.apply(x, activation_param)
-        ctx.save_for_backward(z, bits)
-        ctx.activation, ctx.activation_param = activation, activation_param
+        # (a detached alias: a view made here, with autograd off, would be a no-grad view of
+        # the base, which a later in-place layer on the base may not modify)
+        ctx.save_for_backward(z if shape is None else z.detach().view(shape), bits)
+        ctx.activation, ctx.activation_param, ctx.shape = activation, activation_param, x.shape
         return z
 
     @staticmethod
-    def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, None, None, None]:
+    def backward(ctx: Any, dz: Tensor) -> tuple[Tensor | None, None, None, None, None]:
         if torch.is_grad_enabled():
             refuse_double_backward(
                 "the in-place activation layers (iabn.InPlaceGELU, InPlaceSiLU, InPlaceMish...)",
                 "nn.GELU, nn.SiLU, nn.Mish...", plural=True)
         z, bits = ctx.saved_tensors
-        dx = backend_or_reference(z, ctx.activation).activation_grad(z, dz, bits, ctx.activation,
-                                                     ctx.activation_param)
-        return dx, None, None, None
+        dx = backend_or_reference(z, ctx.activation).activation_grad(
+            z, dz.view(z.shape) if z.shape != dz.shape else dz, bits, ctx.activation,
+            ctx.activation_param)
+        return dx.view(ctx.shape) if dx.shape != ctx.shape else dx, None, None, None, None
 
 
 class ActivationFamily:
@@ -80,8 +86,13 @@ class ActivationFamily:
     @staticmethod
     def with_grad(input: Tensor, weight: None, bias: None, options: tuple,
                   overwrite: bool) -> Tensor:
-        return InPlaceActivationFunction.apply(
-            overwritable(input) if overwrite else input, *options, overwrite)
+        if not overwrite:
+            return InPlaceActivationFunction.apply(input, *options, False)
+        base = whole_base(input)
+        if base is not None:  # the view's base in its place, then the view again (call.py)
+            return InPlaceActivationFunction.apply(base, *options, True, input.shape).view(
+                input.shape)
+        return InPlaceActivationFunction.apply(overwritable(input), *options, True)
 
 
 def activation_call(input: Tensor, activation: str, activation_param: Any, overwrite: bool,
