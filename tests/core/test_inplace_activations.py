@@ -526,3 +526,27 @@ def test_a_view_of_its_whole_base_is_overwritten_through_the_base(name, dtype):
     copy = lin(x.clone().requires_grad_())[:, 1:].clone()
     (on_copy,) = torch.autograd.grad(LAYERS[name][0]()(copy), copy, dz[:, 1:])
     assert torch.equal(through_slices, on_copy)
+
+
+@pytest.mark.parametrize("grad_kind", ["sum", "broadcast row", "transposed"])
+def test_whole_base_takes_any_layout_of_the_gradient(grad_kind):
+    """The gradient reaching a layer that overwrote a view's base comes in the base's shape,
+    in whatever layout autograd hands it (expanded by ``sum``, broadcast, transposed): the
+    input gradient is that of the layer on a tensor that is no view, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, 8, generator=g, dtype=F64)
+    lin = nn.Linear(8, 16).double()
+    grads = {"sum": None,
+             "broadcast row": torch.randn(3, 1, 16, generator=g, dtype=F64).expand(3, 5, 16),
+             "transposed": torch.randn(16, 5, 3, generator=g, dtype=F64).permute(2, 1, 0)}
+    results = []
+    for as_view in (True, False):
+        leaf = x.clone().requires_grad_()
+        pre = lin(leaf) if as_view else lin(leaf).clone()
+        out = iabn.InPlaceSiLU()(pre)
+        if grads[grad_kind] is None:
+            out.sum().backward()
+        else:
+            out.backward(grads[grad_kind])
+        results.append(leaf.grad)
+    assert torch.equal(*results)

@@ -55,9 +55,9 @@ class InPlaceActivationFunction(torch.autograd.Function):
                 "nn.GELU, nn.SiLU, nn.Mish...", plural=True)
         z, bits = ctx.saved_tensors
         dx = backend_or_reference(z, ctx.activation).activation_grad(
-            z, dz.view(z.shape) if z.shape != dz.shape else dz, bits, ctx.activation,
+            z, dz.reshape(z.shape) if z.shape != dz.shape else dz, bits, ctx.activation,
             ctx.activation_param)
-        return dx.view(ctx.shape) if dx.shape != ctx.shape else dx, None, None, None, None
+        return dx.reshape(ctx.shape) if dx.shape != ctx.shape else dx, None, None, None, None
 
 
 class ActivationFamily:
