@@ -74,9 +74,11 @@ def check(names: list[str], shape) -> str | None:
         if name not in LAYERS and name not in NORM_LAYERS:
             return (f"--names: unknown layer {name!r}; choose from "
                     f"{', '.join([*LAYERS, *NORM_LAYERS])}")
-        if name in NORM_LAYERS and (len(shape) != 4 or shape[1] % 32):
-            return (f"--shape: {name} needs a 4-d shape N,C,H,W with C a multiple of 32 (the "
-                    f"group norm's groups), got {','.join(map(str, shape))}")
+        if name in NORM_LAYERS and len(shape) != 4:
+            return f"--shape: {name} needs a 4-d shape N,C,H,W, got {','.join(map(str, shape))}"
+        if name.startswith("gn_") and shape[1] % 32:
+            return (f"--shape: {name} needs C a multiple of 32 (the group norm's groups), got "
+                    f"{','.join(map(str, shape))}")
     return None
 
 

@@ -56,3 +56,10 @@ def test_user_errors_exit_2_naming_the_argument(args, message, capsys):
         _script().main(args)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_batch_norm_row_takes_any_channel_count(tmp_path):
+    """Only the group norm's rows need channels in multiples of its 32 groups."""
+    rows = _script().main(["--shape", "2,6,4,4", "--repeats", "3", "--names", "abn_silu",
+                           "--json", str(tmp_path / "speed.json")])
+    assert [row["name"] for row in rows] == ["abn_silu"]

@@ -54,10 +54,11 @@ class InPlaceActivationFunction(torch.autograd.Function):
                 "the in-place activation layers (iabn.InPlaceGELU, InPlaceSiLU, InPlaceMish...)",
                 "nn.GELU, nn.SiLU, nn.Mish...", plural=True)
         z, bits = ctx.saved_tensors
+        # (z in the view's shape where x was a view's base: the gradients reshaped both ways,
+        # no copy where the layout allows)
         dx = backend_or_reference(z, ctx.activation).activation_grad(
-            z, dz.reshape(z.shape) if z.shape != dz.shape else dz, bits, ctx.activation,
-            ctx.activation_param)
-        return dx.reshape(ctx.shape) if dx.shape != ctx.shape else dx, None, None, None, None
+            z, dz.reshape(z.shape), bits, ctx.activation, ctx.activation_param)
+        return dx.reshape(ctx.shape), None, None, None, None
 
 
 class ActivationFamily:

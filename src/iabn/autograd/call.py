@@ -153,8 +153,8 @@ def whole_base(input: Tensor) -> Tensor | None:
     its 2-d matrix product), else ``None``. An elementwise layer overwrites that base in its
     place: overwritten in place, a view makes autograd record ``CopySlices``, whose backward
     copies the gradient into a tensor of the base's size and back (four activation-sized
-    copies and a fill of zeros per layer: 48 ms of the 54 ms a converted ViT-S/16 step took
-    beyond the model's, batch 2, one thread, profiled); the base then costs a view's
+    copies and a fill of zeros per layer: 48 ms of the 68 ms a converted ViT-S/16 step took
+    beyond the model's in one profile, batch 2, one thread); the base then costs a view's
     backward, a reshape. Eager mode only."""
     if torch.compiler.is_compiling() or not input._is_view():
         return None
