@@ -113,3 +113,50 @@ def test_a_unit_whose_timing_fails_is_charged_nothing_and_noted(monkeypatch):
     assert {c.seconds for c in planner.candidates if c.choice == INPLACE} == {0.0}
     assert any("timing its converted layers failed (RuntimeError: no kernel)" in note
                for note in planner.notes)
+
+
+def test_the_largest_cache_is_read_from_sysfs_with_a_fallback(tmp_path, monkeypatch):
+    for index, size in enumerate(["32K", "1024K", "32768K", "junk"]):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
+    monkeypatch.setattr(recovery, "CPU_CACHE_SIZES", str(tmp_path / "index*" / "size"))
+    recovery._largest_cache.cache_clear()
+    try:
+        assert recovery._largest_cache("cpu") == 32768 << 10
+        assert recovery.eviction_buffer(torch.device("cpu"))[0].numel() == 2 * (32768 << 10)
+        monkeypatch.setattr(recovery, "CPU_CACHE_SIZES", str(tmp_path / "none*" / "size"))
+        recovery._largest_cache.cache_clear()
+        assert recovery._largest_cache("cpu") == recovery.FALLBACK_CACHE_BYTES
+    finally:
+        recovery._largest_cache.cache_clear()
+
+
+@pytest.mark.measured_recovery
+def test_each_forward_and_backward_starts_from_evicted_caches_outside_the_timing(monkeypatch):
+    """The caches are emptied before every timed forward and every timed backward, of both
+    layers, and the emptying is not timed."""
+    events = []
+    clock = iter(range(10_000))
+
+    class Recorded(nn.Module):
+        def __init__(self, name, inner):
+            super().__init__()
+            self.name, self.inner = name, inner
+
+        def forward(self, x):
+            events.append(("forward", self.name))
+            out = self.inner(x)
+            out.register_hook(lambda g: events.append(("backward", self.name)))
+            return out
+
+    monkeypatch.setattr(recovery, "eviction_buffer", lambda device: ["buffer"])
+    monkeypatch.setattr(recovery, "evict_caches", lambda buffers: events.append(("evict",)))
+    monkeypatch.setattr(recovery.time, "perf_counter", lambda: next(clock))
+    recovery._MEASURED.clear()
+    repeats = 2
+    recovery.pair_seconds(Recorded("given", nn.GELU()), Recorded("ours", iabn.InPlaceGELU()),
+                          torch.randn(2, 8), repeats=repeats)
+    recovery._MEASURED.clear()
+    expected = [e for _ in range(repeats + 1) for name in ("given", "ours")
+                for e in (("evict",), ("forward", name), ("evict",), ("backward", name))]
+    assert events == expected
