@@ -170,3 +170,33 @@ def test_the_activation_layers_take_the_triton_backward_when_asked():
         assert kernels == (["triton.activation_grad_kernel"] if backend == "triton" else [])
     scale = grads["reference"].abs().max()
     assert (grads["triton"] - grads["reference"]).abs().max() <= 1e-6 * scale
+
+
+@runs_triton
+@pytest.mark.parametrize("name", BRANCH)
+def test_a_view_of_its_whole_base_through_the_triton_backward(name):
+    """A linear layer's 3-d output (a view of its 2-d product) is overwritten through its
+    base, and the Triton backward then gets ``z`` and ``dz`` in the view's shape: the input,
+    weight and bias gradients are those of the same layer on a tensor that is no view."""
+    import iabn
+    from iabn.kernels.backends import use_backend
+
+    layers = {"silu": iabn.InPlaceSiLU, "gelu": iabn.InPlaceGELU,
+              "gelu_tanh": lambda: iabn.InPlaceGELU("tanh"), "mish": iabn.InPlaceMish}
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 5, 8, generator=g) * 2).to(TRITON_DEVICE)
+    dz = torch.randn(3, 5, 16, generator=g).to(TRITON_DEVICE)
+    lin = torch.nn.Linear(8, 16).to(TRITON_DEVICE)
+    results = []
+    for view in (True, False):
+        leaf = x.clone().requires_grad_()
+        lin.zero_grad()
+        with use_backend("triton"):
+            pre = lin(leaf)
+            if not view:
+                pre = pre.clone()
+            assert pre._is_view() == view
+            layers[name]()(pre).backward(dz)
+        results.append([leaf.grad, lin.weight.grad.clone(), lin.bias.grad.clone()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
