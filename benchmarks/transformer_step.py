@@ -3,7 +3,9 @@ conversion (output-only layer and RMS norms, in-place GELU and SiLU).
 
 Models: timm's ``vit_small_patch16_224`` and ``convnext_tiny`` (random weights, nothing
 downloaded) and the Llama-style decoder of tests/support/transformer_models.py (the
-``decoder`` here: dim 512, 8 heads, SwiGLU hidden 1376, 4 blocks, 256 tokens). Providers:
+``decoder`` here: dim 512, 8 heads, SwiGLU hidden 1376, 4 blocks, 256 tokens), the default;
+asked for by name, torchvision's ``efficientnet_b0`` (batch norm + SiLU, which the conversion
+makes ``InPlaceABN`` with SiLU, and the squeeze-excitation's SiLU ``InPlaceSiLU``). Providers:
 
 ``given``       the model as built
 ``converted``   ``iabn.convert(model, example, verify=False)`` of a copy (same weights)
@@ -66,7 +68,9 @@ from iabn.tools.bench import (  # noqa: E402
 )
 
 RESULTS = results_folder(Path(__file__).resolve().parent / "results")
-MODELS = ("vit_small", "convnext_tiny", "decoder")
+MODELS = ("vit_small", "convnext_tiny", "decoder", "efficientnet_b0")
+#: ``--models``' default (the GPU campaign names its models itself)
+DEFAULT_MODELS = ("vit_small", "convnext_tiny", "decoder")
 MODES = ("eager", "compile")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TARGET = 1.10
@@ -80,6 +84,11 @@ def build(name: str, batch: int, quick: bool, device: torch.device):
         model = (Decoder(vocabulary=128, dim=64, heads=4, hidden=176, depth=2) if quick else
                  Decoder(vocabulary=32000, dim=512, heads=8, hidden=1376, depth=4))
         example = torch.randint(0, model.head.out_features, (batch, 16 if quick else 256))
+    elif name == "efficientnet_b0":
+        import torchvision
+        model = torchvision.models.efficientnet_b0()
+        size = 32 if quick else 224
+        example = torch.randn(batch, 3, size, size)
     else:
         import timm
         kwargs = {"img_size": 32, "depth": 2} if quick and name == "vit_small" else {}
@@ -179,7 +188,7 @@ def _list(parser: argparse.ArgumentParser, text: str, known, what: str) -> list[
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--dtypes", default="float32")
     parser.add_argument("--batch", type=int, default=None)

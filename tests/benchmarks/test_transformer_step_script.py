@@ -47,3 +47,16 @@ def test_usage_errors_exit_2(tmp_path):
         assert done.returncode == 2, args
         assert "usage" in done.stderr
         assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.slow  # 20 s on 2 cores: EfficientNet-B0 at 32x32, three providers
+def test_efficientnet_is_converted_to_in_place_abn_with_silu(tmp_path):
+    """Asked for by name (not in the default list), torchvision's EfficientNet-B0: its batch
+    norms with SiLU become InPlaceABN, and the conversion keeps fewer bytes."""
+    out = tmp_path / "steps.json"
+    done = _run("--quick", "--models", "efficientnet_b0", "--threads", "1", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (cell,) = json.loads(out.read_text())["cells"]
+    assert cell["model"] == "efficientnet_b0"
+    assert any(name.startswith("InPlaceABN") for name in cell["layers"])
+    assert cell["saved_bytes"]["converted"] < cell["saved_bytes"]["given"]
