@@ -74,3 +74,20 @@ def test_pytorch_s_layer_norm_moves_three():
     """The counter's view of nn.LayerNorm, for the table beside ours."""
     step, a = _step(nn.LayerNorm(SHAPE[-1]))
     assert step.backward.moved == 3 * a and len(step.backward.launches) == 1
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("overwrite_input", [False, True])
+def test_forward_moves_what_pytorch_s_module_moves(kind, overwrite_input):
+    """The forward is PyTorch's kernel, which also gives the ``rstd`` backward keeps (RMS norm:
+    ``aten._fused_rms_norm``, where ``rstd`` was computed again beside ``torch.rms_norm``, one
+    more read of the input): the same activation-sized bytes as ``nn.LayerNorm`` /
+    ``nn.RMSNorm``'s forward, plus the copy into the input where it is overwritten; the
+    other operations are on the ``(D,)`` weights (which features keep ``xhat``)."""
+    ours = (iabn.InPlaceLayerNorm if kind == "layer" else iabn.InPlaceRMSNorm)(
+        SHAPE[-1], overwrite_input=overwrite_input)
+    theirs = (nn.LayerNorm if kind == "layer" else nn.RMSNorm)(SHAPE[-1])
+    step, a = _step(ours)
+    reference, _ = _step(theirs)
+    assert step.forward.moved == reference.forward.moved + 2 * a * overwrite_input, (
+        step.forward.names())

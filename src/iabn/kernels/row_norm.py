@@ -22,8 +22,10 @@ is that times the row's ``rstd``. RMS norm's bracket is layer norm's plus the ro
 ``mean_D(dxhat)`` (one ``mv``), added in the same multiply (:func:`_grads` counts the
 passes). The
 forward is PyTorch's: ``aten::native_layer_norm`` (the kernel ``nn.LayerNorm`` runs, so the
-outputs are equal bit for bit) and ``torch.rms_norm`` (``nn.RMSNorm``'s), the latter with its
-``rstd`` computed again beside it (one more read of the input).
+outputs are equal bit for bit) and ``torch.rms_norm`` (``nn.RMSNorm``'s): where the input's
+and the weight's dtypes match, the kernel it calls, ``aten._fused_rms_norm``, which returns
+``rstd`` too; otherwise ``torch.rms_norm`` with its ``rstd`` computed again beside it (one
+more read of the input).
 
 **Weights at or near zero.** Rebuilding divides by ``w``. With ``u`` the unit roundoff of the
 stored output's dtype, the rebuilt ``xhat`` of a feature is off by about
@@ -58,6 +60,9 @@ from .common import LAYER_NORM, LOW_PRECISION, RowConfig, at_most, part_count
 
 _NATIVE_LAYER_NORM = torch.ops.aten.native_layer_norm.default
 _NATIVE_LAYER_NORM_BACKWARD = torch.ops.aten.native_layer_norm_backward.default
+#: ``(out, rstd)`` of an RMS norm: what ``torch.rms_norm`` calls where the input's and the
+#: weight's dtypes match (torch 2.8 and later have it).
+_FUSED_RMS_NORM = getattr(torch.ops.aten, "_fused_rms_norm", None)
 
 #: ``K`` of the near-zero weight rule (module docstring): a feature whose ``|bias| >= K *
 #: |weight|`` keeps its ``xhat`` columns instead of rebuilding them from the output.
@@ -133,6 +138,11 @@ def row_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     if kind == LAYER_NORM:
         out, mean, rstd = _NATIVE_LAYER_NORM(v, list(shape), weight, bias, eps)
         mean, rstd = mean.reshape(m, 1).to(compute), rstd.reshape(m, 1).to(compute)
+    elif _FUSED_RMS_NORM is not None and (weight is None or weight.dtype == v.dtype):
+        # the kernel torch.rms_norm runs here (where the dtypes match), which also returns
+        # the rstd it normalised with: one read of the input, one launch
+        out, rstd = _FUSED_RMS_NORM(v, list(shape), weight, eps)
+        rstd, mean = rstd.reshape(m, 1).to(compute), None
     else:
         out = torch.rms_norm(v, list(shape), weight, eps)
         # the same rstd again, in the compute dtype (vector_norm accumulates in it)
