@@ -123,7 +123,7 @@ def test_the_largest_cache_is_read_from_sysfs_with_a_fallback(tmp_path, monkeypa
     recovery._largest_cache.cache_clear()
     try:
         assert recovery._largest_cache("cpu") == 32768 << 10
-        assert recovery.eviction_buffer(torch.device("cpu"))[0].numel() == 2 * (32768 << 10)
+        assert recovery.eviction_buffers(torch.device("cpu"))[0].numel() == 2 * (32768 << 10)
         monkeypatch.setattr(recovery, "CPU_CACHE_SIZES", str(tmp_path / "none*" / "size"))
         recovery._largest_cache.cache_clear()
         assert recovery._largest_cache("cpu") == recovery.FALLBACK_CACHE_BYTES
@@ -149,7 +149,7 @@ def test_each_forward_and_backward_starts_from_evicted_caches_outside_the_timing
             out.register_hook(lambda g: events.append(("backward", self.name)))
             return out
 
-    monkeypatch.setattr(recovery, "eviction_buffer", lambda device: ["buffer"])
+    monkeypatch.setattr(recovery, "eviction_buffers", lambda device: ["buffer"])
     monkeypatch.setattr(recovery, "evict_caches", lambda buffers: events.append(("evict",)))
     monkeypatch.setattr(recovery.time, "perf_counter", lambda: next(clock))
     recovery._MEASURED.clear()

@@ -62,7 +62,7 @@ def _largest_cache(device: str) -> int:
     return max(sizes) if sizes else FALLBACK_CACHE_BYTES
 
 
-def eviction_buffer(device: torch.device) -> list[Tensor]:
+def eviction_buffers(device: torch.device) -> list[Tensor]:
     """Buffers that :func:`evict_caches` writes over: twice the largest cache of the host, and
     of ``device`` where it is a GPU."""
     buffers = [torch.empty(2 * _largest_cache("cpu"), dtype=torch.uint8)]
@@ -73,7 +73,7 @@ def eviction_buffer(device: torch.device) -> list[Tensor]:
 
 
 def evict_caches(buffers: list[Tensor]) -> None:
-    """Reads and writes every byte of ``buffers`` (:func:`eviction_buffer`): what the caches
+    """Reads and writes every byte of ``buffers`` (:func:`eviction_buffers`): what the caches
     held before is gone."""
     for buffer in buffers:
         buffer.add_(1)
@@ -157,7 +157,7 @@ def pair_seconds(replaced: nn.Module, converted: nn.Module, x: Tensor,
         layer.requires_grad_(True)
     leaf = x.detach().clone().requires_grad_()
     grad = torch.randn_like(x)
-    buffers = eviction_buffer(x.device)
+    buffers = eviction_buffers(x.device)
     best = [float("inf"), float("inf")]
     for _ in range(repeats + 1):  # the first round warms up
         for i, layer in enumerate(layers):
@@ -185,5 +185,5 @@ def unit_recovery_seconds(original: Sequence[nn.Module], converted: Sequence[nn.
     return max(0.0, total)
 
 
-__all__ = ["FALLBACK_CACHE_BYTES", "REPEATS", "evict_caches", "eviction_buffer", "layer_pairs",
+__all__ = ["FALLBACK_CACHE_BYTES", "REPEATS", "evict_caches", "eviction_buffers", "layer_pairs",
            "pair_seconds", "unit_recovery_seconds"]
