@@ -72,15 +72,37 @@ def test_a_measuring_speed_takes_a_products_measured_time_and_a_fixed_one_the_ro
         runs.append(repeats)
         return 0.03
 
-    monkeypatch.setattr(cost, "_best_seconds", best)
+    monkeypatch.setattr(cost, "_fastest_cold", best)
     monkeypatch.setattr(cost, "_PRODUCT_SECONDS", {})
     a = torch.randn(8, 8)
     (op,) = _ops(lambda: torch.mm(a, a))
     roofline = _speed(False).seconds(op.flops, op.bytes)
     assert _speed(False).op_seconds(op) == roofline and not runs
-    assert _speed(True).op_seconds(op) == pytest.approx(0.03 / cost.PRODUCT_CALLS)
-    assert _speed(True).op_seconds(op) == pytest.approx(0.03 / cost.PRODUCT_CALLS)
+    assert _speed(True).op_seconds(op) == pytest.approx(0.03)  # one call a run on a CPU
+    assert _speed(True).op_seconds(op) == pytest.approx(0.03)
     assert runs == [5]  # timed once per process and call
+
+
+def test_every_timed_run_of_a_product_starts_from_emptied_caches(monkeypatch):
+    """On a CPU each of the 5 timed runs is one call, after the caches were emptied, and the
+    emptying is not timed (the clock is read after it)."""
+    from iabn.planning import caches
+
+    events = []
+    clock = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(cost, "_PRODUCT_SECONDS", {})
+    monkeypatch.setattr(caches, "evict", lambda device: events.append("evict"))
+    monkeypatch.setattr(cost.time, "perf_counter", lambda: next(clock) * 1e-9)  # short calls
+    spec = cost._TensorSpec
+
+    def counted_mm(x, y):
+        events.append("call")
+        return torch.mm(x, y)
+
+    call = ProductCall(counted_mm, (spec((16, 8), (8, 1), torch.float32),
+                                    spec((8, 4), (4, 1), torch.float32)), ())
+    assert cost.product_seconds(call, _speed(True)) == pytest.approx(10e-9)
+    assert events == ["call"] + ["evict", "call"] * 5  # the first run decides short or long
 
 
 def test_a_call_that_cannot_run_on_the_device_falls_back_to_the_roofline(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import iabn
-from iabn.planning import recovery
+from iabn.planning import caches, recovery
 from iabn.planning.planner import Planner
 from iabn.planning.wrappers import INPLACE
 
@@ -115,22 +115,6 @@ def test_a_unit_whose_timing_fails_is_charged_nothing_and_noted(monkeypatch):
                for note in planner.notes)
 
 
-def test_the_largest_cache_is_read_from_sysfs_with_a_fallback(tmp_path, monkeypatch):
-    for index, size in enumerate(["32K", "1024K", "32768K", "junk"]):
-        (tmp_path / f"index{index}").mkdir()
-        (tmp_path / f"index{index}" / "size").write_text(size + "\n")
-    monkeypatch.setattr(recovery, "CPU_CACHE_SIZES", str(tmp_path / "index*" / "size"))
-    recovery._largest_cache.cache_clear()
-    try:
-        assert recovery._largest_cache("cpu") == 32768 << 10
-        assert recovery.eviction_buffers(torch.device("cpu"))[0].numel() == 2 * (32768 << 10)
-        monkeypatch.setattr(recovery, "CPU_CACHE_SIZES", str(tmp_path / "none*" / "size"))
-        recovery._largest_cache.cache_clear()
-        assert recovery._largest_cache("cpu") == recovery.FALLBACK_CACHE_BYTES
-    finally:
-        recovery._largest_cache.cache_clear()
-
-
 @pytest.mark.measured_recovery
 def test_each_forward_and_backward_starts_from_evicted_caches_outside_the_timing(monkeypatch):
     """The caches are emptied before every timed forward and every timed backward, of both
@@ -149,8 +133,7 @@ def test_each_forward_and_backward_starts_from_evicted_caches_outside_the_timing
             out.register_hook(lambda g: events.append(("backward", self.name)))
             return out
 
-    monkeypatch.setattr(recovery, "eviction_buffers", lambda device: ["buffer"])
-    monkeypatch.setattr(recovery, "evict_caches", lambda buffers: events.append(("evict",)))
+    monkeypatch.setattr(caches, "evict", lambda device: events.append(("evict",)))
     monkeypatch.setattr(recovery.time, "perf_counter", lambda: next(clock))
     recovery._MEASURED.clear()
     repeats = 2

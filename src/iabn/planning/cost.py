@@ -42,6 +42,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from . import caches
 from .selective import is_expansion, is_product, product_flops
 
 REST = -1  # operations outside every unit
@@ -284,8 +285,9 @@ COMPUTE_BOUND = frozenset(
     if hasattr(torch.ops.aten, name))
 #: ``(device, device name, threads, call) -> seconds`` (``None``: it did not run there).
 _PRODUCT_SECONDS: dict[tuple, float | None] = {}
-#: Calls of a product per timed run (on CUDA a run's launches queue behind each other, as a
+#: Calls of a product per timed run on CUDA (a run's launches queue behind each other, as a
 #: model's do; one call alone between synchronisations would also time the launch latency).
+#: On a CPU a run is one call, so that every timed call starts from emptied caches.
 PRODUCT_CALLS = 3
 #: A call whose first run takes longer than this is timed once more and the faster of the two
 #: kept: its launch and host costs are a small part of it, and the 18 runs of the short calls'
@@ -293,15 +295,26 @@ PRODUCT_CALLS = 3
 LONG_CALL_S = 0.01
 
 
+def _fastest_cold(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
+    """The fastest of ``repeats`` runs of ``fn``, each after the caches were emptied
+    (:func:`.caches.evict`, not timed)."""
+    best = float("inf")
+    for _ in range(repeats):
+        caches.evict(device)
+        best = min(best, _seconds_once(fn, device))
+    return best
+
+
 def product_seconds(call: ProductCall, speed: DeviceSpeed) -> float | None:
     """The measured time of one product on ``speed``'s device: ``call`` run again with random
-    inputs of its recorded shapes, strides and dtypes, :data:`PRODUCT_CALLS` calls a run, the
-    fastest of 5 runs (as the calibration's rates); a call longer than :data:`LONG_CALL_S`
-    the faster of two runs of one call. Once per process for each distinct call. ``None``
-    where it cannot run there (out of memory, an unsupported layout): the roofline times it.
-    Why measured: a roofline's single rate misses how a matrix product's speed follows its
-    shape (timm's ViT-S/16, batch 2, one CPU thread: its products took 24 % longer than the
-    384x384 calibration product's rate predicted)."""
+    inputs of its recorded shapes, strides and dtypes, the fastest of 5 runs each from emptied
+    caches (:mod:`.caches`: inside a step the product's weights and inputs come from memory),
+    one call a run on a CPU, :data:`PRODUCT_CALLS` on CUDA; a call longer than
+    :data:`LONG_CALL_S` the faster of two runs of one call. Once per process for each distinct
+    call. ``None`` where it cannot run there (out of memory, an unsupported layout): the
+    roofline times it. Why measured: a roofline's single rate misses how a matrix product's
+    speed follows its shape (timm's ViT-S/16, batch 2, one CPU thread: its products took 24 %
+    longer than the 384x384 calibration product's rate predicted)."""
     device = torch.device(speed.device)
     key = (str(device), speed.name, speed.threads, call)
     if key not in _PRODUCT_SECONDS:
@@ -310,13 +323,15 @@ def product_seconds(call: ProductCall, speed: DeviceSpeed) -> float | None:
                 run = call.run_on(device)
                 first = _seconds_once(run, device)
                 if first > LONG_CALL_S:
-                    seconds = min(first, _seconds_once(run, device))
+                    seconds = min(first, _fastest_cold(run, device, 1))
                 else:
+                    count = PRODUCT_CALLS if device.type == "cuda" else 1
+
                     def calls() -> None:
-                        for _ in range(PRODUCT_CALLS):
+                        for _ in range(count):
                             run()
 
-                    seconds = _best_seconds(calls, device, 5) / PRODUCT_CALLS
+                    seconds = _fastest_cold(calls, device, 5) / count
                 _PRODUCT_SECONDS[key] = seconds
         except (RuntimeError, TypeError, ValueError, NotImplementedError):
             _PRODUCT_SECONDS[key] = None

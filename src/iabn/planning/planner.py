@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..measure.trial_runs import preserved, same_randomness
 from ..memory import saved_tensor_bytes
+from . import caches
 from .accounting import Run, Saved, observe, recomputed_saves, record
 from .cost import DeviceSpeed, calibrate
 from .recovery import unit_recovery_seconds
@@ -645,8 +646,11 @@ def plan(
     devices = sorted({a.device.index or 0 for a in args
                       if isinstance(a, Tensor) and a.device.type == "cuda"})
     with torch.random.fork_rng(devices=devices):
-        return _plan(model, args, budget, policy, allowed, time_limit, verify, timing_device,
-                     progress, compiled)
+        try:
+            return _plan(model, args, budget, policy, allowed, time_limit, verify,
+                         timing_device, progress, compiled)
+        finally:
+            caches.release()  # the buffers that emptied the caches for the timings
 
 
 def _plan(model: nn.Module, args: tuple, budget: int | float, policy: str,

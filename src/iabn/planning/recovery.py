@@ -7,7 +7,7 @@ in the unit, of another class) and both are timed on the input the replaced laye
 in the model's recorded forward: one forward and backward each, on a fresh copy of that input
 (which an in-place layer overwrites), alternated ``repeats`` times on the real device, the
 fastest of each kept (other jobs only add time). The caches are emptied before the forward and
-again before the backward (:func:`evict_caches`, outside the timed parts): in a training step
+again before the backward (:func:`.caches.evict`, outside the timed parts): in a training step
 each layer runs after other layers have passed through them, and its backward reads what its
 forward saved long before. Timed warm, back to back, the layers of a converted ViT-S/16 (batch
 2, one thread, 2-core VM) cost 9 ms more than those they replaced, from emptied caches 23-31
@@ -24,61 +24,18 @@ it."""
 from __future__ import annotations
 
 import copy
-import functools
-import glob
 import time
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
+from . import caches
+
 #: ``(classes, hyperparameters, input shape, dtype, device, threads, backend) -> seconds``.
 _MEASURED: dict[tuple, float] = {}
 #: Alternated forward + backward runs per pair (the fastest of each is kept).
 REPEATS = 7
-#: The largest cache assumed where the machine does not say (sysfs on Linux; CUDA reports its
-#: L2).
-FALLBACK_CACHE_BYTES = 64 << 20
-#: Linux's sizes of the first processor's caches ("32K", "1024K", "32768K").
-CPU_CACHE_SIZES = "/sys/devices/system/cpu/cpu0/cache/index*/size"
-
-
-@functools.cache
-def _largest_cache(device: str) -> int:
-    """The largest cache between ``device``'s memory and its processors, in bytes."""
-    if device.startswith("cuda"):
-        return int(torch.cuda.get_device_properties(torch.device(device)).L2_cache_size)
-    sizes = []
-    for path in glob.glob(CPU_CACHE_SIZES):
-        try:
-            with open(path) as f:
-                text = f.read().strip()
-        except OSError:
-            continue
-        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            sizes.append(int(digits) * scale)
-    return max(sizes) if sizes else FALLBACK_CACHE_BYTES
-
-
-def eviction_buffers(device: torch.device) -> list[Tensor]:
-    """Buffers that :func:`evict_caches` writes over: twice the largest cache of the host, and
-    of ``device`` where it is a GPU."""
-    buffers = [torch.empty(2 * _largest_cache("cpu"), dtype=torch.uint8)]
-    if device.type == "cuda":
-        buffers.append(torch.empty(2 * _largest_cache(str(device)), dtype=torch.uint8,
-                                   device=device))
-    return buffers
-
-
-def evict_caches(buffers: list[Tensor]) -> None:
-    """Reads and writes every byte of ``buffers`` (:func:`eviction_buffers`): what the caches
-    held before is gone."""
-    for buffer in buffers:
-        buffer.add_(1)
-        if buffer.device.type == "cuda":
-            torch.cuda.synchronize(buffer.device)
 
 
 def layer_pairs(original: Sequence[nn.Module], converted: Sequence[nn.Module],
@@ -119,9 +76,9 @@ def _inputs_of(modules: Sequence[nn.Module], example: tuple[Tensor, ...],
     return seen
 
 
-def _timed(fn, device: torch.device, buffers: list[Tensor]) -> tuple[float, object]:
+def _timed(fn, device: torch.device) -> tuple[float, object]:
     """``fn()``'s seconds (with the caches emptied first) and its result."""
-    evict_caches(buffers)
+    caches.evict(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
@@ -131,14 +88,13 @@ def _timed(fn, device: torch.device, buffers: list[Tensor]) -> tuple[float, obje
     return time.perf_counter() - start, result
 
 
-def _step_seconds(module: nn.Module, leaf: Tensor, grad: Tensor,
-                  buffers: list[Tensor]) -> float:
+def _step_seconds(module: nn.Module, leaf: Tensor, grad: Tensor) -> float:
     """One forward and backward of ``module`` on a copy of ``leaf`` (the copy, which an
     in-place layer may overwrite, is timed for both layers of a pair alike), each timed from
     emptied caches."""
-    forward, out = _timed(lambda: module(leaf.clone()), leaf.device, buffers)
+    forward, out = _timed(lambda: module(leaf.clone()), leaf.device)
     seed = grad if out.shape == grad.shape else torch.ones_like(out)
-    backward, _ = _timed(lambda: out.backward(seed), leaf.device, buffers)
+    backward, _ = _timed(lambda: out.backward(seed), leaf.device)
     return forward + backward
 
 
@@ -157,11 +113,10 @@ def pair_seconds(replaced: nn.Module, converted: nn.Module, x: Tensor,
         layer.requires_grad_(True)
     leaf = x.detach().clone().requires_grad_()
     grad = torch.randn_like(x)
-    buffers = eviction_buffers(x.device)
     best = [float("inf"), float("inf")]
     for _ in range(repeats + 1):  # the first round warms up
         for i, layer in enumerate(layers):
-            best[i] = min(best[i], _step_seconds(layer, leaf, grad, buffers))
+            best[i] = min(best[i], _step_seconds(layer, leaf, grad))
     _MEASURED[key] = best[1] - best[0]
     return _MEASURED[key]
 
@@ -185,5 +140,4 @@ def unit_recovery_seconds(original: Sequence[nn.Module], converted: Sequence[nn.
     return max(0.0, total)
 
 
-__all__ = ["FALLBACK_CACHE_BYTES", "REPEATS", "evict_caches", "eviction_buffers", "layer_pairs",
-           "pair_seconds", "unit_recovery_seconds"]
+__all__ = ["REPEATS", "layer_pairs", "pair_seconds", "unit_recovery_seconds"]
