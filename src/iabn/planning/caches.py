@@ -4,10 +4,10 @@ products, :mod:`.recovery`'s converted layers).
 Inside a training step an operation runs after others have passed through the caches: its
 weights and the activations its backward reads come from memory, and so do the host's own code
 and data around the call. Timed back to back, a call finds all of that in the caches. Measured
-on the 2-core VM (one thread): the planner's predicted step of ViT-S/16 at batch 2 with its
-products and transcendental functions timed warm 11.4 % below the measured median (616 against
-695 ms), from emptied caches 6.4 % (651 ms); ResNet-50 at 4x3x64x64 16.4 % and 6.6 % (228 and
-255 against 273 ms); the output-only layer norm's backward took 110 us warm and 390 us cold.
+on the 2-core VM (one thread, 7 repeats): the planner's predicted step of ResNet-50 at
+4x3x64x64 as given, its products timed warm, 11.0 % below the measured median, from emptied
+caches 1.2 %; a converted ViT-S/16's plan at batch 2 -10.6 % and -12.8 % warm, -0.2 % and
+-4.9 % cold; the output-only layer norm's backward took 110 us warm and 390 us cold.
 
 The caches are emptied by writing over buffers of twice the largest cache (the host's, from
 sysfs on Linux, :data:`FALLBACK_CACHE_BYTES` where unknown; and a GPU's L2 where the call
