@@ -134,12 +134,17 @@ def test_each_forward_and_backward_starts_from_evicted_caches_outside_the_timing
             return out
 
     monkeypatch.setattr(caches, "evict", lambda device: events.append(("evict",)))
-    monkeypatch.setattr(recovery.time, "perf_counter", lambda: next(clock))
+    def read_clock():
+        events.append(("clock",))
+        return next(clock)
+
+    monkeypatch.setattr(caches.time, "perf_counter", read_clock)
     recovery._MEASURED.clear()
     repeats = 2
     recovery.pair_seconds(Recorded("given", nn.GELU()), Recorded("ours", iabn.InPlaceGELU()),
                           torch.randn(2, 8), repeats=repeats)
     recovery._MEASURED.clear()
     expected = [e for _ in range(repeats + 1) for name in ("given", "ours")
-                for e in (("evict",), ("forward", name), ("evict",), ("backward", name))]
+                for e in (("evict",), ("clock",), ("forward", name), ("clock",),
+                          ("evict",), ("clock",), ("backward", name), ("clock",))]
     assert events == expected

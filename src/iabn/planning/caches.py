@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import functools
 import glob
+import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,9 +70,21 @@ def evict(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_cold(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """``(seconds, result)`` of one call of ``fn`` after :func:`evict` (not timed), timed to
+    its end on the device (CUDA: synchronised)."""
+    evict(device)  # (on a GPU it ends synchronised: nothing queued is timed)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, result
+
+
 def release() -> None:
     """Frees the buffers :func:`evict` made."""
     _BUFFERS.clear()
 
 
-__all__ = ["CPU_CACHE_SIZES", "FALLBACK_CACHE_BYTES", "evict", "largest_cache", "release"]
+__all__ = ["CPU_CACHE_SIZES", "FALLBACK_CACHE_BYTES", "evict", "largest_cache", "release",
+           "timed_cold"]

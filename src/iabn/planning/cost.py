@@ -298,11 +298,7 @@ LONG_CALL_S = 0.01
 def _fastest_cold(fn: Callable[[], Any], device: torch.device, repeats: int) -> float:
     """The fastest of ``repeats`` runs of ``fn``, each after the caches were emptied
     (:func:`.caches.evict`, not timed)."""
-    best = float("inf")
-    for _ in range(repeats):
-        caches.evict(device)
-        best = min(best, _seconds_once(fn, device))
-    return best
+    return min(caches.timed_cold(fn, device)[0] for _ in range(repeats))
 
 
 def product_seconds(call: ProductCall, speed: DeviceSpeed) -> float | None:

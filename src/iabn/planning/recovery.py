@@ -24,7 +24,6 @@ it."""
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Sequence
 
 import torch
@@ -76,25 +75,13 @@ def _inputs_of(modules: Sequence[nn.Module], example: tuple[Tensor, ...],
     return seen
 
 
-def _timed(fn, device: torch.device) -> tuple[float, object]:
-    """``fn()``'s seconds (with the caches emptied first) and its result."""
-    caches.evict(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, result
-
-
 def _step_seconds(module: nn.Module, leaf: Tensor, grad: Tensor) -> float:
     """One forward and backward of ``module`` on a copy of ``leaf`` (the copy, which an
     in-place layer may overwrite, is timed for both layers of a pair alike), each timed from
     emptied caches."""
-    forward, out = _timed(lambda: module(leaf.clone()), leaf.device)
+    forward, out = caches.timed_cold(lambda: module(leaf.clone()), leaf.device)
     seed = grad if out.shape == grad.shape else torch.ones_like(out)
-    backward, _ = _timed(lambda: out.backward(seed), leaf.device)
+    backward, _ = caches.timed_cold(lambda: out.backward(seed), leaf.device)
     return forward + backward
 
 
