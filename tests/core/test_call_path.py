@@ -33,6 +33,9 @@ ACTIVATION = {"layers/activation.py", "autograd/activation.py", "autograd/call.p
 #: and the row norms' backward (kernels/cpu_loops.py, entered where Numba is missing too: it
 #: says so; kernels/numba_loops.py, the compiled loops, where it is installed)
 LOOPS = {"kernels/cpu_loops.py"} | ({"kernels/numba_loops.py"} if cpu_loops.available() else set())
+#: the activations' backward where the CPU has AVX-512: the 16-lane loop over the slope tables
+VECTOR = ({"kernels/vector_loops.py"}
+          if cpu_loops.available() and cpu_loops.vector_loop_runs() else set())
 #: batch norm with an activation of one minimum: the branch bits and the inversion, too
 ABN_BRANCH = ABN | {"kernels/branch.py"} | LOOPS
 #: batch norm with leaky_relu on a CPU input of scratch.MIN_BYTES or more: the backward's
@@ -94,7 +97,8 @@ def test_a_row_norm_step_enters_its_rooms_only(make):
 
 
 @pytest.mark.parametrize(("make", "expected"), [
-    (iabn.InPlaceGELU, ACTIVATION | LOOPS), (iabn.InPlaceSiLU, ACTIVATION | LOOPS),
-    (iabn.InPlaceMish, ACTIVATION | LOOPS), (iabn.InPlaceSoftplus, ACTIVATION)])
+    (iabn.InPlaceGELU, ACTIVATION | LOOPS | VECTOR),
+    (iabn.InPlaceSiLU, ACTIVATION | LOOPS | VECTOR),
+    (iabn.InPlaceMish, ACTIVATION | LOOPS | VECTOR), (iabn.InPlaceSoftplus, ACTIVATION)])
 def test_an_activation_step_enters_its_rooms_only(make, expected):
     assert entered(make(), (4, 5, 16)) == expected

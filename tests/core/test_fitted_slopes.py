@@ -18,14 +18,20 @@ from helpers import BRANCH, exact_inverse, torch_activation, torch_minimum
 F64 = torch.float64
 
 
-@pytest.fixture(params=["loop", "aten"])
+@pytest.fixture(params=["vector_loop", "loop", "aten"])
 def cpu_path(request, monkeypatch):
-    """The float32 backward on CPU both ways: Numba's one loop (``kernels/cpu_loops.py``) and,
-    where Numba is missing, ATen's chunks (forced here by refusing the loop)."""
-    if request.param == "loop" and not cpu_loops.available():
+    """The float32 backward on CPU every way: the 16-lane loop over the slope tables where the
+    CPU has AVX-512 (``kernels/vector_loops.py``), Numba's scalar loop over the fitted slopes
+    (``kernels/numba_loops.py``) and, where Numba is missing, ATen's chunks (forced here by
+    refusing the loops)."""
+    if request.param != "aten" and not cpu_loops.available():
         pytest.skip("Numba is not installed")
+    if request.param == "vector_loop" and not cpu_loops._vector_loops().supported():
+        pytest.skip("the CPU has no AVX-512")
     if request.param == "aten":
         monkeypatch.setattr(cpu_loops, "runs_on", lambda *tensors: False)
+    else:
+        monkeypatch.setattr(cpu_loops, "VECTOR_LOOP", request.param == "vector_loop")
     return request.param
 
 
@@ -178,7 +184,7 @@ def test_log1p_from_log2_against_float64():
 #: one addcmul each (the right one's Newton step on gathered elements, not counted, was 149
 #: launches and 111.5 before); the four Newton steps on both branches were 487 launches (GELU,
 #: benchmarks/transformer_traffic.py --quick).
-COUNTS = {"loop": (1, 3.0, 1.0), "aten": (85, 218.0, 6.0)}
+COUNTS = {"vector_loop": (1, 3.0, 1.0), "loop": (1, 3.0, 1.0), "aten": (85, 218.0, 6.0)}
 
 
 @pytest.mark.parametrize("name", BRANCH)

@@ -20,6 +20,19 @@ if cpu_loops.available():
 THREADS = torch.get_num_threads()
 
 
+@pytest.fixture(autouse=True, params=["scalar", "vector"])
+def loop(request):
+    """Every test both ways where the CPU runs both: :mod:`iabn.kernels.numba_loops`' scalar
+    loop and, with AVX-512, :mod:`iabn.kernels.vector_loops`' 16-lane one."""
+    vector = request.param == "vector"
+    if vector and not cpu_loops._vector_loops().supported():
+        pytest.skip("the CPU has no AVX-512")
+    saved = cpu_loops.VECTOR_LOOP
+    cpu_loops.VECTOR_LOOP = vector
+    yield request.param
+    cpu_loops.VECTOR_LOOP = saved
+
+
 def _step_data(name, n, seed=0, scale=3.0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g, dtype=torch.float64) * scale
@@ -56,7 +69,7 @@ def test_backward_against_float64_torch(name, split, monkeypatch):
     z, left, dz = _step_data(name, 4099)
     y = exact_inverse(z, left, name).requires_grad_()
     (slope,) = torch.autograd.grad(torch_activation(name)(y).sum(), y)
-    got = cpu_loops.activation_grad(z, dz, branch.pack_bits(left), branch.SLOPES[name])
+    got = cpu_loops.activation_grad(z, dz, branch.pack_bits(left), name, branch.SLOPES[name])
     assert got.dtype == torch.float32 and got.shape == z.shape
     error = ((got.double() - slope * dz.double()).abs() / dz.double().abs().clamp(min=1e-30))
     assert error.max().item() <= 2.6 * torch.finfo(torch.float32).eps
@@ -68,13 +81,13 @@ def test_threads_give_the_same_bits(name, monkeypatch):
     a multiple of 8): bit for bit the single range's result."""
     z, left, dz = _step_data(name, 1000 + 5)
     bits = branch.pack_bits(left)
-    whole = cpu_loops.activation_grad(z, dz, bits, branch.SLOPES[name])
+    whole = cpu_loops.activation_grad(z, dz, bits, name, branch.SLOPES[name])
     monkeypatch.setattr(cpu_loops, "THREAD_GRAIN", 64)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         assert len(cpu_loops._ranges(z.numel())) == 2
-        cut = cpu_loops.activation_grad(z, dz, bits, branch.SLOPES[name])
+        cut = cpu_loops.activation_grad(z, dz, bits, name, branch.SLOPES[name])
         packed = cpu_loops.pack_below(z, -0.1)
     finally:
         torch.set_num_threads(threads)
@@ -115,7 +128,7 @@ def test_both_ways_of_a_chunk_give_the_same_bits(name, monkeypatch):
             monkeypatch.setattr(cpu_loops, "THREAD_GRAIN", 1000)
             torch.set_num_threads(2)
         try:
-            grad = cpu_loops.activation_grad(z, dz, bits, branch.SLOPES[name])
+            grad = cpu_loops.activation_grad(z, dz, bits, name, branch.SLOPES[name])
             y, dy = cpu_loops.invert_and_slope(z, dz, bits, *inverse)
         finally:
             torch.set_num_threads(THREADS)
@@ -133,20 +146,21 @@ def test_both_ways_of_a_chunk_give_the_same_bits(name, monkeypatch):
 def test_half_outputs_are_computed_in_float32(dtype):
     z, left, dz = _step_data("gelu", 515)
     z16, dz16 = z.to(dtype), dz.to(dtype)
-    got = cpu_loops.activation_grad(z16, dz16, branch.pack_bits(left), branch.SLOPES["gelu"])
+    got = cpu_loops.activation_grad(z16, dz16, branch.pack_bits(left), "gelu",
+                                    branch.SLOPES["gelu"])
     want = cpu_loops.activation_grad(z16.float(), dz16.float(), branch.pack_bits(left),
-                                     branch.SLOPES["gelu"]).to(dtype)
+                                     "gelu", branch.SLOPES["gelu"]).to(dtype)
     assert got.dtype == dtype and torch.equal(got, want)
 
 
 def test_strided_and_shaped_inputs():
     z, left, dz = _step_data("silu", 6 * 35)
     bits = branch.pack_bits(left)
-    flat = cpu_loops.activation_grad(z, dz, bits, branch.SLOPES["silu"])
+    flat = cpu_loops.activation_grad(z, dz, bits, "silu", branch.SLOPES["silu"])
     # the same logical values, stored transposed: the loop reads them in logical order
     zt = z.view(6, 35).t().contiguous().t()
     dzt = dz.view(6, 35).t().contiguous().t()
-    got = cpu_loops.activation_grad(zt, dzt, bits, branch.SLOPES["silu"])
+    got = cpu_loops.activation_grad(zt, dzt, bits, "silu", branch.SLOPES["silu"])
     assert got.shape == (6, 35) and torch.equal(got.reshape(-1), flat)
 
 
@@ -264,9 +278,10 @@ def test_tensors_that_require_grad_are_read_too():
     """Saved outputs of a step may still say ``requires_grad``; the loops read their values
     (numpy refuses such tensors unless detached)."""
     z, left, dz = _step_data("silu", 64)
-    want = cpu_loops.activation_grad(z, dz, branch.pack_bits(left), branch.SLOPES["silu"])
+    want = cpu_loops.activation_grad(z, dz, branch.pack_bits(left), "silu",
+                                     branch.SLOPES["silu"])
     got = cpu_loops.activation_grad(z.clone().requires_grad_(), dz.clone().requires_grad_(),
-                                    branch.pack_bits(left), branch.SLOPES["silu"])
+                                    branch.pack_bits(left), "silu", branch.SLOPES["silu"])
     assert torch.equal(got, want)
     x = torch.randn(65, requires_grad=True)
     assert torch.equal(cpu_loops.pack_below(x, 0.0), branch.pack_bits(x.detach() < 0))
@@ -275,3 +290,38 @@ def test_tensors_that_require_grad_are_read_too():
     want = cpu_loops.row_norm_backward(rows, grads, *args)
     got = cpu_loops.row_norm_backward(rows.clone().requires_grad_(), grads, *args)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 15, 16, 17, 31, 33, 100])
+def test_any_length_gives_each_element_its_own_gradient(n):
+    """A length that is not a whole number of the vector loop's 16 lanes (its last elements
+    run as a padded block) or of bytes of bits: each element's gradient bit for bit the one
+    it has inside a longer tensor."""
+    z, left, dz = _step_data("gelu", 160, seed=n)
+    whole = cpu_loops.activation_grad(z, dz, branch.pack_bits(left), "gelu",
+                                      branch.SLOPES["gelu"])
+    part = cpu_loops.activation_grad(z[:n], dz[:n], branch.pack_bits(left[:n]), "gelu",
+                                     branch.SLOPES["gelu"])
+    assert torch.equal(part, whole[:n])
+
+
+@pytest.mark.parametrize("name", BRANCH)
+def test_outputs_at_the_ends_of_each_branch(name):
+    """Right branch: below ``z*`` (a rounding) the slope is 0, the slope at ``y*``; far out
+    and at infinity it is 1 to float32's rounding. Left branch: below ``z*`` 0 to within the
+    uncertainty any float32 output has there (``sqrt(2 c eps |z*|)``, about 1e-4: the scalar
+    loop's fitted ratio gives 3.3e-8 for SiLU, 6.9e-5 for Mish; the vector loop 0); an
+    output that underflowed (0, -0, subnormal) or nearly (-1e-38) has a slope of 0 to within
+    its size."""
+    _, z_star, _ = branch.minimum(name)
+    right = torch.tensor([z_star - 1e-3, z_star - 1e-7, 50.0, 1e4, 3e38, float("inf")])
+    left = torch.tensor([z_star - 1e-3, z_star - 1e-7, 0.0, -0.0, -1e-45, -1e-38])
+    z = torch.cat([right, left])
+    is_left = torch.arange(12) >= 6
+    got = cpu_loops.activation_grad(z, torch.ones(12), branch.pack_bits(is_left), name,
+                                    branch.SLOPES[name])
+    assert torch.isfinite(got).all(), got
+    assert torch.equal(got[:2], torch.zeros(2)), got
+    assert got[6:8].abs().max() <= 1e-4, got
+    assert (got[2:6] - 1).abs().max() <= torch.finfo(torch.float32).eps, got
+    assert got[8:].abs().max() <= 1e-37, got

@@ -425,7 +425,7 @@ def _fitted_grad_cpu(z: Tensor, dz: Tensor, bits: Tensor, activation: str) -> Te
     and half ``z`` on a CPU. Numba's one loop where it runs (:mod:`.cpu_loops`), else ATen's
     operations a :data:`CHUNK` of the flattened (contiguous) ``z`` at a time."""
     if cpu_loops.runs_on(z, dz, bits):
-        return cpu_loops.activation_grad(z, dz, bits, SLOPES[activation])
+        return cpu_loops.activation_grad(z, dz, bits, activation, SLOPES[activation])
     zf, dzf = z.contiguous().view(-1), dz.contiguous().view(-1)
     dx = torch.empty(zf.shape, dtype=z.dtype, device=z.device)
     table = _CPU_BIT_TABLE

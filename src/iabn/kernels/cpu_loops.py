@@ -12,7 +12,11 @@ chunks' time (its vector code unpacks the bits per element). Numba (LLVM) vector
 loop over the elements when nothing in it branches, so everything below is written as
 selections: both branches are formed on every element and one is kept, except that a chunk
 with few left-branch elements (:data:`SPLIT`) forms the right branch on every element and the
-left branch on its left elements alone, gathered into a buffer.
+left branch on its left elements alone, gathered into a buffer. Where the CPU has AVX-512 the
+activations' backward runs :mod:`.vector_loops` instead: 16 lanes at a time over 32 cells of
+degree 7 per branch (:mod:`.slope_cells`), both branches on every element at a few
+operations each (1.3-1.5 ms at 8x197x1536 float32, one thread, where this loop took
+2.5-5.5 ms).
 
 The math is :mod:`.branch`'s, rearranged for one evaluation per element:
 
@@ -121,6 +125,26 @@ def _loops():
     return numba_loops
 
 
+#: Whether the activations' backward takes :mod:`.vector_loops`' loop: None where the CPU
+#: has AVX-512 (:func:`.vector_loops.supported`); True or False to choose (the tests run both).
+VECTOR_LOOP: bool | None = None
+
+
+def vector_loop_runs() -> bool:
+    """Whether :func:`activation_grad` runs :mod:`.vector_loops` (:data:`VECTOR_LOOP`)."""
+    if VECTOR_LOOP is not None:
+        return VECTOR_LOOP
+    return _vector_loops().supported()
+
+
+@functools.cache
+def _vector_loops():
+    """:mod:`.vector_loops`, imported on first use (it imports Numba and llvmlite)."""
+    from . import vector_loops
+
+    return vector_loops
+
+
 def _ranges(count: int, unit: int = 8) -> list[tuple[int, int]]:
     """``[0, count)`` cut into up to ``torch.get_num_threads()`` ranges of whole units of
     ``unit`` elements (whole bytes of bits; whole rows), none under :data:`THREAD_GRAIN`."""
@@ -151,12 +175,20 @@ def _run_ranges(task, ranges: list[tuple]) -> None:
         future.result()
 
 
-def activation_grad(z: Tensor, dz: Tensor, bits: Tensor, slopes: Slopes) -> Tensor:
+def activation_grad(z: Tensor, dz: Tensor, bits: Tensor, activation: str,
+                    slopes: Slopes) -> Tensor:
     """``dx = phi'(y) dz`` for a CPU ``z`` of float32 or half (computed in float32), from the
-    packed branch ``bits`` and the activation's fitted ``slopes``: one pass over ``z`` and
-    ``dz``."""
-    backward = _loops().backward
-    constants = _constants(slopes)
+    packed branch ``bits``: one pass over ``z`` and ``dz``. Where the CPU has AVX-512
+    (:func:`vector_loop_runs`), :mod:`.vector_loops`' 16-lane loop over the ``activation``'s
+    slope tables; elsewhere :mod:`.numba_loops`' loop over its fitted ``slopes``."""
+    if vector_loop_runs():
+        backward = _vector_loops().backward
+        constants = _vector_loops().constants(activation, tuple(slopes[2]))
+        split = ()
+    else:
+        backward = _loops().backward
+        constants = _constants(slopes)
+        split = (SPLIT["activation_grad"],)
     zf = z.detach().contiguous().view(-1)  # numpy() refuses a tensor that requires grad
     dzf = dz.detach().contiguous().view(-1)
     if zf.dtype != torch.float32:
@@ -165,8 +197,7 @@ def activation_grad(z: Tensor, dz: Tensor, bits: Tensor, slopes: Slopes) -> Tens
     za, dza, ba, oa = zf.numpy(), dzf.numpy(), bits.numpy(), out.numpy()
 
     def task(a: int, b: int) -> None:
-        backward(za[a:b], dza[a:b], ba[a // 8:(b + 7) // 8], oa[a:b], *constants,
-                 SPLIT["activation_grad"])
+        backward(za[a:b], dza[a:b], ba[a // 8:(b + 7) // 8], oa[a:b], *constants, *split)
 
     if on_launch is not None:
         on_launch("cpu_loops.activation_grad", [zf, dzf, bits], [out])

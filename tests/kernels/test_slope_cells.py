@@ -1,0 +1,74 @@
+"""The slope tables of the CPU's vector loop (``iabn.kernels.slope_cells``) and the loop that
+reads them (``iabn.kernels.vector_loops``): the tables are the fitting script's recorded fit,
+the fit is what the script makes, and the loop computes what the script's float32 model of it
+computes, bit for bit. Its accuracy against float64 torch is tested with the other CPU paths
+(``tests/core/test_fitted_slopes.py``, ``tests/kernels/test_cpu_loops.py``)."""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from iabn.kernels import branch, cpu_loops
+from iabn.kernels.slope_cells import TABLES
+
+from helpers import BRANCH, torch_activation
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = json.loads((ROOT / "benchmarks/results/fit_slope_cells.json").read_text())
+
+
+def _script():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import fit_slope_cells
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return fit_slope_cells
+
+
+def test_tables_are_the_recorded_fit():
+    fits = {fitted["name"]: fitted for fitted in RECORDED["fits"]}
+    assert set(fits) == set(TABLES) == set(BRANCH)
+    for name, (constants, right, left) in TABLES.items():
+        assert constants == fits[name]["constants"]
+        for side, cells in (("right", right), ("left", left)):
+            recorded = [[float(np.float32(a)) for a in cell] for cell in fits[name]["table"][side]]
+            assert [list(cell) for cell in cells] == recorded
+            assert len(cells) == 32 and {len(cell) for cell in cells} == {RECORDED["degree"] + 1}
+
+
+@pytest.mark.slow
+def test_the_script_makes_the_recorded_fit():
+    """SiLU's fit again (about 2 s): the same cells, within least squares' rounding."""
+    fitted = _script().fit("silu", RECORDED["degree"])
+    recorded = next(f for f in RECORDED["fits"] if f["name"] == "silu")
+    assert fitted["constants"] == recorded["constants"]
+    for side in ("right", "left"):
+        got, want = np.array(fitted["table"][side]), np.array(recorded["table"][side])
+        assert np.abs(got - want).max() <= 1e-12 * np.abs(want).max()
+
+
+@pytest.mark.skipif(not cpu_loops.available(), reason="Numba is not installed")
+@pytest.mark.parametrize("name", BRANCH)
+def test_vector_loop_computes_the_scripts_float32_model(name, monkeypatch):
+    """Outputs of both branches (``3 randn`` and the left tail down to 1e-3 .. 30 below y*):
+    the loop's slopes bit for bit ``fit_slope_cells.slope32``'s, numpy's float32 steps of the
+    same cells (fused multiply-adds formed in float64 and rounded once)."""
+    if not cpu_loops._vector_loops().supported():
+        pytest.skip("the CPU has no AVX-512")
+    monkeypatch.setattr(cpu_loops, "VECTOR_LOOP", True)
+    y_star = branch.minimum(name)[0]
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(20_000, generator=g, dtype=torch.float64) * 3,
+                   y_star - torch.logspace(-3, 1.5, 5000, dtype=torch.float64)])
+    z = torch_activation(name)(x).float()
+    left = x < y_star
+    got = cpu_loops.activation_grad(z, torch.ones_like(z), branch.pack_bits(left), name,
+                                    branch.SLOPES[name])
+    fitted = next(f for f in RECORDED["fits"] if f["name"] == name)
+    want = _script().slope32(z.numpy(), left.numpy(), fitted)
+    assert np.array_equal(got.numpy(), want)
