@@ -18,8 +18,9 @@ below 1e-9.
 
 Each cell's ``h`` in ``t`` (right and near cells: ``t = s c - (floor(s c) + 1/2)``, ``c``
 the cells per unit of ``s`` as float32 holds it, in one fused multiply-add: its rounding is
-of ``t``, at most 2^-25, not of ``s c``, up to 32 times more) is a Chebyshev least-squares fit weighted by the multiplier (``s`` or ``|z|``, so
-that the error of the slope is what is fitted), converted to powers of ``t``. Checked in
+of ``t``, at most 2^-25, not of ``s c``, up to 32 times more) is a Chebyshev least-squares
+fit weighted by the multiplier (``s`` or ``|z|``, so that the error of the slope is what is
+fitted), converted to powers of ``t``. Checked in
 float64 and in float32 as the loop computes it (fused multiply-adds emulated in float64, one
 rounding), against the slope at the exact inverse of each float32 output (bisection in float64
 on the branch). Errors are absolute (the slopes lie in [-0.11, 1.13]).

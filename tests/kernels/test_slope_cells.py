@@ -72,3 +72,24 @@ def test_vector_loop_computes_the_scripts_float32_model(name, monkeypatch):
     fitted = next(f for f in RECORDED["fits"] if f["name"] == name)
     want = _script().slope32(z.numpy(), left.numpy(), fitted)
     assert np.array_equal(got.numpy(), want)
+
+
+@pytest.mark.skipif(not cpu_loops.available(), reason="Numba is not installed")
+def test_vector_loop_is_refused_where_it_cannot_run(monkeypatch):
+    """A Numba target named without AVX-512 (``NUMBA_CPU_FEATURES``, as for a cache shared
+    between machines), or a loop that does not build: the scalar loop runs (a warning says
+    why in the second case)."""
+    import numba
+
+    from iabn.kernels import vector_loops
+
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+avx2,+fma")
+    assert vector_loops.supported.__wrapped__() is False
+    monkeypatch.setattr(numba.config, "CPU_FEATURES", "+avx512f,+avx2")
+
+    def broken(*args):
+        raise RuntimeError("LLVM ERROR: Cannot select")
+
+    monkeypatch.setattr(vector_loops, "backward", broken)
+    with pytest.warns(RuntimeWarning, match="scalar loop runs instead"):
+        assert vector_loops.supported.__wrapped__() is False

@@ -17,12 +17,14 @@ permute in Numba. Where the CPU has no AVX-512 (:func:`supported`) :mod:`.numba_
 The cells (``benchmarks/fit_slope_cells.py``): right branch ``s = sqrt(z - z*)`` in 32 equal
 cells up to ``S``, the slope ``min(s, S) h``; left branch near the minimum (``z <= z_b``) 8
 equal cells in ``s``, the slope ``s h``, and below ``|z_b|`` one cell per binade of ``-z``
-in ``t = 2 m - 3`` (``m`` its mantissa), the slope ``z h``; ``h`` in ``t = s c - (floor(s c) + 1/2)``
-for the cells in ``s`` (``c`` cells per unit of ``s``). Arithmetic: fused multiply-adds where
-written (``llvm.fma``), no other fast-math, so LLVM forms every operation as written.
+in ``t = 2 m - 3`` (``m`` its mantissa), the slope ``z h``; ``h`` in
+``t = s c - (floor(s c) + 1/2)`` for the cells in ``s`` (``c`` cells per unit of ``s``).
+Arithmetic: fused multiply-adds where written (``llvm.fma``), no other fast-math, so LLVM forms
+every operation as written.
 """
 
 import functools
+import warnings
 
 import llvmlite.binding as llvm_binding
 import numba
@@ -43,10 +45,28 @@ CONSTANT_NAMES = ("z_hi", "z_lo", "s_max", "right_scale", "near_scale", "z_b", "
 
 @functools.cache
 def supported() -> bool:
-    """Whether this CPU runs the loop: AVX-512 (``vpermi2ps`` on 512 bits), by LLVM's reading
-    of the host (what Numba compiles for)."""
-    features = llvm_binding.get_host_cpu_features()
-    return bool(features.get("avx512f"))
+    """Whether the loop runs here: Numba compiles for a CPU with AVX-512 (``vpermi2ps`` on 512
+    bits; the host's, as LLVM reads it, unless ``NUMBA_CPU_NAME`` or ``NUMBA_CPU_FEATURES``
+    name another target, as for a cache shared between machines), and a first call on 16
+    elements compiles and runs (else the scalar loop runs, with a warning)."""
+    if numba.config.CPU_NAME is None and numba.config.CPU_FEATURES is None:
+        if not llvm_binding.get_host_cpu_features().get("avx512f"):
+            return False
+    elif "+avx512f" not in (numba.config.CPU_FEATURES or "").split(","):
+        return False
+    try:
+        tables, scalars = constants("silu", (-0.25, 0.0))  # any z*: finite slopes
+        z = np.linspace(-0.25, 4.0, LANES, dtype=np.float32)
+        out = np.full(LANES, np.nan, dtype=np.float32)
+        backward(z, np.ones(LANES, np.float32), np.zeros(2, np.uint8), out, tables, scalars)
+        if not np.isfinite(out).all():
+            raise ArithmeticError(f"non-finite slopes {out}")
+    except Exception as error:  # an LLVM or Numba that cannot build it: the scalar loop runs
+        warnings.warn(f"iabn: the AVX-512 loop of the activations' backward did not run "
+                      f"({type(error).__name__}: {error}); the scalar loop runs instead",
+                      RuntimeWarning, stacklevel=2)
+        return False
+    return True
 
 
 @functools.cache
@@ -75,6 +95,9 @@ def _vector_intrinsic(module, name: str, vector, arguments):
 def _blocks(typingctx, z, dz, bits, out, blocks, tables, scalars):
     """``out[i] = phi'(z[i]) dz[i]`` for the first ``16 blocks`` elements (1-d contiguous
     float32 arrays; ``bits`` the packed branch bits of the same elements, uint8)."""
+    arrays = (z, dz, bits, out, tables, scalars)
+    if any(not isinstance(a, types.Array) or a.ndim != 1 or a.layout != "C" for a in arrays):
+        return None  # the IR reads each array's data as one contiguous run
     sig = types.void(z, dz, bits, out, blocks, tables, scalars)
 
     def codegen(context, builder, signature, args):
