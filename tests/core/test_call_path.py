@@ -33,11 +33,12 @@ ACTIVATION = {"layers/activation.py", "autograd/activation.py", "autograd/call.p
 #: and the row norms' backward (kernels/cpu_loops.py, entered where Numba is missing too: it
 #: says so; kernels/numba_loops.py, the compiled loops, where it is installed)
 LOOPS = {"kernels/cpu_loops.py"} | ({"kernels/numba_loops.py"} if cpu_loops.available() else set())
-#: the activations' backward where the CPU has AVX-512: the 16-lane loop over the slope tables
+#: the activations' slopes where the CPU has AVX-512 (alone, and in the norm layers'
+#: recovery): the 16-lane loop over the slope tables
 VECTOR = ({"kernels/vector_loops.py"}
           if cpu_loops.available() and cpu_loops.vector_loop_runs() else set())
 #: batch norm with an activation of one minimum: the branch bits and the inversion, too
-ABN_BRANCH = ABN | {"kernels/branch.py"} | LOOPS
+ABN_BRANCH = ABN | {"kernels/branch.py"} | LOOPS | VECTOR
 #: batch norm with leaky_relu on a CPU input of scratch.MIN_BYTES or more: the backward's
 #: reused temporaries
 ABN_LARGE = ABN | {"kernels/scratch.py"}

@@ -117,7 +117,7 @@ def test_both_ways_of_a_chunk_give_the_same_bits(name, monkeypatch):
     or the left elements gathered, computed and scattered back)."""
     z, left, dz = _mixed_chunks(name, chunks=5, tail=77)
     bits = branch.pack_bits(left)
-    inverse = (branch.SLOPES[name], INVERSE[name], branch.minimum(name)[1])
+    inverse = (name, branch.SLOPES[name], INVERSE[name], branch.minimum(name)[1])
     results = []
     for split in (-1.0, 2.0, None):  # every chunk one way, the other way, as measured
         if split is not None:

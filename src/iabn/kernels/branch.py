@@ -530,7 +530,7 @@ def recovery(z: Tensor, bits: Tensor, dz: Tensor, activation: str
     def recover_piece(at: tuple, with_y: bool) -> tuple[Tensor, Tensor]:
         if loop:
             return cpu_loops.invert_and_slope(
-                zv[at].to(compute), dzv[at].to(compute), pack_bits(leftv[at]),
+                zv[at].to(compute), dzv[at].to(compute), pack_bits(leftv[at]), activation,
                 SLOPES[activation], INVERSE[activation], MINIMA[activation][1])
         y = invert(zv[at].to(compute), leftv[at], activation, z.dtype)
         return y, derivative(y, activation).mul_(dzv[at].to(compute))
@@ -549,8 +549,8 @@ def recover(z: Tensor, bits: Tensor, dz: Tensor, activation: str) -> tuple[Tenso
     if not z.numel():  # an empty batch: nothing to cut into pieces
         return torch.empty_like(z), torch.empty_like(z)
     if z.dtype == torch.float32 and cpu_loops.runs_on(z, dz, bits):
-        return cpu_loops.invert_and_slope(z, dz, bits, SLOPES[activation], INVERSE[activation],
-                                          MINIMA[activation][1])
+        return cpu_loops.invert_and_slope(z, dz, bits, activation, SLOPES[activation],
+                                          INVERSE[activation], MINIMA[activation][1])
     index, recover_piece = recovery(z, bits, dz, activation)
     y, dy = torch.empty_like(z), torch.empty_like(z)
     (yv, dyv), _ = cutting.pieces(y, dy)  # the (N, C, L) views that recovery's index cuts

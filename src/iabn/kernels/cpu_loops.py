@@ -238,27 +238,35 @@ def _inverse_constants(inverse: tuple, z_star: float) -> tuple:
                                      * torch.finfo(torch.float32).eps))
 
 
-def invert_and_slope(z: Tensor, dz: Tensor, bits: Tensor, slopes: Slopes, inverse: tuple,
-                     z_star: float) -> tuple[Tensor, Tensor]:
+def invert_and_slope(z: Tensor, dz: Tensor, bits: Tensor, activation: str, slopes: Slopes,
+                     inverse: tuple, z_star: float) -> tuple[Tensor, Tensor]:
     """``(y, dy)`` of a float32 CPU ``z`` on the branches its ``bits`` name: ``y`` the fitted
     ``inverse`` evaluated in float64, ``dy = phi'(y) dz`` from the fitted ``slopes``; one pass,
-    both float32 and ``z``'s shape."""
+    both float32 and ``z``'s shape. Where :func:`vector_loop_runs`, two: ``y`` alone, then
+    ``dy`` by :func:`activation_grad`'s vector loop (the one pass's slope cost more than the
+    second read of ``z``: at 8x64x56x56, one thread, 5.2-6.4 ms against 3.3-4.3 ms for ``y``
+    alone and 1.0-1.2 ms for ``dy``)."""
     loop = _loops().invert_and_slope
     constants = _constants(slopes)
     extra = _inverse_constants(inverse, z_star)
     zf = z.detach().contiguous().view(-1)
     dzf = dz.detach().float().contiguous().view(-1)
+    split = vector_loop_runs()
     y = torch.empty(zf.shape, dtype=torch.float32)
-    dy = torch.empty(zf.shape, dtype=torch.float32)
-    za, dza, ba, ya, dya = (t.numpy() for t in (zf, dzf, bits, y, dy))
+    dy = None if split else torch.empty(zf.shape, dtype=torch.float32)
+    za, dza, ba, ya = (t.numpy() for t in (zf, dzf, bits, y))
+    dya = None if split else dy.numpy()
 
     def task(a: int, b: int) -> None:
-        loop(za[a:b], dza[a:b], ba[a // 8:(b + 7) // 8], ya[a:b], dya[a:b], *constants, *extra,
-             SPLIT["invert_and_slope"])
+        loop(za[a:b], None if split else dza[a:b], ba[a // 8:(b + 7) // 8], ya[a:b],
+             None if split else dya[a:b], *constants, *extra, SPLIT["invert_and_slope"])
 
     if on_launch is not None:
-        on_launch("cpu_loops.invert_and_slope", [zf, dzf, bits], [y, dy])
+        on_launch("cpu_loops.invert_and_slope", [zf, *([] if split else [dzf]), bits],
+                  [y, *([] if split else [dy])])
     _run(task, zf.numel())
+    if split:
+        dy = activation_grad(zf, dzf, bits, activation, slopes)
     return y.view(z.shape), dy.view(z.shape)
 
 

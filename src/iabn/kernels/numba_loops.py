@@ -323,11 +323,12 @@ def invert_and_slope(z, dz, bits, y, dy, cl, cn, cf, maps, right, left, z_star, 
                      smallest, split):
     """``y`` (the fitted inverse, evaluated in float64, rounded to ``y``'s dtype) and
     ``dy = phi'(y) dz`` (the fitted slope, float32) of 1-d ``z`` (float32) and the packed
-    ``bits``: the batch-norm layers' recovery in one pass. ``right``, ``left``: each
-    branch's three pieces' coefficients and maps (:func:`three_pieces`). The chunks are cut
-    between the branches as :func:`backward`'s, by ``split`` (here the left branch's float64
-    inverse costs twice the right's: 7.9 against 3.9 ms over 8x64x56x56 elements, one
-    thread; its logarithm's series has 17 terms)."""
+    ``bits``: the batch-norm layers' recovery in one pass; with ``dz`` and ``dy`` None, ``y``
+    alone (Numba prunes the slope's lines where they are None: compiled apart). ``right``,
+    ``left``: each branch's three pieces' coefficients and maps (:func:`three_pieces`). The
+    chunks are cut between the branches as :func:`backward`'s, by ``split`` (here the left
+    branch's float64 inverse costs twice the right's: 7.9 against 3.9 ms over 8x64x56x56
+    elements, one thread; its logarithm's series has 17 terms)."""
     mask = np.empty(CHUNK, np.uint8)
     index = np.empty(CHUNK, np.int64)
     zb = np.empty(CHUNK, np.float32)
@@ -336,29 +337,37 @@ def invert_and_slope(z, dz, bits, y, dy, cl, cn, cf, maps, right, left, z_star, 
     n = z.shape[0]
     for a in range(0, n, CHUNK):
         count = min(CHUNK, n - a)
-        zc, dzc, yc, dyc = z[a:a + count], dz[a:a + count], y[a:a + count], dy[a:a + count]
+        zc, yc = z[a:a + count], y[a:a + count]
+        # without a slope, z stands in for dz (gathered beside z, not read)
+        dzc = zc if dz is None else dz[a:a + count]
+        if dy is not None:
+            dyc = dy[a:a + count]
         if count_set(bits, a, a + count) > split * count:
             unpack_chunk(bits, a, count, mask)
             for i in range(count):
                 zi = zc[i]
                 on_left = mask[i] != 0
-                dyc[i] = slope(zi, on_left, cl, cn, cf, maps) * dzc[i]
+                if dy is not None:
+                    dyc[i] = slope(zi, on_left, cl, cn, cf, maps) * dzc[i]
                 y_left = left_inverse(zi, left, z_star, log_star, smallest)
                 y_right = right_inverse(zi, right, z_star)
                 yc[i] = y_left if on_left else y_right
             continue
         for i in range(count):
             zi = zc[i]
-            dyc[i] = slope(zi, False, cl, cn, cf, maps) * dzc[i]
+            if dy is not None:
+                dyc[i] = slope(zi, False, cl, cn, cf, maps) * dzc[i]
             yc[i] = right_inverse(zi, right, z_star)
         k = gather_set(bits, a, a + count, zc, dzc, index, zb, gb)
         for j in range(k):
             yb[j] = left_inverse(zb[j], left, z_star, log_star, smallest)
-            gb[j] = slope(zb[j], True, cl, cn, cf, maps) * gb[j]
+            if dy is not None:
+                gb[j] = slope(zb[j], True, cl, cn, cf, maps) * gb[j]
         for j in range(k):
             p = index[j]
             yc[p] = yb[j]
-            dyc[p] = gb[j]
+            if dy is not None:
+                dyc[p] = gb[j]
 
 
 #: The row norms' loop also sums (a row's two means, the weight and bias gradients), which LLVM
