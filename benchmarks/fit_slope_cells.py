@@ -1,29 +1,31 @@
 """Fits the slope tables of the activations with one minimum for the CPU's vector loop
 (``iabn/kernels/slope_cells.py``, used by ``iabn/kernels/vector_loops.py``): the slope
-``phi'(y)`` as a function of the output ``z``, on each branch, as 32 cells with one polynomial
-of degree 7 each, so that a 16-lane loop looks up each coefficient in two vector registers
-(one permute) instead of choosing between pieces or gathering the left elements.
+``phi'(y)`` as a function of the output ``z`` on both branches as one table of 32 cells with
+one polynomial of degree 7 each, so that a 16-lane loop looks up each coefficient of an
+element's cell in two vector registers (one permute) instead of choosing between pieces or
+gathering the left elements.
 
-Right branch (``y >= y*``): ``s = sqrt(z - z*)`` on ``[0, S]`` in 32 equal cells, ``phi' = s h``
-(``h`` smooth at the minimum, where ``phi'`` goes as ``s``); beyond ``S`` the slope is ``S h(S)``
-(1 to 2e-8, ``benchmarks/fit_inverse.py``'s ``X_R``).
+The cells (:data:`LAYOUT`: ``R`` right, ``N`` near, ``F`` far, ``R + N + F = 32``):
 
-Left branch (``y < y*``, ``z* < z < 0``): cells 0-7 near the minimum, ``z <= z_b = -2^E``,
-equal in ``s`` on ``[0, sqrt(z_b - z*)]``, ``phi' = s h``; cells 8-31 one binade of ``-z``
-each below ``2^E``, in ``t = 2 m - 3`` (``m`` the mantissa of ``-z``, in ``[1, 2)``), ``phi' = z h``
-(the slope over the output is smooth within a binade; a binade's ends are where the float's
-exponent changes, so no cell straddles a kink of the variable). Below the last binade the
-last cell is used with its own ``t``: an error of at most ``2^(E-24)`` times the ratio's change,
-below 1e-9.
+- right branch (``y >= y*``): ``s = sqrt(z - z*)`` on ``[0, S]`` in ``R`` equal cells,
+  ``phi' = s h`` (``h`` smooth at the minimum, where ``phi'`` goes as ``s``); beyond ``S`` the
+  slope is ``S h(S)`` (1 to 2e-8, ``benchmarks/fit_inverse.py``'s ``X_R``);
+- left branch (``y < y*``, ``z* < z < 0``) near the minimum, ``z <= z_b = -2^E``: ``N`` equal
+  cells in ``s`` on ``[0, sqrt(z_b - z*)]``, ``phi' = s h``;
+- left branch below ``2^E``: one cell per binade of ``-z``, ``F`` of them, in ``t = 2 m - 3``
+  (``m`` the mantissa of ``-z``, in ``[1, 2)``), ``phi' = z h`` (the slope over the output is
+  smooth within a binade; a binade's ends are where the float's exponent changes, so no cell
+  straddles a kink of the variable). Below the last binade the last cell is used with its own
+  ``t``: that error is checked (``tail``) down to 30 binades further.
 
-Each cell's ``h`` in ``t`` (right and near cells: ``t = s c - (floor(s c) + 1/2)``, ``c``
-the cells per unit of ``s`` as float32 holds it, in one fused multiply-add: its rounding is
-of ``t``, at most 2^-25, not of ``s c``, up to 32 times more) is a Chebyshev least-squares
-fit weighted by the multiplier (``s`` or ``|z|``, so that the error of the slope is what is
-fitted), converted to powers of ``t``. Checked in
-float64 and in float32 as the loop computes it (fused multiply-adds emulated in float64, one
-rounding), against the slope at the exact inverse of each float32 output (bisection in float64
-on the branch). Errors are absolute (the slopes lie in [-0.11, 1.13]).
+Each cell's ``h`` in ``t`` (cells in ``s``: ``t = s c - (floor(s c) + 1/2)``, ``c`` the cells
+per unit of ``s`` as float32 holds it, in one fused multiply-add: its rounding is of ``t``, at
+most 2^-25, not of ``s c``, up to 32 times more) is a Chebyshev least-squares fit weighted by
+the multiplier (``s`` or ``|z|``, so that the error of the slope is what is fitted), converted
+to powers of ``t``. Checked in float64 and in float32 as the loop computes it (fused
+multiply-adds emulated in float64, one rounding), against the slope at the exact inverse of
+each float32 output (bisection in float64 on the branch). Errors are absolute (the slopes lie
+in [-0.11, 1.13]).
 
 SciPy is used here only. Writes ``benchmarks/results/fit_slope_cells.json`` and, with
 ``--write-module``, ``src/iabn/kernels/slope_cells.py`` (both atomically).
@@ -53,11 +55,15 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MODULE = ROOT / "src" / "iabn" / "kernels" / "slope_cells.py"
 CELLS = 32
-NEAR_CELLS = 8
-#: Per activation, ``E`` of the left branch's boundary ``z_b = -2^E`` between the cells in
-#: ``s`` and the binades: the largest power of 2 below ``|z*|`` by one binade or more, so that
-#: the near cells span ``s`` up to about 0.4 (SiLU, Mish) and 0.33 (GELU).
-LEFT_EXPONENT = {"silu": -3, "gelu": -4, "gelu_tanh": -4, "mish": -3}
+#: Per activation ``(R, N, F, E)``: right cells, left cells near the minimum, left binades, and
+#: ``E`` of the boundary ``z_b = -2^E`` (a power of 2 below ``|z*|`` by a binade or more, so
+#: that the near cells stay clear of the singularity at ``z = 0``). SiLU's and Mish's slope over
+#: the output changes little from binade to binade far out (16 binades reach a tail error of
+#: 5.8e-9); GELU's changes by about 0.14 a binade (its tail: 1.3e-7 after 16 binades, 3.2e-8
+#: after 18), so it takes two right cells fewer (right error 1.2e-8 with 10 cells, 2.2e-9
+#: with 12).
+LAYOUT = {"silu": (12, 4, 16, -3), "mish": (12, 4, 16, -3), "gelu": (10, 4, 18, -4),
+          "gelu_tanh": (10, 4, 18, -4)}
 #: Beyond ``S`` the right slope is within this of 1 (as ``fit_inverse.py``'s ``X_R``).
 FLAT = 2e-8
 SAMPLES = 1500  # per cell
@@ -113,50 +119,51 @@ def _samples_in_s(f, y_star, z_star, s, right: bool, y_far: float):
 
 def fit(name: str, degree: int) -> dict:
     f, y_star, z_star = ACTIVATIONS[name]
+    right, near, far, exponent = LAYOUT[name]
     s_max = right_limit(name)
     y_right_far = y_star + 80
     y_left_far = -40.0
-    table = {"right": [], "left": []}
-    errors = {"right": 0.0, "left": 0.0}
-    # right: 32 cells in s on [0, S], of width 1 / scale with the scale as float32 holds it
-    # (the loop computes t = s scale - (cell + 1/2) in one fused multiply-add)
-    right_scale = float(np.float32(CELLS / s_max))
-    width = 1 / right_scale
-    for j in range(CELLS):
-        t = np.linspace(-0.5, 0.5, SAMPLES)
-        s = (j + 0.5 + t) * width
-        s = np.maximum(s, 1e-7)
-        z, slope = _samples_in_s(f, y_star, z_star, s, True, y_right_far)
-        powers = _cell_fit(t, slope / s, s, degree)
-        table["right"].append(powers)
-        errors["right"] = max(errors["right"], float(np.abs(_horner(powers, t) * s - slope).max()))
-    # left: near cells in s on [0, sqrt(z_b - z*)], then one binade each
-    exponent = LEFT_EXPONENT[name]
+    cells, errors = [], {"right": 0.0, "near": 0.0, "far": 0.0, "tail": 0.0}
+
+    def cells_in_s(count, scale, right_branch, key):
+        # cells of width 1 / scale, the scale as float32 holds it (the loop computes
+        # t = s scale - (cell + 1/2) in one fused multiply-add)
+        for j in range(count):
+            t = np.linspace(-0.5, 0.5, SAMPLES)
+            s = np.maximum((j + 0.5 + t) / scale, 1e-7)
+            _, slope = _samples_in_s(f, y_star, z_star, s, right_branch,
+                                     y_right_far if right_branch else y_left_far)
+            powers = _cell_fit(t, slope / s, s, degree)
+            cells.append(powers)
+            errors[key] = max(errors[key], float(np.abs(_horner(powers, t) * s - slope).max()))
+
+    right_scale = float(np.float32(right / s_max))
+    cells_in_s(right, right_scale, True, "right")
     z_b = -(2.0 ** exponent)
     s_b = float(np.sqrt(z_b - z_star))
-    near_scale = float(np.float32(NEAR_CELLS / s_b))
-    width_near = 1 / near_scale
-    for j in range(NEAR_CELLS):
-        t = np.linspace(-0.5, 0.5, SAMPLES)
-        s = np.maximum((j + 0.5 + t) * width_near, 1e-7)
-        z, slope = _samples_in_s(f, y_star, z_star, s, False, y_left_far)
-        powers = _cell_fit(t, slope / s, s, degree)
-        table["left"].append(powers)
-        errors["left"] = max(errors["left"], float(np.abs(_horner(powers, t) * s - slope).max()))
-    for k in range(CELLS - NEAR_CELLS):
-        e = exponent - 1 - k  # -z in [2^e, 2^(e+1))
-        t = np.linspace(-1.0, 1.0, SAMPLES)
+    near_scale = float(np.float32(near / s_b))
+    cells_in_s(near, near_scale, False, "near")
+
+    def binade(e, samples):  # -z in [2^e, 2^(e+1)), t = 2 m - 3
+        t = np.linspace(-1.0, 1.0, samples)
         z = -(1.5 + 0.5 * t) * 2.0 ** e
-        y = _invert(f, z, y_left_far, y_star, False)
-        slope = f(y)[1]
-        # t = 2 m - 3 in [-1, 1): the fit in t / 2, as the near cells'
+        y = _invert(f, z, -60.0, y_star, False)
+        return t, z, f(y)[1]
+
+    for k in range(far):
+        t, z, slope = binade(exponent - 1 - k, SAMPLES)
+        # fitted in t / 2, as the cells in s, then in powers of t
         powers = _cell_fit(t / 2, slope / z, np.abs(z), degree)
-        table["left"].append([a / 2.0 ** i for i, a in enumerate(powers)])
-        errors["left"] = max(errors["left"],
-                             float(np.abs(_horner(table["left"][-1], t) * z - slope).max()))
-    constants = {"s_max": s_max, "right_scale": right_scale, "left_exponent": exponent,
-                 "z_b": z_b, "s_b": s_b, "near_scale": near_scale}
-    return {"name": name, "degree": degree, "constants": constants, "table": table,
+        cells.append([a / 2.0 ** i for i, a in enumerate(powers)])
+        errors["far"] = max(errors["far"], float(np.abs(_horner(cells[-1], t) * z - slope).max()))
+    for k in range(far, far + 30):  # below the last binade: its cell with the binade's own t
+        t, z, slope = binade(exponent - 1 - k, 200)
+        errors["tail"] = max(errors["tail"],
+                             float(np.abs(_horner(cells[-1], t) * z - slope).max()))
+    constants = {"right_cells": right, "near_cells": near, "far_cells": far, "s_max": s_max,
+                 "right_scale": right_scale, "left_exponent": exponent, "z_b": z_b, "s_b": s_b,
+                 "near_scale": near_scale}
+    return {"name": name, "degree": degree, "constants": constants, "cells": cells,
             "error_float64": errors}
 
 
@@ -174,37 +181,35 @@ def slope32(z, left, fitted: dict):
     f32 = np.float32
     _, _, z_star = ACTIVATIONS[fitted["name"]]
     c = fitted["constants"]
+    right, near, far = c["right_cells"], c["near_cells"], c["far_cells"]
     z_hi, z_lo = _split32(z_star)
     d = np.maximum((z - z_hi) - z_lo, f32(0))
     s = np.sqrt(d).astype(f32)
     # right
     s_c = np.minimum(s, f32(c["s_max"]))
     u = (s_c * f32(c["right_scale"])).astype(f32)
-    cell_r = np.minimum(np.floor(u), f32(CELLS - 1))
+    cell_r = np.minimum(np.floor(u), f32(right - 1))
     t_r = _fma(s_c, np.full_like(s, c["right_scale"]), -(cell_r + f32(0.5)))
     # left, near
     u = (s * f32(c["near_scale"])).astype(f32)
-    cell_n = np.minimum(np.floor(u), f32(NEAR_CELLS - 1))
+    cell_n = np.minimum(np.floor(u), f32(near - 1))
     t_n = _fma(s, np.full_like(s, c["near_scale"]), -(cell_n + f32(0.5)))
     # left, far: the binade of -z and its mantissa
     bits = (-z).astype(f32).view(np.int32)
     e = ((bits >> 23) & 0xFF) - 127
     m = ((bits & 0x7FFFFF) | 0x3F800000).view(f32)
-    cell_f = NEAR_CELLS + np.clip(c["left_exponent"] - 1 - e, 0, CELLS - NEAR_CELLS - 1)
+    cell_f = right + near + np.clip(c["left_exponent"] - 1 - e, 0, far - 1)
     t_f = _fma(m, np.full_like(m, 2), np.full_like(m, -3))
-    near = z <= f32(c["z_b"])
-    cell_l = np.where(near, cell_n.astype(np.int64), cell_f)
-    t_l = np.where(near, t_n, t_f)
-    mult_l = np.where(near, s, z)
-    right_table = np.array(fitted["table"]["right"], dtype=f32)
-    left_table = np.array(fitted["table"]["left"], dtype=f32)
+    near_side = z <= f32(c["z_b"])
+    cell_l = np.where(near_side, right + cell_n.astype(np.int64), cell_f)
     cells = np.where(left, cell_l, cell_r.astype(np.int64))
-    t = np.where(left, t_l, t_r)
-    coefficients = np.where(left[:, None], left_table[cells], right_table[cells])
+    t = np.where(left, np.where(near_side, t_n, t_f), t_r)
+    multiplier = np.where(left, np.where(near_side, s, z), s_c)
+    coefficients = np.array(fitted["cells"], dtype=f32)[cells]
     h = coefficients[:, -1]
     for k in range(coefficients.shape[1] - 2, -1, -1):
         h = _fma(h, t, coefficients[:, k])
-    return (h * np.where(left, mult_l, s_c)).astype(f32)
+    return (h * multiplier).astype(f32)
 
 
 def float32_errors(fitted: dict) -> dict:
@@ -236,12 +241,12 @@ def float32_errors(fitted: dict) -> dict:
 def module_text(fits: list[dict]) -> str:
     lines = [
         '"""The slope tables of the CPU\'s vector loop (:mod:`.vector_loops`): per activation',
-        "with one minimum, 32 cells per branch with one polynomial of degree 7 each, and the",
-        "constants that map an output to its cell. Written by ``benchmarks/fit_slope_cells.py``",
-        "(which records their errors in ``benchmarks/results/fit_slope_cells.json``); do not",
-        'edit by hand."""',
+        "with one minimum, one table of 32 cells (right branch, left branch near the minimum,",
+        "left binades) with one polynomial of degree 7 each, and the constants that map an",
+        "output to its cell. Written by ``benchmarks/fit_slope_cells.py`` (which records their",
+        'errors in ``benchmarks/results/fit_slope_cells.json``); do not edit by hand."""',
         "",
-        "#: ``{name: (constants, right cells, left cells)}``; a cell is its powers of ``t``.",
+        "#: ``{name: (constants, cells)}``; a cell is its powers of ``t``.",
         "TABLES = {",
     ]
     for fitted in fits:
@@ -250,16 +255,15 @@ def module_text(fits: list[dict]) -> str:
         lines += [f"            \"{key}\": {value!r},"
                   for key, value in fitted["constants"].items()]
         lines.append("        },")
-        for branch in ("right", "left"):
-            lines.append("        (")
-            for powers in fitted["table"][branch]:
-                items = [repr(float(np.float32(a))) + "," for a in powers]
-                # three numbers a line (a line of the module stays within 100 characters)
-                rows = [" ".join(items[i:i + 3]) for i in range(0, len(items), 3)]
-                lines.append("            (" + rows[0])
-                lines += ["             " + row for row in rows[1:]]
-                lines[-1] += "),"
-            lines.append("        ),")
+        lines.append("        (")
+        for powers in fitted["cells"]:
+            items = [repr(float(np.float32(a))) + "," for a in powers]
+            # three numbers a line (a line of the module stays within 100 characters)
+            rows = [" ".join(items[i:i + 3]) for i in range(0, len(items), 3)]
+            lines.append("            (" + rows[0])
+            lines += ["             " + row for row in rows[1:]]
+            lines[-1] += "),"
+        lines.append("        ),")
         lines.append("    ),")
     lines.append("}")
     return "\n".join(lines) + "\n"
@@ -286,18 +290,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if unknown or args.degree < 1:
         parser.error(f"--names: unknown {unknown}; choose from {', '.join(ACTIVATIONS)}"
                      if unknown else "--degree: give 1 or more")
+    if args.write_module and sorted(names) != sorted(ACTIVATIONS):
+        parser.error("--write-module: the module holds every activation's table; leave out "
+                     "--names")
     fits = []
     for name in names:
         fitted = fit(name, args.degree)
         fitted["error_float32"] = float32_errors(fitted)
         fits.append(fitted)
-        print(f"{name:10s} float64 right {fitted['error_float64']['right']:.2e} left "
-              f"{fitted['error_float64']['left']:.2e} | float32 right "
+        errors = fitted["error_float64"]
+        print(f"{name:10s} float64 right {errors['right']:.2e} near {errors['near']:.2e} far "
+              f"{errors['far']:.2e} tail {errors['tail']:.2e} | float32 right "
               f"{fitted['error_float32']['right']['all']:.2e} left "
               f"{fitted['error_float32']['left']['all']:.2e}", flush=True)
-    _write_atomic(Path(args.json), json.dumps(
-        {"degree": args.degree, "cells": CELLS, "near_cells": NEAR_CELLS,
-         "machine": platform.machine(), "fits": fits}, indent=1) + "\n")
+    record = {"degree": args.degree, "cells": CELLS, "machine": platform.machine(),
+              "fits": fits}
+    _write_atomic(Path(args.json), json.dumps(record, indent=1) + "\n")
     if args.write_module:
         _write_atomic(MODULE, module_text(fits))
         print(f"wrote {MODULE}")

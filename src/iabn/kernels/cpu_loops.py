@@ -13,10 +13,9 @@ loop over the elements when nothing in it branches, so everything below is writt
 selections: both branches are formed on every element and one is kept, except that a chunk
 with few left-branch elements (:data:`SPLIT`) forms the right branch on every element and the
 left branch on its left elements alone, gathered into a buffer. Where the CPU has AVX-512 the
-activations' backward runs :mod:`.vector_loops` instead: 16 lanes at a time over 32 cells of
-degree 7 per branch (:mod:`.slope_cells`), both branches on every element at a few
-operations each (1.3-1.5 ms at 8x197x1536 float32, one thread, where this loop took
-2.5-5.5 ms).
+activations' backward runs :mod:`.vector_loops` instead: 16 lanes at a time over one table
+of 32 cells of degree 7 for both branches (:mod:`.slope_cells`), a few operations an element
+(1.0-1.1 ms at 8x197x1536 float32, one thread, where this loop took 2.5-5.5 ms).
 
 The math is :mod:`.branch`'s, rearranged for one evaluation per element:
 

@@ -5,22 +5,23 @@ first use, by :mod:`.cpu_loops`).
 Why written as vector code: the scalar loop of :mod:`.numba_loops` evaluates polynomials of
 degree 16 with their coefficients chosen per element, and the left branch's logarithm on
 gathered elements; LLVM vectorises it, but it costs about 60 operations an element
-(2.4-3.6 ms at 8x197x1536 float32 against 0.75 ms for torch's SiLU backward, one thread).
-With 32 cells of degree 7 per branch, each coefficient of an element's cell is one
-``vpermi2ps`` from two registers holding the 32 cells' values, so both branches cost a few
-operations an element, with no choice of pieces, no logarithm and no gathering; the branch
-bits of 16 elements are one 16-bit mask. LLVM's loop vectoriser makes a gather of a table
-lookup (measured: 1.1-1.4 ns an element for two lookups), so the loop is written here as
-LLVM IR on ``<16 x float>`` (a Numba intrinsic); there is no portable form of a variable
-permute in Numba. Where the CPU has no AVX-512 (:func:`supported`) :mod:`.numba_loops` runs.
+(2.5-5.5 ms at 8x197x1536 float32 against 0.8-1.3 ms for torch's SiLU and GELU backward, one
+thread). With one table of 32 cells of degree 7 for both branches, each coefficient of an
+element's cell is one ``vpermi2ps`` from two registers holding the 32 cells' values, so both
+branches cost a few operations an element, with no choice of pieces, no logarithm and no
+gathering; the branch bits of 16 elements are one 16-bit mask. LLVM's loop vectoriser makes a
+gather of a table lookup (measured: 1.1-1.4 ns an element for two lookups), so the loop is
+written here as LLVM IR on ``<16 x float>`` (a Numba intrinsic); there is no portable form of a
+variable permute in Numba. Where the CPU has no AVX-512 (:func:`supported`)
+:mod:`.numba_loops` runs.
 
-The cells (``benchmarks/fit_slope_cells.py``): right branch ``s = sqrt(z - z*)`` in 32 equal
-cells up to ``S``, the slope ``min(s, S) h``; left branch near the minimum (``z <= z_b``) 8
-equal cells in ``s``, the slope ``s h``, and below ``|z_b|`` one cell per binade of ``-z``
-in ``t = 2 m - 3`` (``m`` its mantissa), the slope ``z h``; ``h`` in
-``t = s c - (floor(s c) + 1/2)`` for the cells in ``s`` (``c`` cells per unit of ``s``).
-Arithmetic: fused multiply-adds where written (``llvm.fma``), no other fast-math, so LLVM forms
-every operation as written.
+The cells (``benchmarks/fit_slope_cells.py``, per activation ``R + N + F = 32``): right
+branch ``s = sqrt(z - z*)`` in ``R`` equal cells up to ``S``, the slope ``min(s, S) h``; left
+branch near the minimum (``z <= z_b``) ``N`` equal cells in ``s``, the slope ``s h``, and below
+``|z_b|`` one cell per binade of ``-z``, ``F`` of them, in ``t = 2 m - 3`` (``m`` its
+mantissa), the slope ``z h``; ``h`` in ``t = s c - (floor(s c) + 1/2)`` for the cells in ``s``
+(``c`` cells per unit of ``s``). Arithmetic: fused multiply-adds where written (``llvm.fma``),
+no other fast-math, so LLVM forms every operation as written.
 """
 
 import functools
@@ -38,9 +39,10 @@ from .slope_cells import TABLES
 
 LANES = 16
 CELLS = 32
-NEAR_CELLS = 8
-#: Constants per activation, in this order (float32).
-CONSTANT_NAMES = ("z_hi", "z_lo", "s_max", "right_scale", "near_scale", "z_b", "far_offset")
+#: Constants per activation, in this order (float32; the cell counts and offsets are whole
+#: numbers, made integers in the loop).
+CONSTANT_NAMES = ("z_hi", "z_lo", "s_max", "right_scale", "near_scale", "z_b", "far_offset",
+                  "right_last", "near_last", "near_first", "far_first")
 
 
 @functools.cache
@@ -71,19 +73,19 @@ def supported() -> bool:
 
 @functools.cache
 def constants(name: str, z_star: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
-    """``(tables, scalars)`` of ``name`` as the loop reads them: per coefficient ``k`` (from the
-    highest) the right branch's 32 cells, then the left branch's, float32; and
-    :data:`CONSTANT_NAMES`' values (``z*`` in two float32 parts, ``z_star``)."""
-    fitted, right, left = TABLES[name]
-    coefficients = len(right[0])
-    tables = np.empty((coefficients, 2, CELLS), dtype=np.float32)
-    for k in range(coefficients):
-        tables[k, 0] = [cell[coefficients - 1 - k] for cell in right]
-        tables[k, 1] = [cell[coefficients - 1 - k] for cell in left]
-    # the far cells: index NEAR_CELLS + (E - 1) - e, e = biased exponent - 127
-    far_offset = NEAR_CELLS + fitted["left_exponent"] - 1 + 127
+    """``(tables, scalars)`` of ``name`` as the loop reads them: per coefficient (from the
+    highest) the 32 cells' values, float32; and :data:`CONSTANT_NAMES`' values (``z*`` in two
+    float32 parts, ``z_star``)."""
+    fitted, cells = TABLES[name]
+    coefficients = len(cells[0])
+    tables = np.array([[cell[coefficients - 1 - k] for cell in cells]
+                       for k in range(coefficients)], dtype=np.float32)
+    right, near = fitted["right_cells"], fitted["near_cells"]
+    # the far cells: index right + near + (E - 1) - e, e = biased exponent - 127
+    far_offset = right + near + fitted["left_exponent"] - 1 + 127
     scalars = np.array([z_star[0], z_star[1], fitted["s_max"], fitted["right_scale"],
-                        fitted["near_scale"], fitted["z_b"], far_offset], dtype=np.float32)
+                        fitted["near_scale"], fitted["z_b"], far_offset, right - 1, near - 1,
+                        right, right + near], dtype=np.float32)
     return tables.reshape(-1), scalars
 
 
@@ -136,14 +138,16 @@ def _blocks(typingctx, z, dz, bits, out, blocks, tables, scalars):
 
         scalar = [splat(builder.load(builder.gep(sp, [ir.Constant(intp, j)])))
                   for j in range(len(CONSTANT_NAMES))]
-        z_hi, z_lo, s_max, right_scale, near_scale, z_b, far_offset = scalar
-        far_offset = builder.fptosi(far_offset, vi)
+        (z_hi, z_lo, s_max, right_scale, near_scale, z_b, far_offset, right_last, near_last,
+         near_first, far_first) = scalar
+        far_offset, near_first, far_first = (builder.fptosi(v, vi)
+                                             for v in (far_offset, near_first, far_first))
         coefficients = len(next(iter(TABLES.values()))[1][0])
-        # per coefficient k: right cells 0-15, 16-31, left cells 0-15, 16-31
-        table = [[load_vector(tp, ir.Constant(intp, (2 * k + side) * CELLS + half * LANES))
-                  for side in (0, 1) for half in (0, 1)] for k in range(coefficients)]
-        zero, half, last = const(0.0), const(0.5), const(float(CELLS - 1))
-        last_near = const(float(NEAR_CELLS - 1))
+        # per coefficient k: cells 0-15, 16-31
+        table = [[load_vector(tp, ir.Constant(intp, k * CELLS + half * LANES))
+                  for half in (0, 1)] for k in range(coefficients)]
+        zero, half = const(0.0), const(0.5)
+        last = ir.Constant(vi, [CELLS - 1] * LANES)
         with cgutils.for_range(builder, args[4]) as loop:
             first = builder.mul(loop.index, ir.Constant(intp, LANES))
             zv = load_vector(zp, first)
@@ -153,28 +157,25 @@ def _blocks(typingctx, z, dz, bits, out, blocks, tables, scalars):
                                                 align=1), vb)
             d = maximum(builder.fsub(builder.fsub(zv, z_hi), z_lo), zero)
             s = builder.call(sqrt, [d])
-            # right: cells of s on [0, S]
+            # right: its cells of s on [0, S]
             s_c = minimum(s, s_max)
-            u = builder.fmul(s_c, right_scale)
-            cell = minimum(builder.call(floor, [u]), last)
+            cell = minimum(builder.call(floor, [builder.fmul(s_c, right_scale)]), right_last)
             # t = s c - (cell + 1/2) rounded once: rounding s c first moved t by up to
             # 2e-6 in the last cells
             t_right = builder.call(fma, [s_c, right_scale, builder.fneg(builder.fadd(cell, half))])
             index_right = builder.fptosi(cell, vi)
-            # left near the minimum: cells of s
-            u = builder.fmul(s, near_scale)
-            cell = minimum(builder.call(floor, [u]), last_near)
+            # left near the minimum: its cells of s
+            cell = minimum(builder.call(floor, [builder.fmul(s, near_scale)]), near_last)
             t_near = builder.call(fma, [s, near_scale, builder.fneg(builder.fadd(cell, half))])
-            index_near = builder.fptosi(cell, vi)
+            index_near = builder.add(builder.fptosi(cell, vi), near_first)
             # left below |z_b|: the binade of -z, t = 2 m - 3
             word = builder.bitcast(builder.fneg(zv), vi)
             exponent = builder.lshr(word, ir.Constant(vi, [23] * LANES))
             exponent = builder.and_(exponent, ir.Constant(vi, [0xFF] * LANES))
             index_far = builder.sub(far_offset, exponent)
-            low, high = (ir.Constant(vi, [v] * LANES) for v in (NEAR_CELLS, CELLS - 1))
-            index_far = builder.select(builder.icmp_signed("<", index_far, low), low, index_far)
-            index_far = builder.select(builder.icmp_signed(">", index_far, high), high,
+            index_far = builder.select(builder.icmp_signed("<", index_far, far_first), far_first,
                                        index_far)
+            index_far = builder.select(builder.icmp_signed(">", index_far, last), last, index_far)
             mantissa = builder.or_(builder.and_(word, ir.Constant(vi, [0x7FFFFF] * LANES)),
                                    ir.Constant(vi, [0x3F800000] * LANES))
             t_far = builder.call(fma, [builder.bitcast(mantissa, vf), const(2.0), const(-3.0)])
@@ -183,15 +184,10 @@ def _blocks(typingctx, z, dz, bits, out, blocks, tables, scalars):
                                    index_right)
             t = builder.select(left, builder.select(near, t_near, t_far), t_right)
             multiplier = builder.select(left, builder.select(near, s, zv), s_c)
-
-            def coefficient(k):
-                right_lo, right_hi, left_lo, left_hi = table[k]
-                return builder.select(left, builder.call(permute, [left_lo, index, left_hi]),
-                                      builder.call(permute, [right_lo, index, right_hi]))
-
-            h = coefficient(0)
+            h = builder.call(permute, [table[0][0], index, table[0][1]])
             for k in range(1, coefficients):
-                h = builder.call(fma, [h, t, coefficient(k)])
+                h = builder.call(fma, [h, t, builder.call(permute, [table[k][0], index,
+                                                                    table[k][1]])])
             result = builder.fmul(builder.fmul(h, multiplier), dzv)
             target = builder.gep(op, [first])
             builder.store(result, builder.bitcast(target, vf.as_pointer()), align=4)
