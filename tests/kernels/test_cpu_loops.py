@@ -325,3 +325,16 @@ def test_outputs_at_the_ends_of_each_branch(name):
     assert got[6:8].abs().max() <= 1e-4, got
     assert (got[2:6] - 1).abs().max() <= torch.finfo(torch.float32).eps, got
     assert got[8:].abs().max() <= 1e-37, got
+
+
+@pytest.mark.parametrize("name", BRANCH)
+def test_a_nan_output_gets_a_nan_gradient(name):
+    """As torch's backward from a NaN input: NaN on either branch, the other elements as
+    without it."""
+    z, left, dz = _step_data(name, 48)
+    clean = cpu_loops.activation_grad(z, dz, branch.pack_bits(left), name, branch.SLOPES[name])
+    z[[3, 20, 33]] = float("nan")
+    left[[3, 20]] = torch.tensor([True, False])
+    got = cpu_loops.activation_grad(z, dz, branch.pack_bits(left), name, branch.SLOPES[name])
+    nan = torch.isnan(z)
+    assert torch.isnan(got[nan]).all() and torch.equal(got[~nan], clean[~nan])

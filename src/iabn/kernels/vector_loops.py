@@ -130,11 +130,12 @@ def _blocks(typingctx, z, dz, bits, out, blocks, tables, scalars):
             address = builder.gep(pointer, [offset])
             return builder.load(builder.bitcast(address, vf.as_pointer()), align=4)
 
+        # a NaN in a (an output that is NaN) is kept, so that its gradient is NaN, as torch's
         def minimum(a, b):
-            return builder.select(builder.fcmp_ordered("<", a, b), a, b)
+            return builder.select(builder.fcmp_unordered("<", a, b), a, b)
 
         def maximum(a, b):
-            return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+            return builder.select(builder.fcmp_unordered(">", a, b), a, b)
 
         scalar = [splat(builder.load(builder.gep(sp, [ir.Constant(intp, j)])))
                   for j in range(len(CONSTANT_NAMES))]
