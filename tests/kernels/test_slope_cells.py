@@ -92,3 +92,17 @@ def test_vector_loop_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(vector_loops, "backward", broken)
     with pytest.warns(RuntimeWarning, match="scalar loop runs instead"):
         assert vector_loops.supported.__wrapped__() is False
+
+
+@pytest.mark.skipif(not cpu_loops.available(), reason="Numba is not installed")
+def test_vector_loop_refuses_tables_it_was_not_compiled_for():
+    """A compiled loop from Numba's cache reads the degree it was compiled with; tables of
+    another size (a fit of another degree) are refused, not read wrongly."""
+    from iabn.kernels import vector_loops
+
+    if not vector_loops.supported():
+        pytest.skip("the CPU has no AVX-512")
+    tables, scalars = vector_loops.constants("silu", branch.SPLIT["silu", torch.float32][:2])
+    z = np.zeros(16, np.float32)
+    with pytest.raises(ValueError, match="do not fit the compiled loop"):
+        vector_loops.backward(z, z, np.zeros(2, np.uint8), z.copy(), tables[:-32], scalars)

@@ -39,6 +39,10 @@ from .slope_cells import TABLES
 
 LANES = 16
 CELLS = 32
+#: Coefficients a cell (every activation's table has the same degree). Compiled into the loop:
+#: Numba's on-disk cache follows this file, not :mod:`.slope_cells`, so :func:`backward`
+#: checks the tables it is given against it (a stale compiled loop would read them wrongly).
+COEFFICIENTS = len(next(iter(TABLES.values()))[1][0])
 #: Constants per activation, in this order (float32; the cell counts and offsets are whole
 #: numbers, made integers in the loop).
 CONSTANT_NAMES = ("z_hi", "z_lo", "s_max", "right_scale", "near_scale", "z_b", "far_offset",
@@ -78,6 +82,9 @@ def constants(name: str, z_star: tuple[float, float]) -> tuple[np.ndarray, np.nd
     float32 parts, ``z_star``)."""
     fitted, cells = TABLES[name]
     coefficients = len(cells[0])
+    if coefficients != COEFFICIENTS:
+        raise ValueError(f"slope_cells: {name}'s cells have {coefficients} coefficients, the "
+                         f"loop {COEFFICIENTS}; fit every activation at one degree")
     tables = np.array([[cell[coefficients - 1 - k] for cell in cells]
                        for k in range(coefficients)], dtype=np.float32)
     right, near = fitted["right_cells"], fitted["near_cells"]
@@ -143,7 +150,7 @@ def _blocks(typingctx, z, dz, bits, out, blocks, tables, scalars):
          near_first, far_first) = scalar
         far_offset, near_first, far_first = (builder.fptosi(v, vi)
                                              for v in (far_offset, near_first, far_first))
-        coefficients = len(next(iter(TABLES.values()))[1][0])
+        coefficients = COEFFICIENTS
         # per coefficient k: cells 0-15, 16-31
         table = [[load_vector(tp, ir.Constant(intp, k * CELLS + half * LANES))
                   for half in (0, 1)] for k in range(coefficients)]
@@ -202,6 +209,9 @@ def backward(z, dz, bits, out, tables, scalars):
     """``out = phi'(y) dz`` of 1-d float32 ``z``, ``dz`` and the packed ``bits`` (bit ``j`` of
     byte ``k``: element ``8 k + j``), with :func:`constants`' ``tables`` and ``scalars``. The
     last ``n % 16`` elements are run as one block of copies, padded with zeros."""
+    if tables.shape[0] != COEFFICIENTS * CELLS or scalars.shape[0] != len(CONSTANT_NAMES):
+        raise ValueError("vector_loops: the tables do not fit the compiled loop (Numba's cache "
+                         "holds a loop of another degree: remove iabn's entries from it)")
     n = z.shape[0]
     blocks = n // LANES
     _blocks(z, dz, bits, out, blocks, tables, scalars)
