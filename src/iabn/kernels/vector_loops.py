@@ -5,7 +5,7 @@ first use, by :mod:`.cpu_loops`).
 Why written as vector code: the scalar loop of :mod:`.numba_loops` evaluates polynomials of
 degree 16 with their coefficients chosen per element, and the left branch's logarithm on
 gathered elements; LLVM vectorises it, but it costs about 60 operations an element
-(2.5-5.5 ms at 8x197x1536 float32 against 0.8-1.3 ms for torch's SiLU and GELU backward, one
+(2.5-5.5 ms at 8x197x1536 float32 against 0.8-1.4 ms for torch's SiLU and GELU backward, one
 thread). With one table of 32 cells of degree 7 for both branches, each coefficient of an
 element's cell is one ``vpermi2ps`` from two registers holding the 32 cells' values, so both
 branches cost a few operations an element, with no choice of pieces, no logarithm and no
@@ -150,10 +150,9 @@ def _blocks(typingctx, z, dz, bits, out, blocks, tables, scalars):
          near_first, far_first) = scalar
         far_offset, near_first, far_first = (builder.fptosi(v, vi)
                                              for v in (far_offset, near_first, far_first))
-        coefficients = COEFFICIENTS
         # per coefficient k: cells 0-15, 16-31
         table = [[load_vector(tp, ir.Constant(intp, k * CELLS + half * LANES))
-                  for half in (0, 1)] for k in range(coefficients)]
+                  for half in (0, 1)] for k in range(COEFFICIENTS)]
         zero, half = const(0.0), const(0.5)
         last = ir.Constant(vi, [CELLS - 1] * LANES)
         with cgutils.for_range(builder, args[4]) as loop:
@@ -193,7 +192,7 @@ def _blocks(typingctx, z, dz, bits, out, blocks, tables, scalars):
             t = builder.select(left, builder.select(near, t_near, t_far), t_right)
             multiplier = builder.select(left, builder.select(near, s, zv), s_c)
             h = builder.call(permute, [table[0][0], index, table[0][1]])
-            for k in range(1, coefficients):
+            for k in range(1, COEFFICIENTS):
                 h = builder.call(fma, [h, t, builder.call(permute, [table[k][0], index,
                                                                     table[k][1]])])
             result = builder.fmul(builder.fmul(h, multiplier), dzv)
